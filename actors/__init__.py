@@ -1,0 +1,1 @@
+"""Actors of the runtime and the backends they drive (numpy and Vulkan)."""

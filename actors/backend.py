@@ -1,0 +1,141 @@
+"""The interface every backend implements, and the device facts it reports.
+
+A backend owns the memory of one device laid out by a plan's Layout, records Programs once and
+replays them. Submission returns a ticket; waiting on a ticket blocks, so the runtime waits from a
+worker thread and never on the trio event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from flow.program import Layout, Program
+
+
+@dataclass(frozen=True)
+class QueueFamily:
+    index: int
+    count: int
+    graphics: bool
+    compute: bool
+    transfer: bool
+
+
+@dataclass(frozen=True)
+class MemoryHeap:
+    index: int
+    size: int
+    device_local: bool
+    budget: int | None = None  # from VK_EXT_memory_budget where the driver has it
+
+
+@dataclass(frozen=True)
+class MemoryType:
+    index: int
+    heap: int
+    flags: tuple[str, ...]  # e.g. ("device_local", "host_visible", "host_coherent")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What we know about one compute device, as plain data (printable, JSON-able)."""
+
+    index: int
+    name: str
+    kind: str  # "discrete", "integrated", "virtual", "cpu", "other"
+    vendor: str
+    vendor_id: int
+    api_version: str
+    driver_version: str
+    queue_families: tuple[QueueFamily, ...] = ()
+    heaps: tuple[MemoryHeap, ...] = ()
+    memory_types: tuple[MemoryType, ...] = ()
+    max_workgroup_size: tuple[int, int, int] = (1024, 1024, 64)
+    max_workgroup_invocations: int = 1024
+    max_workgroup_count: tuple[int, int, int] = (65535, 65535, 65535)
+    shared_memory_bytes: int = 32768
+    subgroup_size: int = 32
+    max_push_constants: int = 128
+    max_storage_buffer_range: int = 2**27
+    min_storage_offset_alignment: int = 16
+    timestamp_period_ns: float = 1.0
+    features: tuple[str, ...] = ()  # "fp16", "int8", "storage16", "timeline_semaphore", ...
+    cooperative_matrix_shapes: tuple[str, ...] = ()  # "16x16x16 float16->float32"
+    extensions: tuple[str, ...] = field(default=(), repr=False)
+
+    def has(self, feature: str) -> bool:
+        return feature in self.features
+
+    @property
+    def memory_bytes(self) -> int:
+        """Size of the largest device-local heap (the one tensors live in)."""
+        local = [h for h in self.heaps if h.device_local] or list(self.heaps)
+        return max((h.size for h in local), default=0)
+
+
+def memory_budget(facts: DeviceFacts, fraction: float = 0.9) -> int:
+    """Bytes a run may use on this device: the driver's budget for the device-local heap where
+    VK_EXT_memory_budget reports one, else the heap size, times ``fraction``.
+
+    Args:
+        facts: the device.
+        fraction: share of the budget to use, in (0, 1].
+
+    Returns:
+        The budget in bytes.
+    """
+    local = [h for h in facts.heaps if h.device_local] or list(facts.heaps)
+    if not local:
+        return 0
+    heap = max(local, key=lambda h: h.size)
+    base = heap.budget if heap.budget is not None else heap.size
+    return int(base * fraction)
+
+
+class Backend(Protocol):
+    """What the runtime and tests use; CpuBackend and VulkanBackend implement it."""
+
+    facts: DeviceFacts
+
+    def open_layout(self, layout: Layout, slots: int = 1) -> None:
+        """Allocate every arena of ``layout`` (per-slot arenas ``slots`` times)."""
+
+    def write(self, tensor: str, data: np.ndarray, slot: int = 0) -> None:
+        """Copy host data into a tensor, or into its first elements when ``data`` is shorter."""
+
+    def read(self, tensor: str, slot: int = 0) -> np.ndarray:
+        """Copy a tensor back to the host, shaped and typed as declared."""
+
+    def record(self, program: Program, slot: int = 0) -> int:
+        """Record ``program`` bound to ``slot``'s per-slot tensors; returns a handle to replay."""
+
+    def submit(self, handle: int) -> int:
+        """Queue a recorded program; returns a ticket that ``wait`` accepts. Never blocks."""
+
+    def wait(self, ticket: int, timeout_s: float | None = None) -> None:
+        """Block until the submission of ``ticket`` has finished."""
+
+    def is_done(self, ticket: int) -> bool:
+        """Whether the submission of ``ticket`` has finished, without blocking."""
+
+    def close(self) -> None:
+        """Free every device object. Safe to call twice."""
+
+
+def run_program(backend: Backend, program: Program, slot: int = 0) -> None:
+    """Record (cached per program and slot), submit and wait: the simple synchronous path for
+    tests, checkpoints and one-off work.
+
+    Args:
+        backend: where to run.
+        program: the program.
+        slot: which per-slot tensors to bind.
+    """
+    cache: dict[tuple[Program, int], int] = backend.__dict__.setdefault("_run_program_cache", {})
+    key = (program, slot)
+    if key not in cache:
+        cache[key] = backend.record(program, slot)
+    backend.wait(backend.submit(cache[key]))

@@ -1,0 +1,348 @@
+"""Reference semantics of every op in numpy: the oracle the GPU shaders are tested against, and
+the kernels of the CPU backend.
+
+Each function takes the launch's bound arrays (flat views in binding order) and its parameters
+and writes its outputs in place, exactly as the shader does. Math happens in the arrays' own
+precision (float32 normally, float64 for finite-difference gradient checks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from shaders.registry import ACTIVATIONS, BINARY, CASTS, REDUCE, UNARY_EXTRA
+
+Params = dict[str, float]
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    return _erf(x).astype(x.dtype, copy=False)
+
+
+def activate(x: np.ndarray, code: int, slope: float) -> np.ndarray:
+    """Apply an activation by its ACTIVATIONS code."""
+    if code == ACTIVATIONS["none"]:
+        return x
+    if code == ACTIVATIONS["relu"]:
+        return np.maximum(x, 0).astype(x.dtype, copy=False)
+    if code == ACTIVATIONS["leaky_relu"]:
+        return np.where(x > 0, x, x * x.dtype.type(slope))
+    if code == ACTIVATIONS["sigmoid"]:
+        return (1 / (1 + np.exp(-x))).astype(x.dtype, copy=False)
+    if code == ACTIVATIONS["tanh"]:
+        return np.tanh(x)
+    if code == ACTIVATIONS["gelu"]:
+        return (0.5 * x * (1 + erf(x * x.dtype.type(_SQRT_HALF)))).astype(x.dtype, copy=False)
+    raise ValueError(f"unknown activation code {code}")
+
+
+def activation_derivative(saved: np.ndarray, code: int, slope: float) -> np.ndarray:
+    """f'(.) from the saved tensor: the forward *output* for relu, leaky_relu, sigmoid and tanh,
+    the forward *input* for gelu (its derivative cannot be recovered from the output)."""
+    one = saved.dtype.type(1)
+    if code == ACTIVATIONS["relu"]:
+        return (saved > 0).astype(saved.dtype)
+    if code == ACTIVATIONS["leaky_relu"]:
+        return np.where(saved > 0, one, saved.dtype.type(slope))
+    if code == ACTIVATIONS["sigmoid"]:
+        return saved * (one - saved)
+    if code == ACTIVATIONS["tanh"]:
+        return one - saved * saved
+    if code == ACTIVATIONS["gelu"]:
+        x = saved
+        cdf = 0.5 * (1 + erf(x * x.dtype.type(_SQRT_HALF)))
+        pdf = np.exp(-0.5 * x * x) * x.dtype.type(_INV_SQRT_2PI)
+        return (cdf + x * pdf).astype(x.dtype, copy=False)
+    if code == ACTIVATIONS["none"]:
+        return np.ones_like(saved)
+    raise ValueError(f"activation code {code} has no derivative")
+
+
+def gemm(arrays: list[np.ndarray], p: Params) -> None:
+    a, b, bias, c = arrays
+    m, n, k = int(p["M"]), int(p["N"]), int(p["K"])
+    op_a = a[: m * k].reshape(k, m).T if p.get("trans_a") else a[: m * k].reshape(m, k)
+    op_b = b[: k * n].reshape(n, k).T if p.get("trans_b") else b[: k * n].reshape(k, n)
+    out = c[: m * n].reshape(m, n)
+    result = (op_a @ op_b) * out.dtype.type(p.get("alpha", 1.0))
+    if p.get("accumulate"):
+        result = result + out
+    if p.get("has_bias"):
+        result = result + bias[:n]
+    out[...] = activate(result.astype(out.dtype, copy=False), int(p.get("act", 0)), p.get("slope", 0.0))
+
+
+def unary(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    n, fn = int(p["n"]), int(p["fn"])
+    src = x[:n]
+    if fn == UNARY_EXTRA["scale_shift"]:
+        y[:n] = src * y.dtype.type(p.get("a", 1.0)) + y.dtype.type(p.get("b", 0.0))
+    elif fn == UNARY_EXTRA["copy"]:
+        y[:n] = src
+    elif fn == UNARY_EXTRA["exp"]:
+        y[:n] = np.exp(src)
+    else:
+        y[:n] = activate(src, fn, p.get("a", 0.0))
+
+
+def unary_backward(arrays: list[np.ndarray], p: Params) -> None:
+    dy, saved, dx = arrays
+    n = int(p["n"])
+    dx[:n] = dy[:n] * activation_derivative(saved[:n], int(p["fn"]), p.get("a", 0.0))
+
+
+def binary(arrays: list[np.ndarray], p: Params) -> None:
+    x, y, z = arrays
+    n, fn = int(p["n"]), int(p["fn"])
+    scale = z.dtype.type(p.get("a", 1.0))
+    if fn == BINARY["add"]:
+        z[:n] = (x[:n] + y[:n]) * scale
+    elif fn == BINARY["sub"]:
+        z[:n] = (x[:n] - y[:n]) * scale
+    elif fn == BINARY["mul"]:
+        z[:n] = (x[:n] * y[:n]) * scale
+    else:
+        raise ValueError(f"unknown binary fn {fn}")
+
+
+def reduce(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    rows, cols, axis, fn = int(p["rows"]), int(p["cols"]), int(p["axis"]), int(p["fn"])
+    matrix = x[: rows * cols].reshape(rows, cols)
+    if fn == REDUCE["sum"]:
+        result = matrix.sum(axis=axis, dtype=matrix.dtype)
+    elif fn == REDUCE["mean"]:
+        result = matrix.mean(axis=axis, dtype=matrix.dtype)
+    elif fn == REDUCE["max"]:
+        result = matrix.max(axis=axis)
+    else:
+        raise ValueError(f"unknown reduce fn {fn}")
+    out_len = cols if axis == 0 else rows
+    y[:out_len] = result * y.dtype.type(p.get("alpha", 1.0))
+
+
+def _log_softmax_rows(matrix: np.ndarray) -> np.ndarray:
+    shifted = matrix - matrix.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def softmax(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    rows, cols = int(p["rows"]), int(p["cols"])
+    log_probs = _log_softmax_rows(x[: rows * cols].reshape(rows, cols))
+    y[: rows * cols] = (log_probs if p.get("log") else np.exp(log_probs)).reshape(-1)
+
+
+def softmax_xent(arrays: list[np.ndarray], p: Params) -> None:
+    logits, labels, loss_rows, correct_rows, dlogits = arrays
+    rows, cols = int(p["rows"]), int(p["cols"])
+    matrix = logits[: rows * cols].reshape(rows, cols)
+    target = labels[:rows].astype(np.int64)
+    log_probs = _log_softmax_rows(matrix)
+    picked = np.arange(rows)
+    loss_rows[:rows] = -log_probs[picked, target]
+    correct_rows[:rows] = (matrix.argmax(axis=1) == target).astype(correct_rows.dtype)
+    if p.get("write_grad"):
+        grad = np.exp(log_probs)
+        grad[picked, target] -= 1
+        dlogits[: rows * cols] = (grad * grad.dtype.type(p["scale"])).reshape(-1)
+
+
+def mse(arrays: list[np.ndarray], p: Params) -> None:
+    y, t, loss_rows, dy = arrays
+    rows, cols = int(p["rows"]), int(p["cols"])
+    diff = y[: rows * cols].reshape(rows, cols) - t[: rows * cols].reshape(rows, cols)
+    loss_rows[:rows] = (diff * diff).mean(axis=1)
+    if p.get("write_grad"):
+        dy[: rows * cols] = (diff * diff.dtype.type(p["scale"])).reshape(-1)
+
+
+def _conv_dims(p: Params) -> tuple[int, ...]:
+    return tuple(int(p[k]) for k in ("N", "C", "H", "W", "K", "R", "S", "stride", "pad", "OH", "OW"))
+
+
+def _im2col(x: np.ndarray, p: Params) -> np.ndarray:
+    """[N, C, H, W] -> [N, OH, OW, C, R, S] windows (zero padded)."""
+    n, c, h, w, _k, r, s, stride, pad, oh, ow = _conv_dims(p)
+    padded = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    cols = np.empty((n, oh, ow, c, r, s), dtype=x.dtype)
+    for i in range(r):
+        for j in range(s):
+            cols[..., i, j] = padded[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride].transpose(
+                0, 2, 3, 1
+            )
+    return cols
+
+
+def conv2d(arrays: list[np.ndarray], p: Params) -> None:
+    x, wt, bias, y = arrays
+    n, c, h, w, k, r, s, _stride, _pad, oh, ow = _conv_dims(p)
+    cols = _im2col(x[: n * c * h * w].reshape(n, c, h, w), p).reshape(n * oh * ow, c * r * s)
+    out = cols @ wt[: k * c * r * s].reshape(k, c * r * s).T
+    if p.get("has_bias"):
+        out = out + bias[:k]
+    out = activate(out.astype(y.dtype, copy=False), int(p.get("act", 0)), p.get("slope", 0.0))
+    y[: n * k * oh * ow] = out.reshape(n, oh, ow, k).transpose(0, 3, 1, 2).reshape(-1)
+
+
+def conv2d_backward_data(arrays: list[np.ndarray], p: Params) -> None:
+    dy, wt, dx = arrays
+    n, c, h, w, k, r, s, stride, pad, oh, ow = _conv_dims(p)
+    grad_cols = dy[: n * k * oh * ow].reshape(n, k, oh, ow).transpose(0, 2, 3, 1).reshape(-1, k) @ wt[
+        : k * c * r * s
+    ].reshape(k, c * r * s)
+    grad_cols = grad_cols.reshape(n, oh, ow, c, r, s)
+    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=dx.dtype)
+    for i in range(r):
+        for j in range(s):
+            padded[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += grad_cols[..., i, j].transpose(
+                0, 3, 1, 2
+            )
+    dx[: n * c * h * w] = padded[:, :, pad : pad + h, pad : pad + w].reshape(-1)
+
+
+def conv2d_backward_weight(arrays: list[np.ndarray], p: Params) -> None:
+    x, dy, dw = arrays
+    n, c, h, w, k, r, s, _stride, _pad, oh, ow = _conv_dims(p)
+    cols = _im2col(x[: n * c * h * w].reshape(n, c, h, w), p).reshape(n * oh * ow, c * r * s)
+    grad = dy[: n * k * oh * ow].reshape(n, k, oh, ow).transpose(0, 2, 3, 1).reshape(-1, k)
+    dw[: k * c * r * s] = (grad.T @ cols).reshape(-1)
+
+
+def channel_sum(arrays: list[np.ndarray], p: Params) -> None:
+    dy, db = arrays
+    n, k, hw = int(p["N"]), int(p["K"]), int(p["HW"])
+    db[:k] = dy[: n * k * hw].reshape(n, k, hw).sum(axis=(0, 2), dtype=db.dtype)
+
+
+def _pool_dims(p: Params) -> tuple[int, ...]:
+    return tuple(int(p[k]) for k in ("N", "C", "H", "W", "OH", "OW", "kernel", "stride"))
+
+
+def maxpool2d(arrays: list[np.ndarray], p: Params) -> None:
+    x, y, idx = arrays
+    n, c, h, w, oh, ow, kernel, stride = _pool_dims(p)
+    planes = x[: n * c * h * w].reshape(n, c, h * w)
+    best = np.full((n, c, oh, ow), -np.inf, dtype=x.dtype)
+    best_idx = np.zeros((n, c, oh, ow), dtype=np.int32)
+    # Row-major scan with strict '>' keeps the first maximum, as the shader does.
+    for i in range(kernel):
+        for j in range(kernel):
+            rows = np.arange(oh) * stride + i
+            cols = np.arange(ow) * stride + j
+            flat = (rows[:, None] * w + cols[None, :]).astype(np.int32)
+            values = planes[:, :, flat]
+            better = values > best
+            best = np.where(better, values, best)
+            best_idx = np.where(better, flat, best_idx)
+    y[: n * c * oh * ow] = best.reshape(-1)
+    idx[: n * c * oh * ow] = best_idx.reshape(-1)
+
+
+def maxpool2d_backward(arrays: list[np.ndarray], p: Params) -> None:
+    dy, idx, dx = arrays
+    n, c, h, w, oh, ow, _kernel, _stride = _pool_dims(p)
+    grad = np.zeros((n * c, h * w), dtype=dx.dtype)
+    np.add.at(
+        grad,
+        (np.repeat(np.arange(n * c), oh * ow), idx[: n * c * oh * ow].astype(np.int64)),
+        dy[: n * c * oh * ow],
+    )
+    dx[: n * c * h * w] = grad.reshape(-1)
+
+
+def sgd(arrays: list[np.ndarray], p: Params) -> None:
+    param, grad, momentum_buf, stepvals = arrays
+    n = int(p["n"])
+    dtype = param.dtype.type
+    lr = dtype(stepvals[0])
+    g = grad[:n] + dtype(p.get("weight_decay", 0.0)) * param[:n]
+    momentum = dtype(p.get("momentum", 0.0))
+    if momentum != 0:
+        momentum_buf[:n] = momentum * momentum_buf[:n] + g
+        g = g + momentum * momentum_buf[:n] if p.get("nesterov") else momentum_buf[:n].copy()
+    param[:n] -= lr * g
+
+
+def adam(arrays: list[np.ndarray], p: Params) -> None:
+    param, grad, m, v, stepvals = arrays
+    n = int(p["n"])
+    dtype = param.dtype.type
+    lr, bias1, bias2 = dtype(stepvals[0]), dtype(stepvals[1]), dtype(stepvals[2])
+    beta1, beta2 = dtype(p["beta1"]), dtype(p["beta2"])
+    decay = dtype(p.get("weight_decay", 0.0))
+    g = grad[:n]
+    if p.get("decoupled"):
+        param[:n] *= dtype(1) - lr * decay
+    else:
+        g = g + decay * param[:n]
+    m[:n] = beta1 * m[:n] + (dtype(1) - beta1) * g
+    v[:n] = beta2 * v[:n] + (dtype(1) - beta2) * g * g
+    denom = np.sqrt(v[:n] / bias2) + dtype(p["eps"])
+    param[:n] -= lr * (m[:n] / bias1) / denom
+
+
+def fill(arrays: list[np.ndarray], p: Params) -> None:
+    (x,) = arrays
+    x[: int(p["n"])] = p["value"]
+
+
+def copy(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    # A word copy ignores element types, so copy the raw bytes (n elements of the source).
+    nbytes = int(p["n"]) * x.dtype.itemsize
+    y.view(np.uint8)[:nbytes] = x.view(np.uint8)[:nbytes]
+
+
+def cast(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    n, mode = int(p["n"]), int(p["mode"])
+    if mode == CASTS["f32_to_f16"]:
+        y.view(np.float16)[:n] = x.view(np.float32)[:n]
+    elif mode == CASTS["f16_to_f32"]:
+        y.view(np.float32)[:n] = x.view(np.float16)[:n]
+    elif mode == CASTS["i32_to_f32"]:
+        y.view(np.float32)[:n] = x.view(np.int32)[:n]
+    elif mode == CASTS["f32_to_i32"]:
+        # GLSL int(float) truncates toward zero, as numpy's astype does.
+        y.view(np.int32)[:n] = x.view(np.float32)[:n].astype(np.int32)
+    else:
+        raise ValueError(f"unknown cast mode {mode}")
+
+
+def argmax(arrays: list[np.ndarray], p: Params) -> None:
+    x, out = arrays
+    rows, cols = int(p["rows"]), int(p["cols"])
+    out[:rows] = x[: rows * cols].reshape(rows, cols).argmax(axis=1)
+
+
+KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
+    "gemm": gemm,
+    "unary": unary,
+    "unary_backward": unary_backward,
+    "binary": binary,
+    "reduce": reduce,
+    "softmax": softmax,
+    "softmax_xent": softmax_xent,
+    "mse": mse,
+    "conv2d": conv2d,
+    "conv2d_backward_data": conv2d_backward_data,
+    "conv2d_backward_weight": conv2d_backward_weight,
+    "channel_sum": channel_sum,
+    "maxpool2d": maxpool2d,
+    "maxpool2d_backward": maxpool2d_backward,
+    "sgd": sgd,
+    "adam": adam,
+    "fill": fill,
+    "copy": copy,
+    "cast": cast,
+    "argmax": argmax,
+}

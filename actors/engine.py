@@ -1,0 +1,135 @@
+"""A device plan bound to a backend: parameters, optimiser state and K input slots live on the
+device; programs are recorded once per (program, slot) and replayed.
+
+This is the synchronous core the device actor drives (the actor adds trio, channels and
+statistics). It never records per step: a step writes the batch and the step values into its
+slot's host-visible io tensors and submits the slot's pre-recorded program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from actors.backend import Backend
+from flow.plan import DevicePlan, init_parameters
+from flow.spec import SGD, Adam, AdamW, learning_rate
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float
+    correct: float
+    rows: int
+
+
+def step_values(optimiser, step: int) -> np.ndarray:
+    """[lr, 1 - beta1^t, 1 - beta2^t, t] for the update with 0-based index ``step`` (t = step + 1).
+
+    Computed in float64 on the host then rounded once, so every backend sees identical values.
+    """
+    t = step + 1
+    lr = learning_rate(optimiser, step)
+    if isinstance(optimiser, Adam | AdamW):
+        beta1, beta2 = optimiser.betas
+        return np.array([lr, 1.0 - beta1**t, 1.0 - beta2**t, t], dtype=np.float32)
+    assert isinstance(optimiser, SGD)
+    return np.array([lr, 1.0, 1.0, t], dtype=np.float32)
+
+
+class Engine:
+    """Runs a DevicePlan's programs on a backend."""
+
+    def __init__(self, device_plan: DevicePlan, backend: Backend) -> None:
+        self.plan = device_plan
+        self.backend = backend
+        self.slots = device_plan.slots
+        backend.open_layout(device_plan.layout, slots=self.slots)
+        self._handles: dict[tuple[str, int, int], int] = {}
+
+    # -- state ----------------------------------------------------------------------------------
+    def initialise(self, scheme: str, seed: int) -> None:
+        """Seeded initial weights (identical on every backend) and zeroed optimiser state."""
+        for name, value in init_parameters(self.plan, scheme, seed).items():
+            self.backend.write(name, value)
+        total = self.plan.total_params
+        self.backend.write("grads:all", np.zeros(total, np.float32))
+        for state in self.plan.state_names:
+            self.backend.write(f"state:{state}", np.zeros(total, np.float32))
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Every parameter, copied back to the host."""
+        return {p.name: self.backend.read(p.name) for p in self.plan.parameters}
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Parameters and optimiser state as flat arrays (what a checkpoint stores)."""
+        saved = {"params:all": self.backend.read("params:all")}
+        for state in self.plan.state_names:
+            saved[f"state:{state}"] = self.backend.read(f"state:{state}")
+        return saved
+
+    def load_state(self, saved: dict[str, np.ndarray]) -> None:
+        """Restore what ``state`` returned."""
+        expected = {"params:all", *(f"state:{s}" for s in self.plan.state_names)}
+        if set(saved) != expected:
+            raise ValueError(f"checkpoint holds {sorted(saved)}, this plan needs {sorted(expected)}")
+        for name, value in saved.items():
+            self.backend.write(name, value)
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _handle(self, kind: str, rows: int, slot: int) -> int:
+        key = (kind, rows, slot)
+        if key not in self._handles:
+            self._handles[key] = self.backend.record(self.plan.program(kind, rows), slot)
+        return self._handles[key]
+
+    def prepare(self, kinds: tuple[str, ...] = ("train", "eval", "predict")) -> None:
+        """Record the full-batch programs for every slot up front, so the first steps don't pay."""
+        for kind in kinds:
+            for slot in range(self.slots):
+                self._handle(kind, self.plan.batch_size, slot)
+
+    def write_batch(self, slot: int, x: np.ndarray, y: np.ndarray | None = None) -> int:
+        """Copy a batch into a slot's io tensors; returns its row count."""
+        rows = int(x.shape[0])
+        if not 1 <= rows <= self.plan.batch_size:
+            raise ValueError(f"batch of {rows} rows; this plan takes 1..{self.plan.batch_size}")
+        self.backend.write("x", x, slot)
+        if y is not None:
+            self.backend.write("y", y, slot)
+        return rows
+
+    def submit(self, kind: str, slot: int, rows: int, step: int | None = None) -> int:
+        """Submit a recorded program on a slot whose batch is already written; returns a ticket."""
+        if kind == "train":
+            assert step is not None, "a train step needs its step index"
+            self.backend.write("stepvals", step_values(self.plan.optimiser, step), slot)
+        return self.backend.submit(self._handle(kind, rows, slot))
+
+    def result(self, slot: int, step: int, rows: int) -> StepResult:
+        """Loss and correct count of the finished program on ``slot``."""
+        loss = float(self.backend.read("loss", slot)[0])
+        correct = float(self.backend.read("correct", slot)[0])
+        return StepResult(step=step, loss=loss, correct=correct, rows=rows)
+
+    def outputs(self, slot: int, rows: int) -> np.ndarray:
+        """The predict program's output rows on ``slot``."""
+        return self.backend.read("output", slot)[:rows]
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, step: int, slot: int = 0) -> StepResult:
+        """One synchronous training step (tests and simple scripts)."""
+        rows = self.write_batch(slot, x, y)
+        self.backend.wait(self.submit("train", slot, rows, step))
+        return self.result(slot, step, rows)
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray, slot: int = 0) -> StepResult:
+        rows = self.write_batch(slot, x, y)
+        self.backend.wait(self.submit("eval", slot, rows))
+        return self.result(slot, -1, rows)
+
+    def predict(self, x: np.ndarray, slot: int = 0) -> np.ndarray:
+        rows = self.write_batch(slot, x)
+        self.backend.wait(self.submit("predict", slot, rows))
+        return self.outputs(slot, rows)

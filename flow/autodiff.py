@@ -1,0 +1,388 @@
+"""From a model to groups of launches: forward, loss, backward (derived by one rule per layer) and
+the optimiser update. Pure: it names tensors and launches; flow.plan places them in memory.
+
+Launches inside one group are independent (dW, db and dX of a layer share a group), and groups
+run in order with one barrier between them. Fusions that pay at MLP scale are made here: bias and
+activation in the GEMM or conv epilogue (an activation layer right after a Linear or Conv2d
+without one is folded into it), softmax with cross-entropy, and one optimiser launch over the
+whole flat parameter arena.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from flow.errors import PlanError, Problem
+from flow.program import DType, Launch, launch
+from flow.shapes import infer_shapes
+from flow.spec import (
+    GELU,
+    MSE,
+    SGD,
+    Adam,
+    AdamW,
+    Conv2d,
+    CrossEntropy,
+    Flatten,
+    LeakyReLU,
+    Linear,
+    MaxPool2d,
+    Model,
+    Optimiser,
+    ReLU,
+    Sigmoid,
+    Softmax,
+    Tanh,
+)
+from shaders.registry import ACTIVATIONS, REDUCE
+
+_ACTIVATION_LAYERS = {ReLU: "relu", LeakyReLU: "leaky_relu", Sigmoid: "sigmoid", Tanh: "tanh", GELU: "gelu"}
+
+# Where each role lives: parameters, gradients and optimiser state persist for the whole run;
+# io is per input slot (host-visible); work is reused within a step once a tensor is dead.
+Role = str  # "param" | "grad" | "state" | "io" | "work"
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    role: Role
+    view_of: str | None = None  # a reshape that shares its base tensor's memory
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamDecl:
+    """One trainable tensor and how to initialise it."""
+
+    name: str
+    shape: tuple[int, ...]
+    fan_in: int
+    fan_out: int
+    is_bias: bool
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A layer after fusion: the spec layer index it came from and its effective activation."""
+
+    index: int
+    layer: object
+    activation: str | None
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+
+@dataclass
+class Graph:
+    tensors: dict[str, TensorDecl] = field(default_factory=dict)
+    groups: list[list[Launch]] = field(default_factory=list)
+
+    def add(self, name: str, shape: tuple[int, ...], role: Role = "work", dtype: DType = "float32",
+            view_of: str | None = None) -> str:  # fmt: skip
+        declared = TensorDecl(name, tuple(int(d) for d in shape), dtype, role, view_of)
+        existing = self.tensors.get(name)
+        if existing is not None and existing != declared:
+            raise AssertionError(f"tensor {name!r} declared twice differently: {existing} vs {declared}")
+        self.tensors[name] = declared
+        return name
+
+    def emit(self, *launches: Launch) -> None:
+        """Append a group of independent launches."""
+        group = [item for item in launches if item is not None]
+        if group:
+            self.groups.append(group)
+
+
+def stages(model: Model) -> list[Stage]:
+    """The model's layers with each activation layer that follows a Linear or Conv2d without an
+    activation folded into that layer's epilogue."""
+    shapes = infer_shapes(model)
+    result: list[Stage] = []
+    in_shape = tuple(model.input_shape)
+    for index, layer in enumerate(model.layers):
+        activation = _ACTIVATION_LAYERS.get(type(layer))
+        previous = result[-1] if result else None
+        if (
+            activation is not None
+            and previous is not None
+            and isinstance(previous.layer, Linear | Conv2d)
+            and previous.activation is None
+        ):
+            result[-1] = replace(previous, activation=activation, layer=_with_slope(previous.layer, layer),
+                                 out_shape=shapes[index])  # fmt: skip
+        else:
+            own = getattr(layer, "activation", None) if isinstance(layer, Linear | Conv2d) else activation
+            result.append(Stage(index, layer, own, in_shape, shapes[index]))
+        in_shape = shapes[index]
+    return result
+
+
+def _with_slope(layer, activation_layer):
+    # Carry a folded LeakyReLU's slope on the stage via a private attribute-free record.
+    slope = getattr(activation_layer, "slope", None)
+    if slope is None:
+        return layer
+    return _Sloped(layer, slope)
+
+
+@dataclass(frozen=True)
+class _Sloped:
+    inner: object
+    slope: float
+
+
+def _unwrap(layer) -> tuple[object, float]:
+    if isinstance(layer, _Sloped):
+        return layer.inner, layer.slope
+    return layer, getattr(layer, "slope", 0.01)
+
+
+def parameters(model: Model) -> list[ParamDecl]:
+    """Every trainable tensor, in layer order (weights then bias).
+
+    Linear weights are stored [in, out] (so the forward GEMM needs no transpose); conv weights
+    [out_channels, in_channels, kh, kw].
+    """
+    params: list[ParamDecl] = []
+    for stage in stages(model):
+        layer, _ = _unwrap(stage.layer)
+        if isinstance(layer, Linear):
+            fan_in, fan_out = stage.in_shape[0], layer.units
+            params.append(ParamDecl(f"layers[{stage.index}].weight", (fan_in, fan_out), fan_in, fan_out, False))
+            if layer.bias:
+                params.append(ParamDecl(f"layers[{stage.index}].bias", (fan_out,), fan_in, fan_out, True))
+        elif isinstance(layer, Conv2d):
+            c = stage.in_shape[0]
+            area = layer.kernel * layer.kernel
+            shape = (layer.channels, c, layer.kernel, layer.kernel)
+            params.append(ParamDecl(f"layers[{stage.index}].weight", shape, c * area, layer.channels * area, False))
+            if layer.bias:
+                params.append(ParamDecl(f"layers[{stage.index}].bias", (layer.channels,), c * area,
+                                        layer.channels * area, True))  # fmt: skip
+    return params
+
+
+def label_shape(model: Model, batch: int) -> tuple[tuple[int, ...], DType]:
+    """Shape and dtype of a batch of labels: class ids for CrossEntropy, targets for MSE."""
+    out_shape = infer_shapes(model)[-1] if model.layers else tuple(model.input_shape)
+    if isinstance(model.loss, MSE):
+        return (batch, *out_shape), "float32"
+    return (batch,), "int32"
+
+
+class _Builder:
+    """Walks the stages once forward and once backward, emitting launches into a Graph."""
+
+    def __init__(self, model: Model, batch: int, graph: Graph) -> None:
+        self.model, self.b, self.g = model, batch, graph
+        self.stages = stages(model)
+        self.saved: dict[int, dict[str, str]] = {}  # stage position -> names of tensors backward needs
+
+    # forward ---------------------------------------------------------------------------------
+    def forward(self, x: str) -> str:
+        h = x
+        for position, stage in enumerate(self.stages):
+            h = self._forward_stage(position, stage, h)
+        return h
+
+    def _forward_stage(self, position: int, stage: Stage, h: str) -> str:
+        b, g = self.b, self.g
+        layer, slope = _unwrap(stage.layer)
+        out = g.add(f"act[{stage.index}]", (b, *stage.out_shape))
+        saved = {"input": h, "output": out}
+        act_code = ACTIVATIONS[stage.activation]
+        # GELU's derivative needs its input, so the epilogue stops before it and a unary applies it.
+        split_gelu = stage.activation == "gelu" and isinstance(layer, Linear | Conv2d)
+        target = g.add(f"pre[{stage.index}]", (b, *stage.out_shape)) if split_gelu else out
+        epilogue = ACTIVATIONS["none"] if split_gelu else act_code
+        if isinstance(layer, Linear):
+            w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
+            k, n = stage.in_shape[0], layer.units
+            g.emit(launch("gemm", (h, w, bias if layer.bias else h, target), M=b, N=n, K=k,
+                          has_bias=int(layer.bias), act=epilogue, alpha=1.0, slope=slope))  # fmt: skip
+        elif isinstance(layer, Conv2d):
+            w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
+            g.emit(launch("conv2d", (h, w, bias if layer.bias else h, target),
+                          **self._conv_params(stage, layer), has_bias=int(layer.bias), act=epilogue,
+                          slope=slope))  # fmt: skip
+        elif isinstance(layer, MaxPool2d):
+            idx = g.add(f"argmax[{stage.index}]", (b, *stage.out_shape), dtype="int32")
+            saved["idx"] = idx
+            g.emit(launch("maxpool2d", (h, out, idx), **self._pool_params(stage, layer)))
+        elif isinstance(layer, Flatten):
+            base = g.tensors[h].view_of or h
+            g.tensors[out] = TensorDecl(out, (b, *stage.out_shape), "float32", "work", view_of=base)
+        elif stage.activation is not None:
+            g.emit(launch("unary", (h, out), n=b * math.prod(stage.out_shape), fn=act_code, a=slope, b=0.0))
+        elif isinstance(layer, Softmax):
+            rows, cols = b * math.prod(stage.out_shape[:-1]), stage.out_shape[-1]
+            g.emit(launch("softmax", (h, out), rows=rows, cols=cols, log=0))
+        else:
+            raise PlanError([Problem(f"model.layers[{stage.index}]", f"no forward rule for {type(layer).__name__}")])
+        if split_gelu:
+            g.emit(launch("unary", (target, out), n=b * math.prod(stage.out_shape), fn=act_code, a=0.0, b=0.0))
+            saved["pre"] = target
+        self.saved[position] = saved
+        return out
+
+    def _conv_params(self, stage: Stage, layer: Conv2d) -> dict[str, int]:
+        c, h, w = stage.in_shape
+        k, oh, ow = stage.out_shape
+        return dict(N=self.b, C=c, H=h, W=w, K=k, R=layer.kernel, S=layer.kernel, stride=layer.stride,
+                    pad=layer.padding, OH=oh, OW=ow)  # fmt: skip
+
+    def _pool_params(self, stage: Stage, layer: MaxPool2d) -> dict[str, int]:
+        c, h, w = stage.in_shape
+        _, oh, ow = stage.out_shape
+        stride = layer.kernel if layer.stride is None else layer.stride
+        return dict(N=self.b, C=c, H=h, W=w, OH=oh, OW=ow, kernel=layer.kernel, stride=stride)
+
+    # loss ----------------------------------------------------------------------------------------
+    def loss(self, output: str, labels: str, write_grad: bool) -> str | None:
+        """Emit the fused loss; returns the name of d(output) when write_grad."""
+        b, g = self.b, self.g
+        out_shape = g.tensors[output].shape
+        cols = math.prod(out_shape[1:])
+        loss_rows = g.add("loss_rows", (b,))
+        grad = g.add(f"grad:{output}", out_shape) if write_grad else None
+        if isinstance(self.model.loss, CrossEntropy):
+            correct_rows = g.add("correct_rows", (b,))
+            g.emit(launch("softmax_xent", (output, labels, loss_rows, correct_rows, grad or loss_rows),
+                          rows=b, cols=cols, write_grad=int(write_grad), scale=1.0 / b))  # fmt: skip
+            g.emit(
+                launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0 / b),
+                launch("reduce", (correct_rows, "correct"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0),
+            )
+        elif isinstance(self.model.loss, MSE):
+            g.emit(launch("mse", (output, labels, loss_rows, grad or loss_rows), rows=b, cols=cols,
+                          write_grad=int(write_grad), scale=2.0 / (b * cols)))  # fmt: skip
+            g.emit(launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0 / b))
+        else:
+            raise PlanError([Problem("model.loss", "training needs a loss (CrossEntropy or MSE)")])
+        return grad
+
+    # backward ------------------------------------------------------------------------------------
+    def backward(self, grad_out: str) -> None:
+        first_trainable = next(
+            (p for p, s in enumerate(self.stages) if isinstance(_unwrap(s.layer)[0], Linear | Conv2d)), None
+        )
+        grad = grad_out
+        for position in range(len(self.stages) - 1, -1, -1):
+            if first_trainable is None or position < first_trainable:
+                break
+            grad = self._backward_stage(position, self.stages[position], grad, need_input_grad=position > first_trainable)
+
+    def _backward_stage(self, position: int, stage: Stage, grad: str, need_input_grad: bool) -> str:
+        b, g = self.b, self.g
+        layer, slope = _unwrap(stage.layer)
+        saved = self.saved[position]
+        h = saved["input"]
+        in_grad = f"grad:{h}" if need_input_grad else None
+        if in_grad is not None:
+            in_grad = g.add(in_grad, g.tensors[h].shape)
+        count = b * math.prod(stage.out_shape)
+        if isinstance(layer, Linear | Conv2d):
+            dz = grad
+            if stage.activation is not None:
+                dz = g.add(f"grad:pre[{stage.index}]", (b, *stage.out_shape))
+                keep = saved["pre"] if stage.activation == "gelu" else saved["output"]
+                g.emit(launch("unary_backward", (grad, keep, dz), n=count, fn=ACTIVATIONS[stage.activation],
+                              a=slope, b=0.0))  # fmt: skip
+            w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
+            dw, db = f"grad:{w}", f"grad:{bias}"
+            if isinstance(layer, Linear):
+                k, n = stage.in_shape[0], layer.units
+                g.emit(
+                    launch("gemm", (h, dz, h, dw), M=k, N=n, K=b, trans_a=1, alpha=1.0),
+                    launch("reduce", (dz, db), rows=b, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
+                    if layer.bias else None,
+                    launch("gemm", (dz, w, dz, in_grad), M=b, N=k, K=n, trans_b=1, alpha=1.0) if in_grad else None,
+                )  # fmt: skip
+            else:
+                params = self._conv_params(stage, layer)
+                g.emit(
+                    launch("conv2d_backward_weight", (h, dz, dw), **params),
+                    launch("channel_sum", (dz, db), N=b, K=layer.channels, HW=stage.out_shape[1] * stage.out_shape[2])
+                    if layer.bias else None,
+                    launch("conv2d_backward_data", (dz, w, in_grad), **params) if in_grad else None,
+                )  # fmt: skip
+        elif isinstance(layer, MaxPool2d):
+            if in_grad:
+                g.emit(launch("maxpool2d_backward", (grad, saved["idx"], in_grad), **self._pool_params(stage, layer)))
+        elif isinstance(layer, Flatten):
+            if in_grad:
+                # The gradient of a reshape is the reshaped gradient: a view, no launch.
+                base = g.tensors[grad].view_of or grad
+                g.tensors[in_grad] = TensorDecl(in_grad, g.tensors[h].shape, "float32", "work", view_of=base)
+        elif stage.activation is not None:
+            if in_grad:
+                keep = h if stage.activation == "gelu" else saved["output"]
+                g.emit(launch("unary_backward", (grad, keep, in_grad), n=count, fn=ACTIVATIONS[stage.activation],
+                              a=slope, b=0.0))  # fmt: skip
+        else:
+            raise PlanError([Problem(f"model.layers[{stage.index}]",
+                                     f"{type(layer).__name__} has no backward rule; it can only be used for "
+                                     "inference (CrossEntropy already fuses the softmax)")])  # fmt: skip
+        return in_grad or ""
+
+
+def optimiser_state_names(optimiser: Optimiser) -> tuple[str, ...]:
+    """Flat state arenas the optimiser keeps beside the parameters."""
+    if isinstance(optimiser, SGD):
+        return ("momentum",) if optimiser.momentum else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
+def update_launch(optimiser: Optimiser, total: int) -> Launch:
+    """One launch that updates every parameter in the flat arena (padding included: its gradient
+    is always zero, so it stays zero)."""
+    if isinstance(optimiser, SGD):
+        momentum_buffer = "state:momentum" if optimiser.momentum else "grads:all"
+        return launch("sgd", ("params:all", "grads:all", momentum_buffer, "stepvals"), n=total,
+                      momentum=float(optimiser.momentum), nesterov=int(optimiser.nesterov),
+                      weight_decay=float(optimiser.weight_decay))  # fmt: skip
+    if isinstance(optimiser, Adam | AdamW):
+        return launch("adam", ("params:all", "grads:all", "state:exp_avg", "state:exp_avg_sq", "stepvals"), n=total,
+                      beta1=float(optimiser.betas[0]), beta2=float(optimiser.betas[1]), eps=float(optimiser.eps),
+                      weight_decay=float(optimiser.weight_decay), decoupled=int(isinstance(optimiser, AdamW)))  # fmt: skip
+    raise PlanError([Problem("optimiser", f"unknown optimiser {type(optimiser).__name__}")])
+
+
+def build_graph(model: Model, optimiser: Optimiser | None, batch: int, program: str, total_params: int) -> Graph:
+    """The launches of one program for one batch size.
+
+    Args:
+        model: the model.
+        optimiser: needed for ``train``.
+        batch: rows in this batch.
+        program: ``train`` (forward, loss, backward, update), ``eval`` (forward, loss, accuracy) or
+            ``predict`` (forward, then probabilities for CrossEntropy models).
+        total_params: floats in the flat parameter arena (padding included).
+
+    Returns:
+        The graph: tensor declarations (work tensors only; the planner adds the rest) and groups.
+    """
+    graph = Graph()
+    graph.add("x", (batch, *model.input_shape), role="io")
+    builder = _Builder(model, batch, graph)
+    out = builder.forward("x")
+    if program == "predict":
+        cols = math.prod(graph.tensors[out].shape[1:]) if out != "x" else math.prod(model.input_shape)
+        if isinstance(model.loss, CrossEntropy):
+            graph.emit(launch("softmax", (out, "output"), rows=batch, cols=cols, log=0))
+        else:
+            graph.emit(launch("copy", (out, "output"), n=batch * cols))
+        return graph
+    grad = builder.loss(out, "y", write_grad=program == "train")
+    if program == "train":
+        assert grad is not None and optimiser is not None
+        builder.backward(grad)
+        graph.emit(update_launch(optimiser, total_params))
+    return graph

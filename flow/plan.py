@@ -1,0 +1,332 @@
+"""The plan: everything about a run decided before any device work, as pure data.
+
+``plan(spec)`` derives the programs (flow.autodiff), places every tensor in an arena with buffer
+reuse from lifetimes (an activation's memory is reused once its last backward reader has run),
+checks memory against the device budget, and records which device runs which stage and the
+channel capacities between stages.
+
+Arenas: ``params``, ``grads`` and one per optimiser state share one offset per parameter, so the
+optimiser is a single launch over the flat arenas; ``work`` holds activations and temporaries;
+``io`` is per input slot and host-visible (batch, labels, step values, loss, predictions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from flow.autodiff import Graph, ParamDecl, TensorDecl, build_graph, label_shape, optimiser_state_names, parameters
+from flow.errors import PlanError, Problem
+from flow.program import ITEM_BYTES, Arena, Launch, Layout, Program, Tensor, align_up, with_barriers
+from flow.shapes import infer_shapes
+from flow.spec import Model, Spec, default_pipeline
+from flow.validate import check
+from shaders.registry import op as op_def
+
+PROGRAM_KINDS = ("train", "eval", "predict")
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    name: str
+    nbytes: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    arenas: tuple[tuple[str, int], ...]  # (arena, bytes; per-slot arenas counted once per slot)
+    work_peak: int  # the work arena with reuse
+    work_naive: int  # what it would take with no reuse
+    total: int
+    budget: int | None
+
+    def as_dict(self) -> dict:
+        return {"arenas": dict(self.arenas), "work_peak": self.work_peak, "work_naive": self.work_naive,
+                "total": self.total, "budget": self.budget}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """What one device holds and runs."""
+
+    device: str
+    model: Model
+    optimiser: object
+    batch_size: int
+    slots: int
+    layout: Layout
+    parameters: tuple[ParamDecl, ...]
+    total_params: int  # floats in the flat parameter arena, padding included
+    state_names: tuple[str, ...]
+    memory: MemoryReport
+    stages: tuple[str, ...]
+    _programs: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def program(self, kind: str, batch: int | None = None) -> Program:
+        """The ``train``, ``eval`` or ``predict`` program for ``batch`` rows (default: the full
+        batch). Smaller batches reuse the same layout: their tensors are prefixes."""
+        batch = self.batch_size if batch is None else batch
+        if kind not in PROGRAM_KINDS:
+            raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
+        if not 1 <= batch <= self.batch_size:
+            raise ValueError(f"batch must be in 1..{self.batch_size}, got {batch}")
+        key = (kind, batch)
+        if key not in self._programs:
+            graph = build_graph(self.model, self.optimiser, batch, kind, self.total_params)
+            self._programs[key] = Program(name=f"{kind}[{batch}]", steps=with_barriers(graph.groups))
+        return self._programs[key]
+
+    @property
+    def programs(self) -> tuple[Program, ...]:
+        return tuple(self.program(kind) for kind in PROGRAM_KINDS)
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: Spec
+    devices: tuple[DevicePlan, ...]
+    placement: tuple[tuple[str, int], ...]  # pipeline node -> device index in ``devices``
+    channels: tuple[tuple[str, str, int], ...]  # (src, dst, capacity)
+
+    def as_dict(self) -> dict:
+        """The plan as plain data (for JSON, msgpack and tables)."""
+        return {
+            "placement": dict(self.placement),
+            "channels": [list(c) for c in self.channels],
+            "devices": [_device_dict(d) for d in self.devices],
+        }
+
+    def dumps(self) -> bytes:
+        """Canonical msgpack bytes: the same spec always gives the same bytes."""
+        return msgpack.packb(self.as_dict(), use_bin_type=True)
+
+
+def _device_dict(device: DevicePlan) -> dict:
+    return {
+        "device": device.device,
+        "batch_size": device.batch_size,
+        "slots": device.slots,
+        "stages": list(device.stages),
+        "memory": device.memory.as_dict(),
+        "arenas": [{"name": a.name, "bytes": a.nbytes, "per_slot": a.per_slot, "host_visible": a.host_visible}
+                   for a in device.layout.arenas],  # fmt: skip
+        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "arena": t.arena, "offset": t.offset,
+                     "bytes": t.nbytes} for t in device.layout.tensors],  # fmt: skip
+        "programs": [
+            {"name": p.name, "steps": [
+                {"op": s.op, "args": list(s.args), "params": dict(s.params)} if isinstance(s, Launch) else "barrier"
+                for s in p.steps]}
+            for p in device.programs
+        ],  # fmt: skip
+    }
+
+
+def lifetimes(graph: Graph, role: str = "work") -> list[Lifetime]:
+    """First and last group that touches each tensor of ``role`` (views count for their base).
+
+    Args:
+        graph: the program's groups.
+        role: which tensors to track.
+
+    Returns:
+        One Lifetime per base tensor, in order of first use.
+    """
+    spans: dict[str, list[int]] = {}
+    for index, group in enumerate(graph.groups):
+        for item in group:
+            for name in item.args:
+                decl = graph.tensors.get(name)
+                if decl is None:
+                    continue
+                base = graph.tensors.get(decl.view_of) if decl.view_of else decl
+                if base is None or base.role != role:
+                    continue
+                span = spans.setdefault(base.name, [index, index])
+                span[0], span[1] = min(span[0], index), max(span[1], index)
+    result = []
+    for name, (first, last) in spans.items():
+        decl = graph.tensors[name]
+        result.append(Lifetime(name, align_up(decl.size * ITEM_BYTES[decl.dtype]), first, last))
+    return sorted(result, key=lambda life: (life.first, life.name))
+
+
+def assign_offsets(lives: list[Lifetime]) -> tuple[dict[str, int], int]:
+    """Place tensors so that two share bytes only when their lifetimes do not overlap.
+
+    Greedy first fit in order of first use, largest first among equals; groups are separated by
+    barriers, so a tensor may take memory whose last reader ran in an earlier group.
+
+    Returns:
+        (offset per tensor, peak bytes).
+    """
+    placed: list[tuple[int, int, Lifetime]] = []  # (offset, end, life)
+    offsets: dict[str, int] = {}
+    peak = 0
+    for life in sorted(lives, key=lambda x: (x.first, -x.nbytes, x.name)):
+        busy = sorted((o, e) for o, e, other in placed if not (other.last < life.first or life.last < other.first))
+        offset = 0
+        for start, end in busy:
+            if offset + life.nbytes <= start:
+                break
+            offset = max(offset, end)
+        offsets[life.name] = offset
+        placed.append((offset, offset + life.nbytes, life))
+        peak = max(peak, offset + life.nbytes)
+    return offsets, peak
+
+
+def _io_tensors(model: Model, batch: int) -> list[TensorDecl]:
+    out_shape = infer_shapes(model)[-1] if model.layers else tuple(model.input_shape)
+    y_shape, y_dtype = label_shape(model, batch)
+    return [
+        TensorDecl("x", (batch, *model.input_shape), "float32", "io"),
+        TensorDecl("y", y_shape, y_dtype, "io"),
+        TensorDecl("stepvals", (4,), "float32", "io"),
+        TensorDecl("loss", (1,), "float32", "io"),
+        TensorDecl("correct", (1,), "float32", "io"),
+        TensorDecl("output", (batch, *out_shape), "float32", "io"),
+    ]
+
+
+def plan_device(spec: Spec, device: str, budget: int | None = None) -> DevicePlan:
+    """Plan one device that runs the whole model (data parallel replicas get one each).
+
+    Args:
+        spec: a valid spec.
+        device: the device it runs on (as the spec names it).
+        budget: bytes available on that device; None skips the check.
+
+    Returns:
+        The device plan.
+
+    Raises:
+        PlanError: a model that cannot be trained as specified, or one over the budget.
+    """
+    model, batch = spec.model, spec.data.batch_size
+    slots = max(1, spec.run.in_flight)
+    params = parameters(model)
+
+    # Parameters, gradients and optimiser state: one offset per parameter in each arena.
+    tensors: list[Tensor] = []
+    offset = 0
+    param_offsets: dict[str, int] = {}
+    for p in params:
+        param_offsets[p.name] = offset
+        offset = align_up(offset + math.prod(p.shape) * 4)
+    param_bytes = max(offset, 256)
+    total_params = param_bytes // 4
+    state_names = optimiser_state_names(spec.optimiser)
+    for p in params:
+        tensors.append(Tensor(p.name, p.shape, "float32", "params", param_offsets[p.name]))
+        tensors.append(Tensor(f"grad:{p.name}", p.shape, "float32", "grads", param_offsets[p.name]))
+    tensors.append(Tensor("params:all", (total_params,), "float32", "params", 0))
+    tensors.append(Tensor("grads:all", (total_params,), "float32", "grads", 0))
+    for state in state_names:
+        tensors.append(Tensor(f"state:{state}", (total_params,), "float32", f"state:{state}", 0))
+
+    # io: one copy per slot.
+    io_offset = 0
+    io_offsets: dict[str, int] = {}
+    for decl in _io_tensors(model, batch):
+        tensors.append(Tensor(decl.name, decl.shape, decl.dtype, "io", io_offset))
+        io_offsets[decl.name] = io_offset
+        io_offset = align_up(io_offset + decl.size * ITEM_BYTES[decl.dtype])
+
+    # work: the train graph holds every work tensor eval and predict use, with lifetimes that
+    # contain theirs (same forward order, more readers), so one placement serves all three.
+    graphs = {kind: build_graph(model, spec.optimiser, batch, kind, total_params) for kind in PROGRAM_KINDS}
+    declared: dict[str, TensorDecl] = {}
+    for graph in graphs.values():
+        declared.update(graph.tensors)
+    lives = lifetimes(graphs["train"])
+    offsets, work_peak = assign_offsets(lives)
+    for name, decl in sorted(declared.items()):
+        if decl.role != "work":
+            continue
+        base = decl.view_of or name
+        if base in io_offsets:  # e.g. Flatten straight after the input: a view of the batch
+            tensors.append(Tensor(name, decl.shape, decl.dtype, "io", io_offsets[base]))
+            continue
+        if base not in offsets:
+            raise AssertionError(f"work tensor {base!r} is never used by the train program")
+        tensors.append(Tensor(name, decl.shape, decl.dtype, "work", offsets[base]))
+    work_naive = sum(life.nbytes for life in lives)
+
+    arenas = [Arena("params", param_bytes), Arena("grads", param_bytes)]
+    arenas += [Arena(f"state:{s}", param_bytes) for s in state_names]
+    arenas += [Arena("work", max(work_peak, 256)), Arena("io", max(io_offset, 256), per_slot=True, host_visible=True)]
+    layout = Layout(arenas=tuple(arenas), tensors=tuple(tensors))
+    _check_bindings(layout, graphs)
+
+    sized = [(a.name, a.nbytes * (slots if a.per_slot else 1)) for a in arenas]
+    total = sum(size for _, size in sized)
+    memory = MemoryReport(tuple(sized), work_peak, work_naive, total, budget)
+    if budget is not None and total > budget:
+        largest = sorted(layout.tensors, key=lambda t: -t.nbytes)[:5]
+        detail = ", ".join(f"{t.name} {t.shape} {t.nbytes:,} B" for t in largest)
+        raise PlanError([Problem(f"devices[{device}]",
+                                 f"the plan needs {total:,} bytes but the memory budget is {budget:,} bytes; "
+                                 f"largest tensors: {detail}")])  # fmt: skip
+    names = tuple(f"layers[{i}] {type(layer).__name__}" for i, layer in enumerate(model.layers))
+    return DevicePlan(device, model, spec.optimiser, batch, slots, layout, tuple(params), total_params,
+                      state_names, memory, names)  # fmt: skip
+
+
+def _check_bindings(layout: Layout, graphs: dict[str, Graph]) -> None:
+    """Every launch binds tensors the layout has, as many as its op needs."""
+    for kind, graph in graphs.items():
+        for group in graph.groups:
+            for item in group:
+                definition = op_def(item.op)
+                if len(item.args) != len(definition.bindings):
+                    raise AssertionError(f"{kind}: {item.op} binds {item.args}, needs {definition.bindings}")
+                for name in item.args:
+                    layout.tensor(name)
+
+
+def plan(spec: Spec, budget: int | None = None) -> Plan:
+    """Turn a valid spec into a plan, before any device work.
+
+    Args:
+        spec: the spec (validated here).
+        budget: the device memory budget in bytes, when known.
+
+    Returns:
+        The plan.
+
+    Raises:
+        SpecError: the spec is not valid.
+        PlanError: it cannot be planned (e.g. over the memory budget).
+    """
+    check(spec)
+    device = str(spec.devices.select)
+    device_plan = plan_device(spec, device, budget)
+    pipeline = spec.pipeline or default_pipeline(spec)
+    placement = tuple((node.name, node.device or 0) for node in pipeline.nodes if node.kind == "device")
+    channels = tuple((e.src, e.dst, e.capacity) for e in pipeline.edges)
+    return Plan(spec=spec, devices=(device_plan,), placement=placement, channels=channels)
+
+
+def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.ndarray]:
+    """Initial values of every parameter, seeded, identical on every backend.
+
+    He: normal(0, sqrt(2 / fan_in)); Xavier: uniform(+-sqrt(6 / (fan_in + fan_out))). Biases start
+    at zero, as is usual for ReLU networks.
+    """
+    rng = np.random.default_rng(seed)
+    values = {}
+    for p in device.parameters:
+        if p.is_bias:
+            values[p.name] = np.zeros(p.shape, np.float32)
+        elif scheme == "xavier":
+            limit = math.sqrt(6.0 / (p.fan_in + p.fan_out))
+            values[p.name] = rng.uniform(-limit, limit, p.shape).astype(np.float32)
+        else:
+            values[p.name] = (rng.standard_normal(p.shape) * math.sqrt(2.0 / p.fan_in)).astype(np.float32)
+    return values
+

@@ -1,0 +1,63 @@
+// Mean squared error per row of Y, T [rows, cols]: loss_rows[r] = mean_c (Y - T)^2, and when
+// write_grad != 0, dY = scale * (Y - T) (dY is not touched otherwise, so any buffer may be bound).
+// One workgroup per row, looping rows with stride gl_NumWorkGroups.x; shared-memory tree.
+#version 450
+
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer YBuf { float Y[]; };
+layout(std430, set = 0, binding = 1) readonly buffer TBuf { float T[]; };
+layout(std430, set = 0, binding = 2) writeonly buffer LossBuf { float loss_rows[]; };
+layout(std430, set = 0, binding = 3) writeonly buffer DYBuf { float dY[]; };
+
+layout(push_constant) uniform Push {
+    uint rows;
+    uint cols;
+    uint write_grad;
+    float scale;
+} pc;
+
+shared float partial[gl_WorkGroupSize.x];
+
+uint first_stride() {
+    uint p = 1u;
+    while (p < gl_WorkGroupSize.x) {
+        p <<= 1;
+    }
+    return p >> 1;
+}
+
+float group_sum(float v) {
+    uint lid = gl_LocalInvocationID.x;
+    partial[lid] = v;
+    barrier();
+    for (uint s = first_stride(); s > 0u; s >>= 1) {
+        if (lid < s && lid + s < gl_WorkGroupSize.x) {
+            partial[lid] += partial[lid + s];
+        }
+        barrier();
+    }
+    float result = partial[0];
+    barrier();
+    return result;
+}
+
+void main() {
+    uint lid = gl_LocalInvocationID.x;
+    uint size = gl_WorkGroupSize.x;
+    for (uint row = gl_WorkGroupID.x; row < pc.rows; row += gl_NumWorkGroups.x) {
+        uint base = row * pc.cols;
+        float sum = 0.0;
+        for (uint c = lid; c < pc.cols; c += size) {
+            float d = Y[base + c] - T[base + c];
+            sum += d * d;
+            if (pc.write_grad != 0u) {
+                dY[base + c] = pc.scale * d;
+            }
+        }
+        sum = group_sum(sum);
+        if (lid == 0u) {
+            loss_rows[row] = sum / float(pc.cols);
+        }
+    }
+}

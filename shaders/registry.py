@@ -1,0 +1,264 @@
+"""The op registry: for each op, its shader, bindings, push constants, specialisation constants,
+workgroup counts and required features. Pure data and pure functions; no device access.
+
+Conventions every shader follows, so the backend can bind any op the same way:
+- set 0, binding i is the i-th tensor of the launch, a std430 storage buffer;
+- push constants are the op's ``push`` fields in order, 4 bytes each (uint, int or float);
+- specialisation constant ids 0, 1, 2 are local_size_x/y/z; ids 3+ follow ``spec`` in order.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+# Activation codes shared by gemm and conv epilogues and by the unary ops.
+ACTIVATIONS: dict[str | None, int] = {
+    None: 0,
+    "none": 0,
+    "relu": 1,
+    "leaky_relu": 2,
+    "sigmoid": 3,
+    "tanh": 4,
+    "gelu": 5,
+}
+# Unary-only functions, numbered after the activations.
+UNARY_EXTRA: dict[str, int] = {"scale_shift": 6, "copy": 7, "exp": 8}
+BINARY: dict[str, int] = {"add": 0, "sub": 1, "mul": 2}
+REDUCE: dict[str, int] = {"sum": 0, "mean": 1, "max": 2}
+CASTS: dict[str, int] = {"f32_to_f16": 0, "f16_to_f32": 1, "i32_to_f32": 2, "f32_to_i32": 3}
+
+Groups = tuple[int, int, int]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Every device allows at least 65535 workgroups per dimension. Element-wise shaders use grid-stride
+# loops, so capping the count keeps any size launchable without a second grid dimension.
+MAX_GROUPS = 65535
+
+
+def capped_groups(items: int, per_group: int) -> Groups:
+    """Workgroups for ``items`` work items, ``per_group`` each, capped at MAX_GROUPS."""
+    return (max(1, min(MAX_GROUPS, ceil_div(items, per_group))), 1, 1)
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """How to launch one op.
+
+    Attributes:
+        name: registry key, used in Launch.op.
+        shader: GLSL file in shaders/ (without directory).
+        bindings: names of the storage buffers, in binding order.
+        push: (name, "u"|"i"|"f") fields of the push-constant block, in order.
+        spec: (name, default) specialisation constants after local_size_x/y/z.
+        local_size: default workgroup size.
+        groups: (params, local_size, spec) -> workgroup counts.
+        features: device features the shader needs (e.g. "cooperative_matrix").
+        outputs: the bindings it writes, for lifetimes and barriers in the planner.
+    """
+
+    name: str
+    shader: str
+    bindings: tuple[str, ...]
+    push: tuple[tuple[str, str], ...]
+    groups: Callable[[dict[str, float], tuple[int, int, int], dict[str, int]], Groups]
+    local_size: tuple[int, int, int] = (256, 1, 1)
+    spec: tuple[tuple[str, int], ...] = ()
+    features: frozenset[str] = frozenset()
+    outputs: tuple[str, ...] = ()  # bindings the op writes (the rest it only reads)
+    defaults: tuple[tuple[str, float], ...] = ()  # push fields whose default is not 0
+
+    def resolve(self, params: dict[str, float]) -> dict[str, float]:
+        """Every push field's value: given, else its default, else 0. Both backends use this, so a
+        launch that leaves a parameter out means the same thing on each."""
+        values = {name: 0 for name, _ in self.push}
+        values.update(dict(self.defaults))
+        values.update(params)
+        return values
+
+    def pack_push(self, params: dict[str, float]) -> bytes:
+        """Pack the push-constant block (missing params take their defaults, see ``resolve``)."""
+        values = []
+        resolved = self.resolve(params)
+        for name, kind in self.push:
+            value = resolved[name]
+            if kind == "f":
+                values.append(struct.pack("<f", float(value)))
+            elif kind == "i":
+                values.append(struct.pack("<i", int(value)))
+            else:
+                values.append(struct.pack("<I", int(value)))
+        return b"".join(values)
+
+    def spec_values(self, overrides: dict[str, int] | None = None) -> dict[str, int]:
+        values = dict(self.spec)
+        if overrides:
+            values.update({k: v for k, v in overrides.items() if k in values})
+        return values
+
+
+def _linear_groups(count_param: str, per_thread: int = 1):
+    def groups(params, local, spec) -> Groups:
+        return capped_groups(int(params[count_param]), local[0] * per_thread)
+
+    return groups
+
+
+def _rows_groups(params, local, spec) -> Groups:
+    # One workgroup per row: rows are reduced cooperatively with shared memory.
+    return capped_groups(int(params["rows"]), 1)
+
+
+def _gemm_groups(params, local, spec) -> Groups:
+    return (ceil_div(int(params["N"]), spec["BN"]), ceil_div(int(params["M"]), spec["BM"]), 1)
+
+
+def _reduce_groups(params, local, spec) -> Groups:
+    outputs = int(params["cols"]) if int(params["axis"]) == 0 else int(params["rows"])
+    return capped_groups(outputs, 1)
+
+
+_ELEMENTWISE_PUSH = (("n", "u"), ("fn", "u"), ("a", "f"), ("b", "f"))
+_CONV_PUSH = (
+    ("N", "u"), ("C", "u"), ("H", "u"), ("W", "u"), ("K", "u"), ("R", "u"), ("S", "u"),
+    ("stride", "u"), ("pad", "u"), ("OH", "u"), ("OW", "u"), ("has_bias", "u"), ("act", "u"), ("slope", "f"),
+)  # fmt: skip
+_POOL_PUSH = (
+    ("N", "u"), ("C", "u"), ("H", "u"), ("W", "u"), ("OH", "u"), ("OW", "u"), ("kernel", "u"), ("stride", "u"),
+)  # fmt: skip
+
+
+def _conv_out_groups(params, local, spec) -> Groups:
+    total = int(params["N"]) * int(params["K"]) * int(params["OH"]) * int(params["OW"])
+    return capped_groups(total, local[0])
+
+
+def _conv_data_groups(params, local, spec) -> Groups:
+    total = int(params["N"]) * int(params["C"]) * int(params["H"]) * int(params["W"])
+    return capped_groups(total, local[0])
+
+
+def _conv_weight_groups(params, local, spec) -> Groups:
+    # One workgroup per weight element; its threads split the (n, oh, ow) sum.
+    return capped_groups(int(params["K"]) * int(params["C"]) * int(params["R"]) * int(params["S"]), 1)
+
+
+def _pool_out_groups(params, local, spec) -> Groups:
+    total = int(params["N"]) * int(params["C"]) * int(params["OH"]) * int(params["OW"])
+    return capped_groups(total, local[0])
+
+
+def _pool_in_groups(params, local, spec) -> Groups:
+    total = int(params["N"]) * int(params["C"]) * int(params["H"]) * int(params["W"])
+    return capped_groups(total, local[0])
+
+
+_OPS: tuple[OpDef, ...] = (
+    # C[M,N] = act(alpha * op(A) @ op(B) + bias[N] + (accumulate ? C : 0))
+    OpDef(
+        "gemm", "gemm.comp", ("A", "B", "bias", "C"),
+        (("M", "u"), ("N", "u"), ("K", "u"), ("trans_a", "u"), ("trans_b", "u"), ("has_bias", "u"),
+         ("act", "u"), ("accumulate", "u"), ("alpha", "f"), ("slope", "f")),
+        _gemm_groups, local_size=(256, 1, 1),
+        spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4)),
+    ),
+    # Y = f(X) elementwise; fn codes from ACTIVATIONS | UNARY_EXTRA; a = slope or scale, b = shift.
+    OpDef("unary", "unary.comp", ("X", "Y"), _ELEMENTWISE_PUSH, _linear_groups("n")),
+    # dX = dY * f'(.), where S is the forward output for relu/leaky/sigmoid/tanh and the input for gelu.
+    OpDef("unary_backward", "unary_backward.comp", ("dY", "S", "dX"), _ELEMENTWISE_PUSH, _linear_groups("n")),
+    # Z = a * (X op Y) with op from BINARY.
+    OpDef("binary", "binary.comp", ("X", "Y", "Z"), _ELEMENTWISE_PUSH, _linear_groups("n")),
+    # X is [rows, cols]; axis 0 reduces over rows -> [cols], axis 1 over cols -> [rows]; result * alpha.
+    OpDef(
+        "reduce", "reduce.comp", ("X", "Y"),
+        (("rows", "u"), ("cols", "u"), ("axis", "u"), ("fn", "u"), ("alpha", "f")),
+        _reduce_groups, local_size=(64, 1, 1),
+    ),
+    # Row-wise softmax (log=0) or log-softmax (log=1) of X [rows, cols].
+    OpDef("softmax", "softmax.comp", ("X", "Y"), (("rows", "u"), ("cols", "u"), ("log", "u")),
+          _rows_groups, local_size=(64, 1, 1)),
+    # Fused softmax + cross-entropy on int labels: loss_rows[r], correct_rows[r] (1.0 if argmax == label),
+    # and when write_grad, dlogits = scale * (softmax - onehot).
+    OpDef(
+        "softmax_xent", "softmax_xent.comp", ("logits", "labels", "loss_rows", "correct_rows", "dlogits"),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("scale", "f")),
+        _rows_groups, local_size=(64, 1, 1),
+    ),
+    # loss_rows[r] = mean_c (Y - T)^2; when write_grad, dY = scale * (Y - T).
+    OpDef(
+        "mse", "mse.comp", ("Y", "T", "loss_rows", "dY"),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("scale", "f")),
+        _rows_groups, local_size=(64, 1, 1),
+    ),
+    # NCHW conv with square stride/pad; Y = act(conv(X, W) + bias).
+    OpDef("conv2d", "conv2d.comp", ("X", "Wt", "bias", "Y"), _CONV_PUSH, _conv_out_groups),
+    OpDef("conv2d_backward_data", "conv2d_backward_data.comp", ("dY", "Wt", "dX"), _CONV_PUSH, _conv_data_groups),
+    OpDef("conv2d_backward_weight", "conv2d_backward_weight.comp", ("X", "dY", "dW"), _CONV_PUSH,
+          _conv_weight_groups, local_size=(64, 1, 1)),
+    # db[k] = sum over n and spatial of dY[n, k, :] (dY viewed as [N, K, HW]).
+    OpDef("channel_sum", "channel_sum.comp", ("dY", "db"), (("N", "u"), ("K", "u"), ("HW", "u")),
+          lambda p, local, spec: capped_groups(int(p["K"]), 1), local_size=(64, 1, 1)),
+    # Y = max over each window; idx = flat h*W+w of the max within its channel plane.
+    OpDef("maxpool2d", "maxpool2d.comp", ("X", "Y", "idx"), _POOL_PUSH, _pool_out_groups),
+    OpDef("maxpool2d_backward", "maxpool2d_backward.comp", ("dY", "idx", "dX"), _POOL_PUSH, _pool_in_groups),
+    # In-place optimisers over a flat parameter range; step values [lr, 1-b1^t, 1-b2^t, t] per slot.
+    OpDef(
+        "sgd", "sgd.comp", ("P", "G", "M", "stepvals"),
+        (("n", "u"), ("momentum", "f"), ("nesterov", "u"), ("weight_decay", "f")),
+        _linear_groups("n"),
+    ),
+    OpDef(
+        "adam", "adam.comp", ("P", "G", "M", "V", "stepvals"),
+        (("n", "u"), ("beta1", "f"), ("beta2", "f"), ("eps", "f"), ("weight_decay", "f"), ("decoupled", "u")),
+        _linear_groups("n"),
+    ),
+    OpDef("fill", "fill.comp", ("X",), (("n", "u"), ("value", "f")), _linear_groups("n")),
+    # Copies n 32-bit elements (float32, int32 or uint32) bit for bit.
+    OpDef("copy", "copy.comp", ("X", "Y"), (("n", "u"),), _linear_groups("n")),
+    # n elements converted by mode (CASTS); float16 is packed two per 32-bit word.
+    OpDef("cast", "cast.comp", ("X", "Y"), (("n", "u"), ("mode", "u")), _linear_groups("n")),
+    # out[r] = argmax_c X[r, c] (first maximum), int32.
+    OpDef("argmax", "argmax.comp", ("X", "out"), (("rows", "u"), ("cols", "u")), _rows_groups,
+          local_size=(64, 1, 1)),
+)
+
+# What each op writes; everything else it binds is read only.
+_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "gemm": ("C",), "unary": ("Y",), "unary_backward": ("dX",), "binary": ("Z",), "reduce": ("Y",),
+    "softmax": ("Y",), "softmax_xent": ("loss_rows", "correct_rows", "dlogits"), "mse": ("loss_rows", "dY"),
+    "conv2d": ("Y",), "conv2d_backward_data": ("dX",), "conv2d_backward_weight": ("dW",), "channel_sum": ("db",),
+    "maxpool2d": ("Y", "idx"), "maxpool2d_backward": ("dX",), "sgd": ("P", "M"), "adam": ("P", "M", "V"),
+    "fill": ("X",), "copy": ("Y",), "cast": ("Y",), "argmax": ("out",),
+}  # fmt: skip
+
+# Scale factors default to 1, not 0.
+_DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
+    "gemm": (("alpha", 1.0),), "binary": (("a", 1.0),), "reduce": (("alpha", 1.0),),
+}  # fmt: skip
+
+OPS: dict[str, OpDef] = {
+    op.name: replace(op, outputs=_OUTPUTS[op.name], defaults=_DEFAULTS.get(op.name, ())) for op in _OPS
+}
+
+
+def op(name: str) -> OpDef:
+    """Look up an op definition.
+
+    Args:
+        name: the op's registry name.
+
+    Returns:
+        Its OpDef.
+
+    Raises:
+        KeyError: naming the unknown op and the known ones.
+    """
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}") from None

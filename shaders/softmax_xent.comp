@@ -1,0 +1,131 @@
+// Fused softmax + cross-entropy over logits [rows, cols] with int32 labels [rows]:
+//   loss_rows[r] = log(sum_c exp(x_c - max)) - (x_label - max)
+//   correct_rows[r] = 1.0 if the FIRST maximum of the row is at label, else 0.0 (numpy argmax)
+//   dlogits = scale * (softmax - onehot(label)), only when write_grad != 0 (dlogits is not
+//   touched otherwise, so any buffer may be bound there).
+// A label outside [0, cols) gives a NaN loss, correct 0 and a gradient without the one-hot term.
+// One workgroup per row, looping rows with stride gl_NumWorkGroups.x; shared-memory trees.
+#version 450
+
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer LogitsBuf { float logits[]; };
+layout(std430, set = 0, binding = 1) readonly buffer LabelsBuf { int labels[]; };
+layout(std430, set = 0, binding = 2) writeonly buffer LossBuf { float loss_rows[]; };
+layout(std430, set = 0, binding = 3) writeonly buffer CorrectBuf { float correct_rows[]; };
+layout(std430, set = 0, binding = 4) writeonly buffer DLogitsBuf { float dlogits[]; };
+
+layout(push_constant) uniform Push {
+    uint rows;
+    uint cols;
+    uint write_grad;
+    float scale;
+} pc;
+
+shared float partial[gl_WorkGroupSize.x];
+shared uint partial_index[gl_WorkGroupSize.x];
+
+const uint NO_INDEX = 0xffffffffu;
+
+uint first_stride() {
+    uint p = 1u;
+    while (p < gl_WorkGroupSize.x) {
+        p <<= 1;
+    }
+    return p >> 1;
+}
+
+float group_sum(float v) {
+    uint lid = gl_LocalInvocationID.x;
+    partial[lid] = v;
+    barrier();
+    for (uint s = first_stride(); s > 0u; s >>= 1) {
+        if (lid < s && lid + s < gl_WorkGroupSize.x) {
+            partial[lid] += partial[lid + s];
+        }
+        barrier();
+    }
+    float result = partial[0];
+    barrier();
+    return result;
+}
+
+// (value, index) b beats a: larger value, NaN above all (numpy argmax returns the first NaN),
+// and on ties the smaller index, so the first maximum wins.
+bool beats(float bv, uint bi, float av, uint ai) {
+    if (bi == NO_INDEX) {
+        return false;
+    }
+    if (ai == NO_INDEX) {
+        return true;
+    }
+    bool bn = isnan(bv);
+    bool an = isnan(av);
+    if (bn || an) {
+        return bn && (!an || bi < ai);
+    }
+    return bv > av || (bv == av && bi < ai);
+}
+
+// Workgroup-wide first argmax; every invocation gets the max value and its index.
+void group_argmax(inout float v, inout uint index) {
+    uint lid = gl_LocalInvocationID.x;
+    partial[lid] = v;
+    partial_index[lid] = index;
+    barrier();
+    for (uint s = first_stride(); s > 0u; s >>= 1) {
+        if (lid < s && lid + s < gl_WorkGroupSize.x) {
+            float ov = partial[lid + s];
+            uint oi = partial_index[lid + s];
+            if (beats(ov, oi, partial[lid], partial_index[lid])) {
+                partial[lid] = ov;
+                partial_index[lid] = oi;
+            }
+        }
+        barrier();
+    }
+    v = partial[0];
+    index = partial_index[0];
+    barrier();
+}
+
+void main() {
+    uint lid = gl_LocalInvocationID.x;
+    uint size = gl_WorkGroupSize.x;
+    for (uint row = gl_WorkGroupID.x; row < pc.rows; row += gl_NumWorkGroups.x) {
+        uint base = row * pc.cols;
+        float m = uintBitsToFloat(0xff800000u);  // -inf
+        uint best = NO_INDEX;
+        // Ascending columns per invocation, so keeping strict winners keeps the first maximum.
+        for (uint c = lid; c < pc.cols; c += size) {
+            float x = logits[base + c];
+            if (beats(x, c, m, best)) {
+                m = x;
+                best = c;
+            }
+        }
+        group_argmax(m, best);
+        float sum = 0.0;
+        for (uint c = lid; c < pc.cols; c += size) {
+            sum += exp(logits[base + c] - m);
+        }
+        sum = group_sum(sum);
+        int label = labels[row];
+        bool valid = label >= 0 && uint(label) < pc.cols;
+        if (lid == 0u) {
+            float log_sum = log(sum);
+            loss_rows[row] = valid ? log_sum - (logits[base + uint(label)] - m) : uintBitsToFloat(0x7fc00000u);
+            correct_rows[row] = (valid && best == uint(label)) ? 1.0 : 0.0;
+        }
+        if (pc.write_grad != 0u) {
+            float inv = 1.0 / sum;
+            for (uint c = lid; c < pc.cols; c += size) {
+                float p = exp(logits[base + c] - m) * inv;
+                if (valid && c == uint(label)) {
+                    p -= 1.0;
+                }
+                dlogits[base + c] = pc.scale * p;
+            }
+        }
+    }
+}

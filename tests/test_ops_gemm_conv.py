@@ -1,0 +1,450 @@
+"""GEMM, convolution, channel-sum and max-pool ops, forward and backward, on every backend.
+
+Each op runs through ``run_op`` on the CPU and Vulkan backends and is compared with an oracle
+written here in float64 numpy (explicit loops, np.pad and einsum; deliberately not cpu_ops), and
+with torch where it is installed. Inputs are fresh standard-normal draws (the seed is printed),
+with odd sizes so that partial tiles, padding and strides that do not divide evenly are all hit.
+Sizes stay small: lavapipe runs at a few GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import relative_error
+
+from actors.single_op import run_op, single_op_layout
+from flow.program import Program, launch
+from shaders.registry import ACTIVATIONS, op
+
+try:
+    import torch
+except ImportError:  # torch is an optional second oracle
+    torch = None
+
+# fp32 against a float64 oracle: accumulation error grows like sqrt(K) * 6e-8, well below this
+# for every K used here (at most 129).
+TOL = 1e-5
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def act_oracle(x: np.ndarray, name: str | None, slope: float) -> np.ndarray:
+    """Activations in float64, by name."""
+    if name is None:
+        return x
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    if name == "leaky_relu":
+        return np.where(x > 0, x, slope * x)
+    if name == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-x))
+    if name == "tanh":
+        return np.tanh(x)
+    if name == "gelu":
+        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    raise ValueError(name)
+
+
+def act_torch(x, name: str | None, slope: float):
+    functional = torch.nn.functional
+    table = {
+        None: lambda t: t,
+        "relu": functional.relu,
+        "leaky_relu": lambda t: functional.leaky_relu(t, slope),
+        "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh,
+        "gelu": lambda t: functional.gelu(t, approximate="none"),
+    }
+    return table[name](x)
+
+
+def as64(array: np.ndarray) -> np.ndarray:
+    return np.asarray(array, dtype=np.float64)
+
+
+def t64(array: np.ndarray):
+    return torch.from_numpy(as64(array))
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM
+
+
+def gemm_case(rng, m, n, k, trans_a, trans_b):
+    """Random stored A and B for the given transposition flags, and op(A), op(B) in float64."""
+    a = normal(rng, k, m) if trans_a else normal(rng, m, k)
+    b = normal(rng, n, k) if trans_b else normal(rng, k, n)
+    op_a = as64(a).T if trans_a else as64(a)
+    op_b = as64(b).T if trans_b else as64(b)
+    return a, b, op_a, op_b
+
+
+def run_gemm(backend, a, b, bias, c, **params):
+    # Packed push constants default to 0 while cpu_ops.gemm defaults alpha to 1: always pass it.
+    params.setdefault("alpha", 1.0)
+    out = run_op(backend, "gemm", {"A": a, "B": b, "bias": bias, "C": c}, **params)
+    return out["C"]
+
+
+GEMM_SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 65), (257, 31, 129), (64, 64, 64), (130, 70, 20)]
+TRANS = [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+def test_gemm_plain(backend, rng, m, n, k, trans_a, trans_b):
+    a, b, op_a, op_b = gemm_case(rng, m, n, k, trans_a, trans_b)
+    # The bias is bound but must not be read when has_bias is 0; C's old contents are ignored.
+    bias = normal(rng, n)
+    c = normal(rng, m, n)
+    got = run_gemm(backend, a, b, bias, c, M=m, N=n, K=k, trans_a=trans_a, trans_b=trans_b)
+    expected = op_a @ op_b
+    assert relative_error(got, expected) <= TOL
+    if torch is not None:
+        assert relative_error(got, (t64(op_a) @ t64(op_b)).numpy()) <= TOL
+
+
+@pytest.mark.parametrize(
+    "act,shape,trans",
+    [
+        (None, (33, 17, 65), (0, 0)),
+        ("relu", (130, 70, 20), (1, 0)),
+        ("leaky_relu", (7, 5, 3), (0, 1)),
+        ("sigmoid", (33, 17, 65), (1, 1)),
+        ("tanh", (65, 66, 9), (0, 0)),
+        ("gelu", (130, 70, 20), (0, 1)),
+    ],
+)
+def test_gemm_bias_activation_alpha(backend, rng, act, shape, trans):
+    m, n, k = shape
+    a, b, op_a, op_b = gemm_case(rng, m, n, k, *trans)
+    bias = normal(rng, n)
+    # Scaled towards the activations' curved region, so a wrong saturation would show.
+    alpha, slope = 0.37, 0.13
+    got = run_gemm(backend, a, b, bias, normal(rng, m, n), M=m, N=n, K=k, trans_a=trans[0], trans_b=trans[1],
+                   has_bias=1, act=ACTIVATIONS[act], alpha=alpha, slope=slope)  # fmt: skip
+    expected = act_oracle(alpha * (op_a @ op_b) + as64(bias), act, slope)
+    assert relative_error(got, expected) <= TOL
+    if torch is not None:
+        reference = act_torch(alpha * (t64(op_a) @ t64(op_b)) + t64(bias), act, slope)
+        assert relative_error(got, reference.numpy()) <= TOL
+
+
+@pytest.mark.parametrize("act", [None, "tanh", "gelu"])
+@pytest.mark.parametrize("m,n,k,trans_a,trans_b", [(7, 5, 3, 0, 0), (130, 70, 20, 1, 1), (33, 17, 65, 0, 1)])
+def test_gemm_accumulate(backend, rng, m, n, k, trans_a, trans_b, act):
+    a, b, op_a, op_b = gemm_case(rng, m, n, k, trans_a, trans_b)
+    bias = normal(rng, n)
+    c_old = normal(rng, m, n)
+    alpha = -1.3
+    got = run_gemm(backend, a, b, bias, c_old, M=m, N=n, K=k, trans_a=trans_a, trans_b=trans_b,
+                   has_bias=1, act=ACTIVATIONS[act], accumulate=1, alpha=alpha)  # fmt: skip
+    # The old C joins before the bias and the activation.
+    expected = act_oracle(alpha * (op_a @ op_b) + as64(c_old) + as64(bias), act, 0.0)
+    assert relative_error(got, expected) <= TOL
+
+
+def test_gemm_backward_matches_autograd(backend, rng):
+    """A dense layer's gradients are GEMMs with transposition flags: dX = dY @ W^T, dW = X^T @ dY."""
+    batch, fan_in, fan_out = 37, 23, 19
+    x, w, dy = normal(rng, batch, fan_in), normal(rng, fan_in, fan_out), normal(rng, batch, fan_out)
+    unused = normal(rng, max(fan_in, fan_out))
+    dx = run_gemm(backend, dy, w, unused, np.zeros((batch, fan_in), np.float32),
+                  M=batch, N=fan_in, K=fan_out, trans_b=1)  # fmt: skip
+    dw = run_gemm(backend, x, dy, unused, np.zeros((fan_in, fan_out), np.float32),
+                  M=fan_in, N=fan_out, K=batch, trans_a=1)  # fmt: skip
+    assert relative_error(dx, as64(dy) @ as64(w).T) <= TOL
+    assert relative_error(dw, as64(x).T @ as64(dy)) <= TOL
+    if torch is not None:
+        tx = t64(x).requires_grad_()
+        tw = t64(w).requires_grad_()
+        (tx @ tw).backward(t64(dy))
+        assert relative_error(dx, tx.grad.numpy()) <= TOL
+        assert relative_error(dw, tw.grad.numpy()) <= TOL
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8},
+        {"BM": 32, "BN": 128, "BK": 16, "TM": 2, "TN": 8},
+        {"BM": 64, "BN": 32, "BK": 4, "TM": 4, "TN": 2},
+    ],
+)
+def test_gemm_tuned_tiles(vulkan_backend, rng, spec):
+    """The shader is generic in its tile constants (each set here keeps 256 threads)."""
+    m, n, k = 133, 71, 37
+    a, b, op_a, op_b = gemm_case(rng, m, n, k, 1, 0)
+    bias = normal(rng, n)
+    arrays = {"A": a, "B": b, "bias": bias, "C": np.zeros((m, n), np.float32)}
+    vulkan_backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        vulkan_backend.write(name, array)
+    params = {"M": m, "N": n, "K": k, "trans_a": 1, "has_bias": 1, "act": ACTIVATIONS["relu"], "alpha": 0.5}
+    program = Program(name="gemm_tuned", steps=(launch("gemm", tuple(arrays), **params),))
+    assert (spec["BM"] // spec["TM"]) * (spec["BN"] // spec["TN"]) == op("gemm").local_size[0]
+    handle = vulkan_backend.record(program, spec_overrides={"gemm": spec})
+    vulkan_backend.wait(vulkan_backend.submit(handle))
+    got = vulkan_backend.read("C")
+    assert relative_error(got, act_oracle(0.5 * (op_a @ op_b) + as64(bias), "relu", 0.0)) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution
+
+
+def conv_out(size: int, kernel: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - kernel) // stride + 1
+
+
+def tap_window(padded, i, j, stride, oh, ow):
+    """The padded input pixels that tap (i, j) of the kernel meets, one per output position."""
+    return padded[:, :, i : i + stride * (oh - 1) + 1 : stride, j : j + stride * (ow - 1) + 1 : stride]
+
+
+def conv_oracle(x, w, stride, pad):
+    """Y[n,k,oh,ow] = sum_{c,r,s} Xpad[n,c,oh*stride+r,ow*stride+s] W[k,c,r,s], in float64."""
+    x, w = as64(x), as64(w)
+    n, _c, h, wd = x.shape
+    k, _, r, s = w.shape
+    oh, ow = conv_out(h, r, stride, pad), conv_out(wd, s, stride, pad)
+    padded = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    y = np.zeros((n, k, oh, ow))
+    for i in range(r):
+        for j in range(s):
+            window = tap_window(padded, i, j, stride, oh, ow)
+            y += np.einsum("nchw,kc->nkhw", window, w[:, :, i, j])
+    return y
+
+
+def conv_backward_data_oracle(dy, w, x_shape, stride, pad):
+    """Scatter every output gradient back through the taps that produced it (explicit loops)."""
+    dy, w = as64(dy), as64(w)
+    n, c, h, wd = x_shape
+    _, k, oh, ow = dy.shape
+    _, _, r, s = w.shape
+    padded = np.zeros((n, c, h + 2 * pad, wd + 2 * pad))
+    for y in range(oh):
+        for x in range(ow):
+            for i in range(r):
+                for j in range(s):
+                    padded[:, :, y * stride + i, x * stride + j] += dy[:, :, y, x] @ w[:, :, i, j]
+    return padded[:, :, pad : pad + h, pad : pad + wd]
+
+
+def conv_backward_weight_oracle(x, dy, w_shape, stride, pad):
+    x, dy = as64(x), as64(dy)
+    _, _, r, s = w_shape
+    _, _, oh, ow = dy.shape
+    padded = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    dw = np.zeros(w_shape)
+    for i in range(r):
+        for j in range(s):
+            window = tap_window(padded, i, j, stride, oh, ow)
+            dw[:, :, i, j] = np.einsum("nchw,nkhw->kc", window, dy)
+    return dw
+
+
+def conv_params(n, c, h, w, k, r, stride, pad, **extra):
+    return dict(N=n, C=c, H=h, W=w, K=k, R=r, S=r, stride=stride, pad=pad,
+                OH=conv_out(h, r, stride, pad), OW=conv_out(w, r, stride, pad), **extra)  # fmt: skip
+
+
+# (N, C, H, W, K, kernel, stride, pad, activation)
+CONV_CASES = [
+    (1, 1, 7, 9, 1, 1, 1, 0, None),
+    (2, 3, 7, 9, 4, 3, 1, 1, "relu"),
+    (3, 2, 9, 7, 5, 3, 2, 1, "gelu"),
+    (1, 4, 7, 9, 2, 5, 2, 0, "tanh"),
+    (3, 2, 7, 9, 3, 1, 2, 1, "relu"),  # a 1x1 kernel over padding: border outputs see only zeros
+    (2, 3, 8, 7, 3, 3, 2, 0, "leaky_relu"),  # (8 - 3) / 2 is not whole: the last row is unused
+    (2, 1, 7, 9, 3, 5, 1, 1, "sigmoid"),
+    (2, 3, 13, 11, 4, 3, 1, 1, None),  # 286 (n, oh, ow) positions: several per weight-grad thread
+]
+CONV_IDS = [f"n{c[0]}c{c[1]}h{c[2]}w{c[3]}k{c[4]}r{c[5]}s{c[6]}p{c[7]}-{c[8]}" for c in CONV_CASES]
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
+def test_conv2d_forward(backend, rng, case):
+    n, c, h, w, k, r, stride, pad, act = case
+    x, wt, bias = normal(rng, n, c, h, w), normal(rng, k, c, r, r), normal(rng, k)
+    params = conv_params(n, c, h, w, k, r, stride, pad, has_bias=1, act=ACTIVATIONS[act], slope=0.2)
+    y = np.zeros((n, k, params["OH"], params["OW"]), np.float32)
+    got = run_op(backend, "conv2d", {"X": x, "Wt": wt, "bias": bias, "Y": y}, **params)["Y"]
+    expected = act_oracle(conv_oracle(x, wt, stride, pad) + as64(bias)[None, :, None, None], act, 0.2)
+    assert got.shape == expected.shape
+    assert relative_error(got, expected) <= TOL
+    if torch is not None:
+        reference = torch.nn.functional.conv2d(t64(x), t64(wt), t64(bias), stride=stride, padding=pad)
+        assert relative_error(got, act_torch(reference, act, 0.2).numpy()) <= TOL
+
+
+def test_conv2d_without_bias_ignores_bias(backend, rng):
+    n, c, h, w, k, r, stride, pad = 2, 3, 7, 9, 4, 3, 2, 1
+    x, wt = normal(rng, n, c, h, w), normal(rng, k, c, r, r)
+    params = conv_params(n, c, h, w, k, r, stride, pad, has_bias=0)
+    y = np.zeros((n, k, params["OH"], params["OW"]), np.float32)
+    got = run_op(backend, "conv2d", {"X": x, "Wt": wt, "bias": normal(rng, k), "Y": y}, **params)["Y"]
+    assert relative_error(got, conv_oracle(x, wt, stride, pad)) <= TOL
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
+def test_conv2d_backward_data(backend, rng, case):
+    n, c, h, w, k, r, stride, pad, _act = case
+    params = conv_params(n, c, h, w, k, r, stride, pad)
+    dy, wt = normal(rng, n, k, params["OH"], params["OW"]), normal(rng, k, c, r, r)
+    dx = np.zeros((n, c, h, w), np.float32)
+    got = run_op(backend, "conv2d_backward_data", {"dY": dy, "Wt": wt, "dX": dx}, **params)["dX"]
+    assert relative_error(got, conv_backward_data_oracle(dy, wt, (n, c, h, w), stride, pad)) <= TOL
+    # Adjoint identity, with the forward conv from the oracle: <conv(x, W), dY> = <x, dX>.
+    x = normal(rng, n, c, h, w)
+    lhs = np.einsum("nkhw,nkhw->", conv_oracle(x, wt, stride, pad), as64(dy))
+    rhs = np.einsum("nchw,nchw->", as64(x), as64(got))
+    assert abs(lhs - rhs) <= TOL * np.linalg.norm(as64(x)) * np.linalg.norm(as64(got)) + 1e-9
+    if torch is not None:
+        reference = torch.nn.grad.conv2d_input((n, c, h, w), t64(wt), t64(dy), stride=stride, padding=pad)
+        assert relative_error(got, reference.numpy()) <= TOL
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
+def test_conv2d_backward_weight(backend, rng, case):
+    n, c, h, w, k, r, stride, pad, _act = case
+    params = conv_params(n, c, h, w, k, r, stride, pad)
+    x, dy = normal(rng, n, c, h, w), normal(rng, n, k, params["OH"], params["OW"])
+    dw = np.zeros((k, c, r, r), np.float32)
+    got = run_op(backend, "conv2d_backward_weight", {"X": x, "dY": dy, "dW": dw}, **params)["dW"]
+    assert relative_error(got, conv_backward_weight_oracle(x, dy, (k, c, r, r), stride, pad)) <= TOL
+    # Adjoint identity in the weights: <conv(x, V), dY> = <V, dW> for any V.
+    v = normal(rng, k, c, r, r)
+    lhs = np.einsum("nkhw,nkhw->", conv_oracle(x, v, stride, pad), as64(dy))
+    rhs = np.einsum("kcrs,kcrs->", as64(v), as64(got))
+    assert abs(lhs - rhs) <= TOL * np.linalg.norm(as64(v)) * np.linalg.norm(as64(got)) + 1e-9
+    if torch is not None:
+        reference = torch.nn.grad.conv2d_weight(t64(x), (k, c, r, r), t64(dy), stride=stride, padding=pad)
+        assert relative_error(got, reference.numpy()) <= TOL
+
+
+def test_conv2d_backward_weight_more_weights_than_workgroups(backend, rng):
+    """70,000 weights: one workgroup each would exceed the 65,535 cap, so groups must stride."""
+    n, c, h, w, k, r, stride, pad = 1, 250, 1, 1, 280, 1, 1, 0
+    params = conv_params(n, c, h, w, k, r, stride, pad)
+    x, dy = normal(rng, n, c, h, w), normal(rng, n, k, 1, 1)
+    dw = np.zeros((k, c, r, r), np.float32)
+    got = run_op(backend, "conv2d_backward_weight", {"X": x, "dY": dy, "dW": dw}, **params)["dW"]
+    expected = np.einsum("k,c->kc", as64(dy).ravel(), as64(x).ravel())[:, :, None, None]
+    assert relative_error(got, expected) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Channel sum (the conv bias gradient)
+
+
+@pytest.mark.parametrize("n,k,hw", [(1, 1, 1), (2, 5, 63), (3, 4, 7 * 9), (2, 3, 257)])
+def test_channel_sum(backend, rng, n, k, hw):
+    dy = normal(rng, n, k, hw)
+    got = run_op(backend, "channel_sum", {"dY": dy, "db": np.zeros(k, np.float32)}, N=n, K=k, HW=hw)["db"]
+    expected = np.array([sum(as64(dy[i, j]).sum() for i in range(n)) for j in range(k)])
+    assert relative_error(got, expected) <= TOL
+    if torch is not None:
+        assert relative_error(got, t64(dy).sum(dim=(0, 2)).numpy()) <= TOL
+
+
+def test_channel_sum_more_channels_than_workgroups(backend, rng):
+    n, k, hw = 2, 70_000, 1
+    dy = normal(rng, n, k, hw)
+    got = run_op(backend, "channel_sum", {"dY": dy, "db": np.zeros(k, np.float32)}, N=n, K=k, HW=hw)["db"]
+    assert relative_error(got, as64(dy).sum(axis=(0, 2))) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Max pooling
+
+
+def maxpool_oracle(x, kernel, stride):
+    """Window maxima and the flat in-plane index of the first maximum, by explicit loops."""
+    n, c, h, w = x.shape
+    oh, ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
+    y = np.empty((n, c, oh, ow), np.float32)
+    idx = np.empty((n, c, oh, ow), np.int32)
+    for a in range(n):
+        for b in range(c):
+            for i in range(oh):
+                for j in range(ow):
+                    window = x[a, b, i * stride : i * stride + kernel, j * stride : j * stride + kernel]
+                    r, s = np.unravel_index(np.argmax(window), window.shape)  # first maximum
+                    y[a, b, i, j] = window[r, s]
+                    idx[a, b, i, j] = (i * stride + r) * w + j * stride + s
+    return y, idx
+
+
+def maxpool_backward_oracle(dy, idx, shape):
+    dx = np.zeros(shape)
+    n, c, oh, ow = dy.shape
+    w = shape[3]
+    for a in range(n):
+        for b in range(c):
+            for i in range(oh):
+                for j in range(ow):
+                    flat = int(idx[a, b, i, j])
+                    dx[a, b, flat // w, flat % w] += dy[a, b, i, j]
+    return dx
+
+
+def pool_params(n, c, h, w, kernel, stride):
+    return dict(N=n, C=c, H=h, W=w, OH=(h - kernel) // stride + 1, OW=(w - kernel) // stride + 1,
+                kernel=kernel, stride=stride)  # fmt: skip
+
+
+# (N, C, H, W, kernel, stride); stride < kernel overlaps windows, so one pixel can win several.
+POOL_CASES = [
+    (1, 1, 4, 4, 2, 2),
+    (2, 3, 7, 9, 2, 2),
+    (3, 2, 7, 9, 3, 2),
+    (1, 4, 9, 7, 3, 1),
+    (2, 1, 1, 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("n,c,h,w,kernel,stride", POOL_CASES)
+def test_maxpool2d_forward_and_backward(backend, rng, n, c, h, w, kernel, stride):
+    x = normal(rng, n, c, h, w)  # continuous draws: no ties
+    params = pool_params(n, c, h, w, kernel, stride)
+    out_shape = (n, c, params["OH"], params["OW"])
+    forward = run_op(backend, "maxpool2d",
+                     {"X": x, "Y": np.zeros(out_shape, np.float32), "idx": np.zeros(out_shape, np.int32)},
+                     **params)  # fmt: skip
+    y_ref, idx_ref = maxpool_oracle(x, kernel, stride)
+    np.testing.assert_array_equal(forward["Y"], y_ref)
+    np.testing.assert_array_equal(forward["idx"], idx_ref)
+
+    dy = normal(rng, *out_shape)
+    dx = run_op(backend, "maxpool2d_backward",
+                {"dY": dy, "idx": forward["idx"], "dX": np.zeros((n, c, h, w), np.float32)},
+                **params)["dX"]  # fmt: skip
+    assert relative_error(dx, maxpool_backward_oracle(as64(dy), idx_ref, (n, c, h, w))) <= 1e-6
+
+    if torch is not None:
+        tx = t64(x).requires_grad_()
+        ty, tidx = torch.nn.functional.max_pool2d(tx, kernel, stride, return_indices=True)
+        ty.backward(t64(dy))
+        np.testing.assert_array_equal(forward["Y"], ty.detach().numpy().astype(np.float32))
+        np.testing.assert_array_equal(forward["idx"], tidx.numpy())
+        assert relative_error(dx, tx.grad.numpy()) <= 1e-6
+
+
+def test_maxpool2d_first_maximum_wins_ties(backend):
+    """With ties, the first maximum in row-major window order is recorded (strict '>')."""
+    x = np.array([[[[1.0, 3.0, 3.0], [3.0, 0.0, 3.0], [-1.0, 3.0, 2.0]]]], np.float32)
+    params = pool_params(1, 1, 3, 3, 2, 1)
+    out = run_op(backend, "maxpool2d",
+                 {"X": x, "Y": np.zeros((1, 1, 2, 2), np.float32), "idx": np.zeros((1, 1, 2, 2), np.int32)},
+                 **params)  # fmt: skip
+    np.testing.assert_array_equal(out["Y"].ravel(), [3.0, 3.0, 3.0, 3.0])
+    np.testing.assert_array_equal(out["idx"].ravel(), [1, 1, 3, 5])
