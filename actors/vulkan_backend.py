@@ -559,7 +559,7 @@ class VulkanBackend:
                  defines: tuple[tuple[str, str], ...] = ()):  # fmt: skip
         """(pipeline, pipeline layout, spec values) for an op, cached per op and specialisation."""
         spec = definition.spec_values(spec_overrides)
-        local = definition.local_size
+        local = definition.local(spec)
         key = (definition.name, local, tuple(sorted(spec.items())), defines)
         if key in self._pipelines:
             return self._pipelines[key]
@@ -703,7 +703,7 @@ class VulkanBackend:
                 lib.vkCmdPushConstants(command, pipeline_layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push),
                                        push_buffer)  # fmt: skip
                 keep.append(push_buffer)
-            gx, gy, gz = definition.groups(params, definition.local_size, spec)
+            gx, gy, gz = definition.groups(params, definition.local(spec), spec)
             limit = self.facts.max_workgroup_count
             if gx > limit[0] or gy > limit[1] or gz > limit[2]:
                 raise ValueError(f"launch of {step.op!r} needs {(gx, gy, gz)} workgroups; device allows {limit}")

@@ -72,6 +72,11 @@ class OpDef:
     features: frozenset[str] = frozenset()
     outputs: tuple[str, ...] = ()  # bindings the op writes (the rest it only reads)
     defaults: tuple[tuple[str, float], ...] = ()  # push fields whose default is not 0
+    local_from_spec: Callable[[dict[str, int]], tuple[int, int, int]] | None = None
+
+    def local(self, spec: dict[str, int]) -> tuple[int, int, int]:
+        """The workgroup size for these specialisation constants (tiles set it for GEMM)."""
+        return self.local_from_spec(spec) if self.local_from_spec else self.local_size
 
     def resolve(self, params: dict[str, float]) -> dict[str, float]:
         """Every push field's value: given, else its default, else 0. Both backends use this, so a
@@ -166,6 +171,7 @@ _OPS: tuple[OpDef, ...] = (
          ("act", "u"), ("accumulate", "u"), ("alpha", "f"), ("slope", "f")),
         _gemm_groups, local_size=(256, 1, 1),
         spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4)),
+        local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]), 1, 1),
     ),
     # Y = f(X) elementwise; fn codes from ACTIVATIONS | UNARY_EXTRA; a = slope or scale, b = shift.
     OpDef("unary", "unary.comp", ("X", "Y"), _ELEMENTWISE_PUSH, _linear_groups("n")),

@@ -1,0 +1,135 @@
+"""Command line: ``python -m flow devices|check|plan|run|bench``.
+
+Each command is a thin shell over the library: it parses arguments, calls one function, prints,
+and returns an exit status (0 ok, 1 a problem with the input, 2 a usage error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from flow.codec import load
+from flow.errors import FlowError
+
+
+def _devices(args: argparse.Namespace) -> int:
+    from actors.devices import list_devices
+
+    devices, message = list_devices()
+    if args.json:
+        print(json.dumps({"devices": [asdict(d) for d in devices], "message": message}, indent=2))
+        return 0
+    if message:
+        print(message)
+    for d in devices:
+        heaps = ", ".join(f"{h.size / 2**30:.1f} GiB{' local' if h.device_local else ''}" for h in d.heaps)
+        print(f"[{d.index}] {d.name} ({d.kind}, {d.vendor})")
+        print(f"    api {d.api_version}, driver {d.driver_version}")
+        print(f"    queues: " + ", ".join(
+            f"family {q.index} x{q.count} {'G' if q.graphics else ''}{'C' if q.compute else ''}"
+            f"{'T' if q.transfer else ''}" for q in d.queue_families))  # fmt: skip
+        print(f"    memory heaps: {heaps}; types: " + ", ".join("+".join(t.flags) or "-" for t in d.memory_types))
+        print(f"    workgroup: size {d.max_workgroup_size}, invocations {d.max_workgroup_invocations}, "
+              f"shared {d.shared_memory_bytes} B, subgroup {d.subgroup_size}")  # fmt: skip
+        print(f"    features: {', '.join(d.features) or '-'}")
+        if d.cooperative_matrix_shapes:
+            print(f"    cooperative matrix: {'; '.join(d.cooperative_matrix_shapes)}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from flow.validate import check, summarize
+
+    try:
+        spec = load(args.file)
+        check(spec)
+    except FlowError as error:
+        print(f"{args.file}: {len(error.problems)} problem(s)")
+        for problem in error.problems:
+            print(f"  {problem}")
+        return 1
+    except OSError as error:
+        print(f"{args.file}: {error}")
+        return 1
+    print(summarize(spec))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from flow.plan import plan
+
+    try:
+        the_plan = plan(load(args.file), budget=args.budget)
+    except FlowError as error:
+        print(f"{args.file}: {len(error.problems)} problem(s)")
+        for problem in error.problems:
+            print(f"  {problem}")
+        return 1
+    except OSError as error:
+        print(f"{args.file}: {error}")
+        return 1
+    if args.json:
+        print(json.dumps(the_plan.as_dict(), indent=1))
+        return 0
+    from flow.plan_table import format_plan
+
+    print(format_plan(the_plan))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flow.run import main_run
+
+    return main_run(args.rest)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_mlp.py"
+    if not script.exists():
+        print("bench/bench_mlp.py not found: the benchmarks ship with the source tree, not the wheel")
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m flow`` and the ``vkflow`` script.
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        The exit status.
+    """
+    parser = argparse.ArgumentParser(prog="python -m flow", description="vkflow: ML on any Vulkan GPU")
+    commands = parser.add_subparsers(dest="command", required=True)
+    devices = commands.add_parser("devices", help="list Vulkan devices and their facts")
+    devices.add_argument("--json", action="store_true")
+    devices.set_defaults(handler=_devices)
+    check = commands.add_parser("check", help="validate a spec file; print every problem or a summary")
+    check.add_argument("file")
+    check.set_defaults(handler=_check)
+    plan = commands.add_parser("plan", help="print the plan (programs, tensors, memory) for a spec file")
+    plan.add_argument("file")
+    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--budget", type=int, default=None, help="device memory budget in bytes")
+    plan.set_defaults(handler=_plan)
+    run = commands.add_parser("run", help="train a spec file: run FILE [--resume DIR]")
+    run.add_argument("rest", nargs=argparse.REMAINDER)
+    run.set_defaults(handler=_run)
+    bench = commands.add_parser("bench", help="benchmark against PyTorch (bench/bench_mlp.py)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=_bench)
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

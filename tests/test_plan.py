@@ -1,0 +1,259 @@
+"""The plan and its programs: whole-model gradients against finite differences (float64, CPU
+backend), an independent numpy training step, buffer reuse, determinism, the memory budget, and
+the Vulkan backend against the CPU backend on the same programs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.backend import run_program
+from actors.cpu_backend import CpuBackend
+from actors.engine import Engine
+from flow.autodiff import stages
+from flow.errors import PlanError
+from flow.plan import assign_offsets, init_parameters, plan, Lifetime
+from flow.spec import (
+    GELU,
+    MSE,
+    SGD,
+    Adam,
+    Conv2d,
+    CrossEntropy,
+    Data,
+    Flatten,
+    LeakyReLU,
+    Linear,
+    MaxPool2d,
+    Model,
+    ReLU,
+    RunSettings,
+    Spec,
+    Synthetic,
+    Tanh,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _spec(model: Model, batch: int, optimiser=None, in_flight: int = 1) -> Spec:
+    return Spec(
+        model=model,
+        optimiser=optimiser or SGD(lr=0.1),
+        data=Data(Synthetic(samples=64, features=model.input_shape, classes=4), batch_size=batch),
+        run=RunSettings(in_flight=in_flight),
+    )
+
+
+MLP = Model(
+    input_shape=(7,),
+    layers=(Linear(9, activation="tanh"), Linear(6), GELU(), Linear(5, activation="leaky_relu"), Linear(4)),
+    loss=CrossEntropy(),
+)
+CNN = Model(
+    input_shape=(2, 7, 6),
+    layers=(Conv2d(3, 3, padding=1, activation="relu"), MaxPool2d(2), Conv2d(4, 2, stride=1), Tanh(), Flatten(),
+            Linear(4)),
+    loss=CrossEntropy(),
+)  # fmt: skip
+REGRESSION = Model(input_shape=(5,), layers=(Linear(8), ReLU(), Linear(3, activation="sigmoid")), loss=MSE())
+
+
+def _batch(model: Model, rows: int, rng: np.random.Generator):
+    x = rng.standard_normal((rows, *model.input_shape))
+    if isinstance(model.loss, MSE):
+        out = stages(model)[-1].out_shape
+        return x, rng.standard_normal((rows, *out))
+    return x, rng.integers(0, 4, rows).astype(np.int32)
+
+
+def _gradients_and_loss(device, backend, params, x, y):
+    for name, value in params.items():
+        backend.write(name, value)
+    backend.write("x", x)
+    backend.write("y", y)
+    backend.write("stepvals", np.array([0.0, 1.0, 1.0, 1.0]))  # lr 0: the update leaves weights alone
+    run_program(backend, device.program("train"))
+    grads = {p.name: backend.read(f"grad:{p.name}") for p in device.parameters}
+    return grads, float(backend.read("loss")[0])
+
+
+def _loss(device, backend, params, x, y) -> float:
+    for name, value in params.items():
+        backend.write(name, value)
+    run_program(backend, device.program("eval"))
+    return float(backend.read("loss")[0])
+
+
+@pytest.mark.parametrize("model", [MLP, CNN, REGRESSION], ids=["mlp", "cnn", "mse"])
+def test_whole_model_gradients_match_finite_differences(model, rng):
+    device = plan(_spec(model, batch=5)).devices[0]
+    backend = CpuBackend(precision="float64")
+    backend.open_layout(device.layout)
+    params = {k: v.astype(np.float64) + 0.05 * rng.standard_normal(v.shape) for k, v in
+              init_parameters(device, "xavier", int(rng.integers(1 << 30))).items()}  # fmt: skip
+    x, y = _batch(model, 5, rng)
+    grads, _ = _gradients_and_loss(device, backend, params, x, y)
+    eps = 1e-6
+    checked = 0
+    for name, value in params.items():
+        flat_indices = rng.choice(value.size, size=min(6, value.size), replace=False)
+        for index in flat_indices:
+            shifted = {k: v.copy() for k, v in params.items()}
+            shifted[name].reshape(-1)[index] += eps
+            up = _loss(device, backend, shifted, x, y)
+            shifted[name].reshape(-1)[index] -= 2 * eps
+            down = _loss(device, backend, shifted, x, y)
+            numeric = (up - down) / (2 * eps)
+            analytic = grads[name].reshape(-1)[index]
+            assert analytic == pytest.approx(numeric, rel=1e-5, abs=1e-8), (name, index)
+            checked += 1
+    assert checked >= 4 * len(params) // 2
+
+
+def _numpy_mlp_step(params, x, y, lr):
+    """An independent float64 oracle of one SGD step of Linear(relu) -> Linear(relu) -> ... -> Linear."""
+    names = sorted({k.split(".")[0] for k in params}, key=lambda n: int(n[7:-1]))
+    activations = [x]
+    for i, name in enumerate(names):
+        z = activations[-1] @ params[f"{name}.weight"] + params[f"{name}.bias"]
+        activations.append(np.maximum(z, 0) if i < len(names) - 1 else z)
+    logits = activations[-1]
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    probs = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    rows = np.arange(len(y))
+    loss = -np.log(probs[rows, y]).mean()
+    grad = probs.copy()
+    grad[rows, y] -= 1
+    grad /= len(y)
+    updated = {}
+    for i in range(len(names) - 1, -1, -1):
+        name = names[i]
+        updated[f"{name}.weight"] = params[f"{name}.weight"] - lr * activations[i].T @ grad
+        updated[f"{name}.bias"] = params[f"{name}.bias"] - lr * grad.sum(axis=0)
+        grad = (grad @ params[f"{name}.weight"].T) * (activations[i] > 0)
+    return updated, loss
+
+
+def test_buffer_reuse_beats_the_naive_sum_and_matches_a_numpy_oracle(rng):
+    model = Model(input_shape=(13,), layers=tuple(Linear(u, activation="relu") for u in (31, 17, 33, 9))
+                  + (Linear(5),), loss=CrossEntropy())  # fmt: skip
+    device = plan(_spec(model, batch=11, optimiser=SGD(lr=0.05))).devices[0]
+    assert device.memory.work_peak < device.memory.work_naive
+    engine = Engine(device, CpuBackend())
+    engine.initialise("he", int(rng.integers(1 << 30)))
+    before = {k: v.astype(np.float64) for k, v in engine.parameters().items()}
+    x = rng.standard_normal((11, 13)).astype(np.float32)
+    y = rng.integers(0, 5, 11).astype(np.int32)
+    result = engine.train_step(x, y, step=0)
+    expected, expected_loss = _numpy_mlp_step(before, x.astype(np.float64), y, lr=0.05)
+    assert result.loss == pytest.approx(expected_loss, rel=1e-5)
+    for name, value in engine.parameters().items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_assign_offsets_never_overlaps_live_tensors(rng):
+    lives = []
+    for i in range(40):
+        first = int(rng.integers(0, 20))
+        lives.append(Lifetime(f"t{i}", 256 * int(rng.integers(1, 9)), first, first + int(rng.integers(0, 6))))
+    offsets, peak = assign_offsets(lives)
+    for a in lives:
+        for b in lives:
+            if a.name >= b.name or a.last < b.first or b.last < a.first:
+                continue
+            a0, b0 = offsets[a.name], offsets[b.name]
+            assert a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0, (a, b)
+    assert peak <= sum(life.nbytes for life in lives)
+
+
+def test_plans_are_deterministic():
+    spec = _spec(CNN, batch=3, optimiser=Adam(lr=0.01))
+    assert plan(spec).dumps() == plan(spec).dumps()
+
+
+def test_over_budget_plan_names_the_largest_tensor_and_the_budget():
+    big = Model(input_shape=(4096,), layers=(Linear(4096), Linear(10)), loss=CrossEntropy())
+    with pytest.raises(PlanError) as error:
+        plan(_spec(big, batch=8), budget=10_000_000)
+    text = str(error.value)
+    assert "10,000,000" in text and "layers[0].weight" in text and "(4096, 4096)" in text
+
+
+def test_cli_check_and_plan_work_on_every_example():
+    examples = sorted((ROOT / "examples").glob("*.json"))
+    assert examples
+    for path in examples:
+        for command in (["check", str(path)], ["plan", str(path), "--json"]):
+            done = subprocess.run([sys.executable, "-m", "flow", *command], capture_output=True, text=True,
+                                  cwd=ROOT, check=False)  # fmt: skip
+            assert done.returncode == 0, done.stdout + done.stderr
+        plan_json = json.loads(done.stdout)
+        assert plan_json["devices"][0]["programs"][0]["name"].startswith("train[")
+
+
+def test_cli_check_lists_every_problem(tmp_path):
+    bad = json.loads((ROOT / "examples" / "digits.json").read_text())
+    bad["model"]["layers"][1]["units"] = -3
+    bad["model"]["layers"][2]["unitz"] = 5
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    done = subprocess.run([sys.executable, "-m", "flow", "check", str(path)], capture_output=True, text=True,
+                          cwd=ROOT, check=False)  # fmt: skip
+    assert done.returncode == 1
+    assert "model.layers[1].units" in done.stdout and "unitz" in done.stdout
+
+
+# -- the Vulkan backend against the CPU backend, on the same programs --------------------------------------
+
+
+@pytest.mark.parametrize("model", [MLP, CNN, REGRESSION], ids=["mlp", "cnn", "mse"])
+def test_vulkan_matches_cpu_over_training_steps(model, vulkan_backend, rng):
+    optimiser = Adam(lr=0.01) if model is not MLP else SGD(lr=0.05, momentum=0.9, nesterov=True)
+    device = plan(_spec(model, batch=6, optimiser=optimiser)).devices[0]
+    seed = int(rng.integers(1 << 30))
+    cpu, gpu = Engine(device, CpuBackend()), Engine(device, vulkan_backend)
+    cpu.initialise("he", seed)
+    gpu.initialise("he", seed)
+    for step in range(4):
+        x, y = _batch(model, 6 if step < 3 else 5, rng)  # the last batch is partial
+        x = x.astype(np.float32)
+        y = y.astype(np.float32) if isinstance(model.loss, MSE) else y
+        a, b = cpu.train_step(x, y, step), gpu.train_step(x, y, step)
+        assert b.loss == pytest.approx(a.loss, rel=1e-4), step
+        assert b.correct == a.correct
+    for name, value in cpu.parameters().items():
+        np.testing.assert_allclose(gpu.parameters()[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_recorded_once_replayed_100_times_matches_100_fresh_recordings(vulkan_backend, rng):
+    device = plan(_spec(MLP, batch=8, optimiser=SGD(lr=0.02, momentum=0.5))).devices[0]
+    x, y = _batch(MLP, 8, rng)
+    seed = int(rng.integers(1 << 30))
+
+    def train(fresh: bool) -> tuple[list[float], dict]:
+        engine = Engine(device, vulkan_backend)
+        engine.initialise("he", seed)
+        engine.write_batch(0, x.astype(np.float32), y)
+        losses = []
+        program = device.program("train")
+        handle = vulkan_backend.record(program, 0)
+        for step in range(100):
+            if fresh:
+                handle = vulkan_backend.record(program, 0)
+            vulkan_backend.write("stepvals", np.array([0.02, 1, 1, step + 1], np.float32))
+            vulkan_backend.wait(vulkan_backend.submit(handle))
+            losses.append(float(vulkan_backend.read("loss")[0]))
+        return losses, engine.parameters()
+
+    replayed_losses, replayed = train(fresh=False)
+    fresh_losses, fresh = train(fresh=True)
+    assert replayed_losses == fresh_losses
+    assert replayed_losses[-1] < replayed_losses[0]
+    for name in replayed:
+        np.testing.assert_array_equal(replayed[name], fresh[name])
