@@ -176,9 +176,9 @@ def _im2col(x: np.ndarray, p: Params) -> np.ndarray:
     cols = np.empty((n, oh, ow, c, r, s), dtype=x.dtype)
     for i in range(r):
         for j in range(s):
-            cols[..., i, j] = padded[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride].transpose(
-                0, 2, 3, 1
-            )
+            cols[..., i, j] = padded[
+                :, :, i : i + stride * oh : stride, j : j + stride * ow : stride
+            ].transpose(0, 2, 3, 1)
     return cols
 
 
@@ -203,9 +203,9 @@ def conv2d_backward_data(arrays: list[np.ndarray], p: Params) -> None:
     padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=dx.dtype)
     for i in range(r):
         for j in range(s):
-            padded[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += grad_cols[..., i, j].transpose(
-                0, 3, 1, 2
-            )
+            padded[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += grad_cols[
+                ..., i, j
+            ].transpose(0, 3, 1, 2)
     dx[: n * c * h * w] = padded[:, :, pad : pad + h, pad : pad + w].reshape(-1)
 
 

@@ -21,7 +21,10 @@ def list_devices() -> tuple[list[DeviceFacts], str]:
     except VulkanUnavailable as error:
         return [], f"no Vulkan: {error}. Falling back to the CPU (numpy) backend."
     if not devices:
-        return [], "the Vulkan driver reports no device that can compute. Falling back to the CPU (numpy) backend."
+        return (
+            [],
+            "the Vulkan driver reports no device that can compute. Falling back to the CPU (numpy) backend.",
+        )
     return devices, ""
 
 

@@ -12,8 +12,12 @@ from actors.backend import Backend, run_program
 from flow.program import Arena, Layout, Program, Tensor, align_up, launch
 from shaders.registry import op as op_def
 
-_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32",
-           np.dtype(np.float16): "float16"}  # fmt: skip
+_DTYPES = {
+    np.dtype(np.float32): "float32",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.uint32): "uint32",
+    np.dtype(np.float16): "float16",
+}
 
 
 def single_op_layout(bindings: dict[str, np.ndarray]) -> Layout:
@@ -37,7 +41,9 @@ def single_op_layout(bindings: dict[str, np.ndarray]) -> Layout:
     return Layout(arenas=(Arena(name="main", nbytes=max(offset, 256)),), tensors=tuple(tensors))
 
 
-def run_op(backend: Backend, op: str, bindings: dict[str, np.ndarray], **params: float) -> dict[str, np.ndarray]:
+def run_op(
+    backend: Backend, op: str, bindings: dict[str, np.ndarray], **params: float
+) -> dict[str, np.ndarray]:
     """Launch ``op`` once with host arrays bound by name.
 
     Args:

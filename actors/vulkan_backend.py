@@ -43,10 +43,29 @@ if vk is not None:
 INSTALL_HINT = "apt-get install -y libvulkan1 mesa-vulkan-drivers"
 _KINDS = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 _KIND_ORDER = {"discrete": 0, "integrated": 1, "virtual": 2, "cpu": 3, "other": 4}
-_VENDORS = {0x10DE: "NVIDIA", 0x1002: "AMD", 0x8086: "Intel", 0x10005: "Mesa", 0x13B5: "ARM",
-            0x5143: "Qualcomm", 0x106B: "Apple"}  # fmt: skip
-_COMPONENT_TYPES = {0: "float16", 1: "float32", 2: "float64", 3: "int8", 4: "int16", 5: "int32", 6: "int64",
-                    7: "uint8", 8: "uint16", 9: "uint32", 10: "uint64", 1000141000: "bfloat16"}  # fmt: skip
+_VENDORS = {
+    0x10DE: "NVIDIA",
+    0x1002: "AMD",
+    0x8086: "Intel",
+    0x10005: "Mesa",
+    0x13B5: "ARM",
+    0x5143: "Qualcomm",
+    0x106B: "Apple",
+}
+_COMPONENT_TYPES = {
+    0: "float16",
+    1: "float32",
+    2: "float64",
+    3: "int8",
+    4: "int16",
+    5: "int32",
+    6: "int64",
+    7: "uint8",
+    8: "uint16",
+    9: "uint32",
+    10: "uint64",
+    1000141000: "bfloat16",
+}
 _TIMEOUT_NS = 2**64 - 1
 
 
@@ -76,18 +95,27 @@ class _Instance:
         with cls._lock:
             if cls._handle is None:
                 name = ffi.new("char[]", b"vkflow")  # bound to a name: must outlive the create call
-                app = ffi.new("VkApplicationInfo*", {
-                    "sType": vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, "pApplicationName": name,
-                    "apiVersion": vk.VK_MAKE_VERSION(1, 2, 0),
-                })  # fmt: skip
-                info = ffi.new("VkInstanceCreateInfo*", {
-                    "sType": vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, "pApplicationInfo": app,
-                })  # fmt: skip
+                app = ffi.new(
+                    "VkApplicationInfo*",
+                    {
+                        "sType": vk.VK_STRUCTURE_TYPE_APPLICATION_INFO,
+                        "pApplicationName": name,
+                        "apiVersion": vk.VK_MAKE_VERSION(1, 2, 0),
+                    },
+                )
+                info = ffi.new(
+                    "VkInstanceCreateInfo*",
+                    {
+                        "sType": vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO,
+                        "pApplicationInfo": app,
+                    },
+                )
                 handle = ffi.new("VkInstance*")
                 result = lib.vkCreateInstance(info, ffi.NULL, handle)
                 if result != 0:
                     raise VulkanUnavailable(
-                        f"vkCreateInstance failed ({result}): no Vulkan driver? install one with: {INSTALL_HINT}"
+                        f"vkCreateInstance failed ({result}): no Vulkan driver? "
+                        f"install one with: {INSTALL_HINT}"
                     )
                 cls._handle = handle[0]
             return cls._handle
@@ -125,24 +153,38 @@ def _cooperative_shapes(instance, physical) -> tuple[str, ...]:
 
 def _facts_for(instance, physical, index: int) -> DeviceFacts:
     extensions = _device_extensions(physical)
-    subgroup = ffi.new("VkPhysicalDeviceSubgroupProperties*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES})  # fmt: skip
-    driver = ffi.new("VkPhysicalDeviceDriverProperties*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES, "pNext": subgroup})  # fmt: skip
-    props2 = ffi.new("VkPhysicalDeviceProperties2*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, "pNext": driver})  # fmt: skip
+    subgroup = ffi.new(
+        "VkPhysicalDeviceSubgroupProperties*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES},
+    )
+    driver = ffi.new(
+        "VkPhysicalDeviceDriverProperties*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES, "pNext": subgroup},
+    )
+    props2 = ffi.new(
+        "VkPhysicalDeviceProperties2*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, "pNext": driver},
+    )
     lib.vkGetPhysicalDeviceProperties2(physical, props2)
     props = props2.properties
     limits = props.limits
 
-    storage16 = ffi.new("VkPhysicalDevice16BitStorageFeatures*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES})  # fmt: skip
-    f16i8 = ffi.new("VkPhysicalDeviceShaderFloat16Int8Features*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES, "pNext": storage16})  # fmt: skip
-    timeline = ffi.new("VkPhysicalDeviceTimelineSemaphoreFeatures*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES, "pNext": f16i8})  # fmt: skip
-    features2 = ffi.new("VkPhysicalDeviceFeatures2*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, "pNext": timeline})  # fmt: skip
+    storage16 = ffi.new(
+        "VkPhysicalDevice16BitStorageFeatures*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES},
+    )
+    f16i8 = ffi.new(
+        "VkPhysicalDeviceShaderFloat16Int8Features*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES, "pNext": storage16},
+    )
+    timeline = ffi.new(
+        "VkPhysicalDeviceTimelineSemaphoreFeatures*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES, "pNext": f16i8},
+    )
+    features2 = ffi.new(
+        "VkPhysicalDeviceFeatures2*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, "pNext": timeline},
+    )
     lib.vkGetPhysicalDeviceFeatures2(physical, features2)
 
     features = []
@@ -163,11 +205,17 @@ def _facts_for(instance, physical, index: int) -> DeviceFacts:
     if features2.features.shaderInt64:
         features.append("int64")
 
-    budget = ffi.new("VkPhysicalDeviceMemoryBudgetPropertiesEXT*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT})  # fmt: skip
-    memory2 = ffi.new("VkPhysicalDeviceMemoryProperties2*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2,
-        "pNext": budget if "memory_budget" in features else ffi.NULL})  # fmt: skip
+    budget = ffi.new(
+        "VkPhysicalDeviceMemoryBudgetPropertiesEXT*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT},
+    )
+    memory2 = ffi.new(
+        "VkPhysicalDeviceMemoryProperties2*",
+        {
+            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2,
+            "pNext": budget if "memory_budget" in features else ffi.NULL,
+        },
+    )
     lib.vkGetPhysicalDeviceMemoryProperties2(physical, memory2)
     memory = memory2.memoryProperties
     heaps = tuple(
@@ -179,10 +227,12 @@ def _facts_for(instance, physical, index: int) -> DeviceFacts:
         )
         for i in range(memory.memoryHeapCount)
     )
-    flag_names = ((vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, "device_local"),
-                  (vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT, "host_visible"),
-                  (vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT, "host_coherent"),
-                  (vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, "host_cached"))  # fmt: skip
+    flag_names = (
+        (vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, "device_local"),
+        (vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT, "host_visible"),
+        (vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT, "host_coherent"),
+        (vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, "host_cached"),
+    )
     types = tuple(
         MemoryType(
             index=i,
@@ -228,7 +278,9 @@ def _facts_for(instance, physical, index: int) -> DeviceFacts:
         min_storage_offset_alignment=int(limits.minStorageBufferOffsetAlignment),
         timestamp_period_ns=float(limits.timestampPeriod),
         features=tuple(features),
-        cooperative_matrix_shapes=_cooperative_shapes(instance, physical) if "cooperative_matrix" in features else (),
+        cooperative_matrix_shapes=_cooperative_shapes(instance, physical)
+        if "cooperative_matrix" in features
+        else (),
         extensions=extensions,
     )
 
@@ -308,8 +360,9 @@ class _Recorded:
 class VulkanBackend:
     """Runs Programs on one Vulkan device. See the module docstring."""
 
-    def __init__(self, device: int | str = "auto", memory_fraction: float = 0.9,
-                 block_bytes: int = 64 * 2**20) -> None:  # fmt: skip
+    def __init__(
+        self, device: int | str = "auto", memory_fraction: float = 0.9, block_bytes: int = 64 * 2**20
+    ) -> None:
         self.facts, self._physical = select_device(device)
         self.budget = memory_budget(self.facts, memory_fraction)
         self._allocator = BlockAllocator(self.budget, block_bytes)
@@ -335,78 +388,143 @@ class VulkanBackend:
         family = min((f for f in families if f.compute), key=lambda f: (f.graphics, f.index))
         self.queue_family = family.index
         priority = ffi.new("float[]", [1.0])
-        queue_info = ffi.new("VkDeviceQueueCreateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, "queueFamilyIndex": family.index,
-            "queueCount": 1, "pQueuePriorities": priority})  # fmt: skip
+        queue_info = ffi.new(
+            "VkDeviceQueueCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+                "queueFamilyIndex": family.index,
+                "queueCount": 1,
+                "pQueuePriorities": priority,
+            },
+        )
         self.timeline = self.facts.has("timeline_semaphore")
-        storage16 = ffi.new("VkPhysicalDevice16BitStorageFeatures*", {
-            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES,
-            "storageBuffer16BitAccess": int(self.facts.has("storage16"))})  # fmt: skip
-        f16i8 = ffi.new("VkPhysicalDeviceShaderFloat16Int8Features*", {
-            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES, "pNext": storage16,
-            "shaderFloat16": int(self.facts.has("fp16")), "shaderInt8": int(self.facts.has("int8"))})  # fmt: skip
-        timeline = ffi.new("VkPhysicalDeviceTimelineSemaphoreFeatures*", {
-            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES, "pNext": f16i8,
-            "timelineSemaphore": int(self.timeline)})  # fmt: skip
+        storage16 = ffi.new(
+            "VkPhysicalDevice16BitStorageFeatures*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES,
+                "storageBuffer16BitAccess": int(self.facts.has("storage16")),
+            },
+        )
+        f16i8 = ffi.new(
+            "VkPhysicalDeviceShaderFloat16Int8Features*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES,
+                "pNext": storage16,
+                "shaderFloat16": int(self.facts.has("fp16")),
+                "shaderInt8": int(self.facts.has("int8")),
+            },
+        )
+        timeline = ffi.new(
+            "VkPhysicalDeviceTimelineSemaphoreFeatures*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES,
+                "pNext": f16i8,
+                "timelineSemaphore": int(self.timeline),
+            },
+        )
         chain = timeline
         extension_names = []
         coop = None
         if self.facts.has("cooperative_matrix"):
-            coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {
-                "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR, "pNext": chain,
-                "cooperativeMatrix": 1})  # fmt: skip
+            coop = ffi.new(
+                "VkPhysicalDeviceCooperativeMatrixFeaturesKHR*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR,
+                    "pNext": chain,
+                    "cooperativeMatrix": 1,
+                },
+            )
             chain = coop
             extension_names.append("VK_KHR_cooperative_matrix")
         if self.facts.has("memory_budget"):
             extension_names.append("VK_EXT_memory_budget")
         ext_strings = [ffi.new("char[]", name.encode()) for name in extension_names]
         ext_array = ffi.new("char*[]", ext_strings) if ext_strings else ffi.NULL
-        info = ffi.new("VkDeviceCreateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, "pNext": chain, "queueCreateInfoCount": 1,
-            "pQueueCreateInfos": queue_info, "enabledExtensionCount": len(ext_strings),
-            "ppEnabledExtensionNames": ext_array})  # fmt: skip
+        info = ffi.new(
+            "VkDeviceCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
+                "pNext": chain,
+                "queueCreateInfoCount": 1,
+                "pQueueCreateInfos": queue_info,
+                "enabledExtensionCount": len(ext_strings),
+                "ppEnabledExtensionNames": ext_array,
+            },
+        )
         handle = ffi.new("VkDevice*")
         _check(lib.vkCreateDevice(self._physical, info, ffi.NULL, handle), "vkCreateDevice")
         self.device = handle[0]
         queue = ffi.new("VkQueue*")
         lib.vkGetDeviceQueue(self.device, family.index, 0, queue)
         self.queue = queue[0]
-        pool_info = ffi.new("VkCommandPoolCreateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, "queueFamilyIndex": family.index,
-            "flags": vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT})  # fmt: skip
+        pool_info = ffi.new(
+            "VkCommandPoolCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+                "queueFamilyIndex": family.index,
+                "flags": vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+            },
+        )
         pool = ffi.new("VkCommandPool*")
         _check(lib.vkCreateCommandPool(self.device, pool_info, ffi.NULL, pool), "vkCreateCommandPool")
         self.command_pool = pool[0]
         self._submitted = 0
         self._fences: dict[int, object] = {}
         if self.timeline:
-            type_info = ffi.new("VkSemaphoreTypeCreateInfo*", {
-                "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
-                "semaphoreType": vk.VK_SEMAPHORE_TYPE_TIMELINE, "initialValue": 0})  # fmt: skip
-            sem_info = ffi.new("VkSemaphoreCreateInfo*", {
-                "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, "pNext": type_info})  # fmt: skip
+            type_info = ffi.new(
+                "VkSemaphoreTypeCreateInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
+                    "semaphoreType": vk.VK_SEMAPHORE_TYPE_TIMELINE,
+                    "initialValue": 0,
+                },
+            )
+            sem_info = ffi.new(
+                "VkSemaphoreCreateInfo*",
+                {"sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, "pNext": type_info},
+            )
             semaphore = ffi.new("VkSemaphore*")
             _check(lib.vkCreateSemaphore(self.device, sem_info, ffi.NULL, semaphore), "vkCreateSemaphore")
             self.semaphore = semaphore[0]
             # Reused for every submit: only the signal value changes, so a replay costs one call.
             self._signal_value = ffi.new("uint64_t[]", [0])
             self._semaphore_array = ffi.new("VkSemaphore[]", [self.semaphore])
-            self._timeline_submit = ffi.new("VkTimelineSemaphoreSubmitInfo*", {
-                "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
-                "signalSemaphoreValueCount": 1, "pSignalSemaphoreValues": self._signal_value})  # fmt: skip
+            self._timeline_submit = ffi.new(
+                "VkTimelineSemaphoreSubmitInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
+                    "signalSemaphoreValueCount": 1,
+                    "pSignalSemaphoreValues": self._signal_value,
+                },
+            )
             self._wait_value = ffi.new("uint64_t[]", [0])
-            self._wait_info = ffi.new("VkSemaphoreWaitInfo*", {
-                "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, "semaphoreCount": 1,
-                "pSemaphores": self._semaphore_array, "pValues": self._wait_value})  # fmt: skip
+            self._wait_info = ffi.new(
+                "VkSemaphoreWaitInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO,
+                    "semaphoreCount": 1,
+                    "pSemaphores": self._semaphore_array,
+                    "pValues": self._wait_value,
+                },
+            )
             self._counter = ffi.new("uint64_t*")
 
     # -- memory -----------------------------------------------------------------------------
     def _create_buffer(self, name: str, size: int, host_visible: bool) -> _ArenaBuffer:
-        usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
-                 | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)  # fmt: skip
-        info = ffi.new("VkBufferCreateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, "size": size, "usage": usage,
-            "sharingMode": vk.VK_SHARING_MODE_EXCLUSIVE})  # fmt: skip
+        usage = (
+            vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT
+            | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+            | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT
+        )
+        info = ffi.new(
+            "VkBufferCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO,
+                "size": size,
+                "usage": usage,
+                "sharingMode": vk.VK_SHARING_MODE_EXCLUSIVE,
+            },
+        )
         handle = ffi.new("VkBuffer*")
         _check(lib.vkCreateBuffer(self.device, info, ffi.NULL, handle), f"vkCreateBuffer({name})")
         buffer = handle[0]
@@ -423,21 +541,31 @@ class VulkanBackend:
         if new_block is not None:
             self._allocate_block(new_block, memory_type)
         block = self._blocks[placement.block]
-        _check(lib.vkBindBufferMemory(self.device, buffer, block, placement.offset), f"vkBindBufferMemory({name})")
+        _check(
+            lib.vkBindBufferMemory(self.device, buffer, block, placement.offset),
+            f"vkBindBufferMemory({name})",
+        )
         mapped = None
         if "host_visible" in memory_type.flags:
             mapped = self._block_maps[placement.block] + placement.offset
         return _ArenaBuffer(buffer=buffer, placement=placement, size=size, mapped=mapped)
 
     def _allocate_block(self, size: int, memory_type: MemoryType) -> None:
-        info = ffi.new("VkMemoryAllocateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, "allocationSize": size,
-            "memoryTypeIndex": memory_type.index})  # fmt: skip
+        info = ffi.new(
+            "VkMemoryAllocateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+                "allocationSize": size,
+                "memoryTypeIndex": memory_type.index,
+            },
+        )
         handle = ffi.new("VkDeviceMemory*")
         result = lib.vkAllocateMemory(self.device, info, ffi.NULL, handle)
         if result != 0:
             self._allocator.blocks.pop()
-            raise MemoryError(f"vkAllocateMemory of {size:,} bytes (type {memory_type.index}) failed: {result}")
+            raise MemoryError(
+                f"vkAllocateMemory of {size:,} bytes (type {memory_type.index}) failed: {result}"
+            )
         self._blocks.append(handle[0])
         if "host_visible" in memory_type.flags:
             pointer = ffi.new("void**")
@@ -479,7 +607,9 @@ class VulkanBackend:
         spec = self._layout.tensor(tensor)
         array = np.ascontiguousarray(data, dtype=np.dtype(spec.dtype))
         if array.size > spec.size:
-            raise ValueError(f"write to {tensor!r}: holds {spec.size} elements {spec.shape}, got {array.size}")
+            raise ValueError(
+                f"write to {tensor!r}: holds {spec.size} elements {spec.shape}, got {array.size}"
+            )
         # A shorter write fills a prefix: a partial final batch uses only its first rows.
         target = self._arena_for(spec, slot)
         if target.mapped is not None:
@@ -514,9 +644,17 @@ class VulkanBackend:
         try:
             if upload is not None:
                 ffi.memmove(staging.mapped, ffi.from_buffer(upload), nbytes)
-            region = ffi.new("VkBufferCopy*", {"srcOffset": 0 if upload is not None else offset,
-                                               "dstOffset": offset if upload is not None else 0, "size": nbytes})
-            src, dst = (staging.buffer, arena.buffer) if upload is not None else (arena.buffer, staging.buffer)
+            region = ffi.new(
+                "VkBufferCopy*",
+                {
+                    "srcOffset": 0 if upload is not None else offset,
+                    "dstOffset": offset if upload is not None else 0,
+                    "size": nbytes,
+                },
+            )
+            src, dst = (
+                (staging.buffer, arena.buffer) if upload is not None else (arena.buffer, staging.buffer)
+            )
             command = self._begin_one_shot()
             self._full_barrier(command)
             lib.vkCmdCopyBuffer(command, src, dst, 1, region)
@@ -531,14 +669,31 @@ class VulkanBackend:
     # -- pipelines --------------------------------------------------------------------------
     def _set_layout(self, bindings: int):
         if bindings not in self._set_layouts:
-            entries = ffi.new("VkDescriptorSetLayoutBinding[]", [
-                {"binding": i, "descriptorType": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": 1,
-                 "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT} for i in range(bindings)])  # fmt: skip
-            info = ffi.new("VkDescriptorSetLayoutCreateInfo*", {
-                "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, "bindingCount": bindings,
-                "pBindings": entries})  # fmt: skip
+            entries = ffi.new(
+                "VkDescriptorSetLayoutBinding[]",
+                [
+                    {
+                        "binding": i,
+                        "descriptorType": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                        "descriptorCount": 1,
+                        "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT,
+                    }
+                    for i in range(bindings)
+                ],
+            )
+            info = ffi.new(
+                "VkDescriptorSetLayoutCreateInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+                    "bindingCount": bindings,
+                    "pBindings": entries,
+                },
+            )
             handle = ffi.new("VkDescriptorSetLayout*")
-            _check(lib.vkCreateDescriptorSetLayout(self.device, info, ffi.NULL, handle), "vkCreateDescriptorSetLayout")
+            _check(
+                lib.vkCreateDescriptorSetLayout(self.device, info, ffi.NULL, handle),
+                "vkCreateDescriptorSetLayout",
+            )
             self._set_layouts[bindings] = handle[0]
         return self._set_layouts[bindings]
 
@@ -547,16 +702,28 @@ class VulkanBackend:
         if key not in self._modules:
             code = compile_shader(shader, dict(defines))
             code_buffer = ffi.from_buffer(code)
-            info = ffi.new("VkShaderModuleCreateInfo*", {
-                "sType": vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, "codeSize": len(code),
-                "pCode": ffi.cast("uint32_t*", code_buffer)})  # fmt: skip
+            info = ffi.new(
+                "VkShaderModuleCreateInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
+                    "codeSize": len(code),
+                    "pCode": ffi.cast("uint32_t*", code_buffer),
+                },
+            )
             handle = ffi.new("VkShaderModule*")
-            _check(lib.vkCreateShaderModule(self.device, info, ffi.NULL, handle), f"vkCreateShaderModule({shader})")
+            _check(
+                lib.vkCreateShaderModule(self.device, info, ffi.NULL, handle),
+                f"vkCreateShaderModule({shader})",
+            )
             self._modules[key] = handle[0]
         return self._modules[key]
 
-    def pipeline(self, definition: OpDef, spec_overrides: dict[str, int] | None = None,
-                 defines: tuple[tuple[str, str], ...] = ()):  # fmt: skip
+    def pipeline(
+        self,
+        definition: OpDef,
+        spec_overrides: dict[str, int] | None = None,
+        defines: tuple[tuple[str, str], ...] = (),
+    ):
         """(pipeline, pipeline layout, spec values) for an op, cached per op and specialisation."""
         spec = definition.spec_values(spec_overrides)
         local = definition.local(spec)
@@ -564,83 +731,156 @@ class VulkanBackend:
         if key in self._pipelines:
             return self._pipelines[key]
         values = [*local, *(spec[name] for name, _ in definition.spec)]
-        entries = ffi.new("VkSpecializationMapEntry[]", [
-            {"constantID": i, "offset": 4 * i, "size": 4} for i in range(len(values))])  # fmt: skip
+        entries = ffi.new(
+            "VkSpecializationMapEntry[]",
+            [{"constantID": i, "offset": 4 * i, "size": 4} for i in range(len(values))],
+        )
         data = ffi.new("uint32_t[]", values)
-        spec_info = ffi.new("VkSpecializationInfo*", {
-            "mapEntryCount": len(values), "pMapEntries": entries, "dataSize": 4 * len(values), "pData": data})
+        spec_info = ffi.new(
+            "VkSpecializationInfo*",
+            {
+                "mapEntryCount": len(values),
+                "pMapEntries": entries,
+                "dataSize": 4 * len(values),
+                "pData": data,
+            },
+        )
         set_layout = ffi.new("VkDescriptorSetLayout[]", [self._set_layout(len(definition.bindings))])
         push_size = 4 * len(definition.push)
-        push_range = ffi.new("VkPushConstantRange*", {
-            "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0, "size": push_size})  # fmt: skip
-        layout_info = ffi.new("VkPipelineLayoutCreateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, "setLayoutCount": 1, "pSetLayouts": set_layout,
-            "pushConstantRangeCount": 1 if push_size else 0, "pPushConstantRanges": push_range})  # fmt: skip
+        push_range = ffi.new(
+            "VkPushConstantRange*",
+            {"stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0, "size": push_size},
+        )
+        layout_info = ffi.new(
+            "VkPipelineLayoutCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+                "setLayoutCount": 1,
+                "pSetLayouts": set_layout,
+                "pushConstantRangeCount": 1 if push_size else 0,
+                "pPushConstantRanges": push_range,
+            },
+        )
         layout_handle = ffi.new("VkPipelineLayout*")
-        _check(lib.vkCreatePipelineLayout(self.device, layout_info, ffi.NULL, layout_handle), "vkCreatePipelineLayout")
+        _check(
+            lib.vkCreatePipelineLayout(self.device, layout_info, ffi.NULL, layout_handle),
+            "vkCreatePipelineLayout",
+        )
         entry_name = ffi.new("char[]", b"main")
-        info = ffi.new("VkComputePipelineCreateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
-            "stage": {"sType": vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
-                      "stage": vk.VK_SHADER_STAGE_COMPUTE_BIT, "module": self._module(definition.shader, defines),
-                      "pName": entry_name, "pSpecializationInfo": spec_info},
-            "layout": layout_handle[0]})  # fmt: skip
+        info = ffi.new(
+            "VkComputePipelineCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
+                "stage": {
+                    "sType": vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
+                    "stage": vk.VK_SHADER_STAGE_COMPUTE_BIT,
+                    "module": self._module(definition.shader, defines),
+                    "pName": entry_name,
+                    "pSpecializationInfo": spec_info,
+                },
+                "layout": layout_handle[0],
+            },
+        )
         handle = ffi.new("VkPipeline*")
-        _check(lib.vkCreateComputePipelines(self.device, ffi.NULL, 1, info, ffi.NULL, handle),
-               f"vkCreateComputePipelines({definition.name})")  # fmt: skip
+        _check(
+            lib.vkCreateComputePipelines(self.device, ffi.NULL, 1, info, ffi.NULL, handle),
+            f"vkCreateComputePipelines({definition.name})",
+        )
         self._pipelines[key] = (handle[0], layout_handle[0], spec)
         return self._pipelines[key]
 
     # -- recording --------------------------------------------------------------------------
     def _descriptor_set(self, bindings: int):
-        for attempt in range(2):
+        for _attempt in range(2):
             if self._descriptor_pools:
                 set_layout = ffi.new("VkDescriptorSetLayout[]", [self._set_layout(bindings)])
-                info = ffi.new("VkDescriptorSetAllocateInfo*", {
-                    "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
-                    "descriptorPool": self._descriptor_pools[-1], "descriptorSetCount": 1,
-                    "pSetLayouts": set_layout})  # fmt: skip
+                info = ffi.new(
+                    "VkDescriptorSetAllocateInfo*",
+                    {
+                        "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+                        "descriptorPool": self._descriptor_pools[-1],
+                        "descriptorSetCount": 1,
+                        "pSetLayouts": set_layout,
+                    },
+                )
                 handle = ffi.new("VkDescriptorSet*")
                 if lib.vkAllocateDescriptorSets(self.device, info, handle) == 0:
                     return handle[0]
-            sizes = ffi.new("VkDescriptorPoolSize*", {
-                "type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": 8192})
-            pool_info = ffi.new("VkDescriptorPoolCreateInfo*", {
-                "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO, "maxSets": 1024, "poolSizeCount": 1,
-                "pPoolSizes": sizes})  # fmt: skip
+            sizes = ffi.new(
+                "VkDescriptorPoolSize*",
+                {"type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": 8192},
+            )
+            pool_info = ffi.new(
+                "VkDescriptorPoolCreateInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+                    "maxSets": 1024,
+                    "poolSizeCount": 1,
+                    "pPoolSizes": sizes,
+                },
+            )
             pool = ffi.new("VkDescriptorPool*")
-            _check(lib.vkCreateDescriptorPool(self.device, pool_info, ffi.NULL, pool), "vkCreateDescriptorPool")
+            _check(
+                lib.vkCreateDescriptorPool(self.device, pool_info, ffi.NULL, pool), "vkCreateDescriptorPool"
+            )
             self._descriptor_pools.append(pool[0])
         raise RuntimeError("could not allocate a descriptor set")
 
     def _full_barrier(self, command) -> None:
-        barrier = ffi.new("VkMemoryBarrier*", {
-            "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-            "srcAccessMask": vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
-            | vk.VK_ACCESS_HOST_WRITE_BIT,
-            "dstAccessMask": vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
-            | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT | vk.VK_ACCESS_HOST_READ_BIT})
-        stages = (vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
-                  | vk.VK_PIPELINE_STAGE_HOST_BIT)  # fmt: skip
+        barrier = ffi.new(
+            "VkMemoryBarrier*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                "srcAccessMask": vk.VK_ACCESS_SHADER_WRITE_BIT
+                | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+                | vk.VK_ACCESS_HOST_WRITE_BIT,
+                "dstAccessMask": vk.VK_ACCESS_SHADER_READ_BIT
+                | vk.VK_ACCESS_SHADER_WRITE_BIT
+                | vk.VK_ACCESS_TRANSFER_READ_BIT
+                | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+                | vk.VK_ACCESS_HOST_READ_BIT,
+            },
+        )
+        stages = (
+            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+            | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+            | vk.VK_PIPELINE_STAGE_HOST_BIT
+        )
         lib.vkCmdPipelineBarrier(command, stages, stages, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
 
     def _compute_barrier(self, command) -> None:
-        barrier = ffi.new("VkMemoryBarrier*", {
-            "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, "srcAccessMask": vk.VK_ACCESS_SHADER_WRITE_BIT,
-            "dstAccessMask": vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT})  # fmt: skip
+        barrier = ffi.new(
+            "VkMemoryBarrier*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                "srcAccessMask": vk.VK_ACCESS_SHADER_WRITE_BIT,
+                "dstAccessMask": vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
+            },
+        )
         stage = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
         lib.vkCmdPipelineBarrier(command, stage, stage, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
 
     def _allocate_command_buffer(self):
-        info = ffi.new("VkCommandBufferAllocateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, "commandPool": self.command_pool,
-            "level": vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, "commandBufferCount": 1})  # fmt: skip
+        info = ffi.new(
+            "VkCommandBufferAllocateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+                "commandPool": self.command_pool,
+                "level": vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+                "commandBufferCount": 1,
+            },
+        )
         handle = ffi.new("VkCommandBuffer[]", 1)
         _check(lib.vkAllocateCommandBuffers(self.device, info, handle), "vkAllocateCommandBuffers")
         return handle
 
-    def record(self, program: Program, slot: int = 0, spec_overrides: dict[str, dict[str, int]] | None = None,
-               timestamps: object | None = None) -> int:  # fmt: skip
+    def record(
+        self,
+        program: Program,
+        slot: int = 0,
+        spec_overrides: dict[str, dict[str, int]] | None = None,
+        timestamps: object | None = None,
+    ) -> int:
         """Record ``program`` once, bound to ``slot``'s per-slot arenas.
 
         Args:
@@ -656,7 +896,9 @@ class VulkanBackend:
         assert self._layout is not None, "open_layout first"
         handles = self._allocate_command_buffer()
         command = handles[0]
-        begin = ffi.new("VkCommandBufferBeginInfo*", {"sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO})
+        begin = ffi.new(
+            "VkCommandBufferBeginInfo*", {"sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO}
+        )
         _check(lib.vkBeginCommandBuffer(command, begin), "vkBeginCommandBuffer")
         keep: list = []
         # Orders this submission after earlier ones and after host writes of its inputs.
@@ -671,8 +913,10 @@ class VulkanBackend:
                 continue
             definition = op_def(step.op)
             if len(step.args) != len(definition.bindings):
-                raise ValueError(f"launch of {step.op!r} binds {len(step.args)} tensors, op needs "
-                                 f"{len(definition.bindings)} {definition.bindings}")  # fmt: skip
+                raise ValueError(
+                    f"launch of {step.op!r} binds {len(step.args)} tensors, op needs "
+                    f"{len(definition.bindings)} {definition.bindings}"
+                )
             overrides = (spec_overrides or {}).get(step.op)
             pipeline, pipeline_layout, spec = self.pipeline(definition, overrides)
             descriptor_set = self._descriptor_set(len(definition.bindings))
@@ -694,28 +938,36 @@ class VulkanBackend:
             lib.vkUpdateDescriptorSets(self.device, len(step.args), writes, 0, ffi.NULL)
             lib.vkCmdBindPipeline(command, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline)
             sets = ffi.new("VkDescriptorSet[]", [descriptor_set])
-            lib.vkCmdBindDescriptorSets(command, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline_layout, 0, 1, sets, 0,
-                                        ffi.NULL)  # fmt: skip
+            lib.vkCmdBindDescriptorSets(
+                command, vk.VK_PIPELINE_BIND_POINT_COMPUTE, pipeline_layout, 0, 1, sets, 0, ffi.NULL
+            )
             params = step.param_dict
             push = definition.pack_push(params)
             if push:
                 push_buffer = ffi.new("char[]", push)
-                lib.vkCmdPushConstants(command, pipeline_layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push),
-                                       push_buffer)  # fmt: skip
+                lib.vkCmdPushConstants(
+                    command, pipeline_layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push), push_buffer
+                )
                 keep.append(push_buffer)
             gx, gy, gz = definition.groups(params, definition.local(spec), spec)
             limit = self.facts.max_workgroup_count
             if gx > limit[0] or gy > limit[1] or gz > limit[2]:
-                raise ValueError(f"launch of {step.op!r} needs {(gx, gy, gz)} workgroups; device allows {limit}")
+                raise ValueError(
+                    f"launch of {step.op!r} needs {(gx, gy, gz)} workgroups; device allows {limit}"
+                )
             lib.vkCmdDispatch(command, gx, gy, gz)
             if timestamps is not None and query < timestamps.count:
-                lib.vkCmdWriteTimestamp(command, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, timestamps.pool, query)
+                lib.vkCmdWriteTimestamp(
+                    command, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, timestamps.pool, query
+                )
                 query += 1
             keep.extend((infos, writes, sets))
         self._full_barrier(command)
         _check(lib.vkEndCommandBuffer(command), "vkEndCommandBuffer")
-        submit = ffi.new("VkSubmitInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": handles})
+        submit = ffi.new(
+            "VkSubmitInfo*",
+            {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": handles},
+        )
         if self.timeline:
             submit.pNext = self._timeline_submit
             submit.signalSemaphoreCount = 1
@@ -752,9 +1004,15 @@ class VulkanBackend:
         timeout = _TIMEOUT_NS if timeout_s is None else int(timeout_s * 1e9)
         if self.timeline:
             value = ffi.new("uint64_t[]", [ticket])
-            info = ffi.new("VkSemaphoreWaitInfo*", {
-                "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, "semaphoreCount": 1,
-                "pSemaphores": self._semaphore_array, "pValues": value})  # fmt: skip
+            info = ffi.new(
+                "VkSemaphoreWaitInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO,
+                    "semaphoreCount": 1,
+                    "pSemaphores": self._semaphore_array,
+                    "pValues": value,
+                },
+            )
             result = lib.vkWaitSemaphores(self.device, info, timeout)
         else:
             with self._lock:
@@ -784,9 +1042,13 @@ class VulkanBackend:
 
     def _begin_one_shot(self):
         handles = self._allocate_command_buffer()
-        begin = ffi.new("VkCommandBufferBeginInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
-            "flags": vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT})  # fmt: skip
+        begin = ffi.new(
+            "VkCommandBufferBeginInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+                "flags": vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT,
+            },
+        )
         _check(lib.vkBeginCommandBuffer(handles[0], begin), "vkBeginCommandBuffer")
         self._one_shot_handles = handles
         return handles[0]
@@ -794,8 +1056,10 @@ class VulkanBackend:
     def _finish_one_shot(self, command) -> None:
         handles = self._one_shot_handles
         _check(lib.vkEndCommandBuffer(command), "vkEndCommandBuffer")
-        submit = ffi.new("VkSubmitInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": handles})
+        submit = ffi.new(
+            "VkSubmitInfo*",
+            {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": handles},
+        )
         fence = self._new_fence()
         with self._lock:
             _check(lib.vkQueueSubmit(self.queue, 1, submit, fence), "vkQueueSubmit")
@@ -807,9 +1071,14 @@ class VulkanBackend:
     # -- timing -----------------------------------------------------------------------------
     def timestamp_pool(self, count: int) -> TimestampPool:
         """A query pool of ``count`` timestamps for ``record(..., timestamps=pool)``."""
-        info = ffi.new("VkQueryPoolCreateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, "queryType": vk.VK_QUERY_TYPE_TIMESTAMP,
-            "queryCount": count})  # fmt: skip
+        info = ffi.new(
+            "VkQueryPoolCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+                "queryType": vk.VK_QUERY_TYPE_TIMESTAMP,
+                "queryCount": count,
+            },
+        )
         handle = ffi.new("VkQueryPool*")
         _check(lib.vkCreateQueryPool(self.device, info, ffi.NULL, handle), "vkCreateQueryPool")
         pool = TimestampPool(pool=handle[0], count=count)
@@ -820,8 +1089,12 @@ class VulkanBackend:
         """The pool's timestamps in nanoseconds (call after the submission is done)."""
         data = np.zeros(pool.count, dtype=np.uint64)
         flags = vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT
-        _check(lib.vkGetQueryPoolResults(self.device, pool.pool, 0, pool.count, data.nbytes, ffi.from_buffer(data),
-                                         8, flags), "vkGetQueryPoolResults")  # fmt: skip
+        _check(
+            lib.vkGetQueryPoolResults(
+                self.device, pool.pool, 0, pool.count, data.nbytes, ffi.from_buffer(data), 8, flags
+            ),
+            "vkGetQueryPoolResults",
+        )
         return data.astype(np.float64) * self.facts.timestamp_period_ns
 
     # -- teardown ---------------------------------------------------------------------------

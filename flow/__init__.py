@@ -10,9 +10,23 @@ from flow.plan import Plan, plan
 from flow.validate import check, summarize, validate
 
 __all__ = [
-    "FlowError", "Plan", "PlanError", "Problem", "SpecError", "check", "dumps", "load", "loads", "open_pipeline",
-    "plan", "predict", "run", "save", "summarize", "validate",
-]  # fmt: skip
+    "FlowError",
+    "Plan",
+    "PlanError",
+    "Problem",
+    "SpecError",
+    "check",
+    "dumps",
+    "load",
+    "loads",
+    "open_pipeline",
+    "plan",
+    "predict",
+    "run",
+    "save",
+    "summarize",
+    "validate",
+]
 
 
 def __getattr__(name: str):

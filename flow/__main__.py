@@ -28,12 +28,22 @@ def _devices(args: argparse.Namespace) -> int:
         heaps = ", ".join(f"{h.size / 2**30:.1f} GiB{' local' if h.device_local else ''}" for h in d.heaps)
         print(f"[{d.index}] {d.name} ({d.kind}, {d.vendor})")
         print(f"    api {d.api_version}, driver {d.driver_version}")
-        print(f"    queues: " + ", ".join(
-            f"family {q.index} x{q.count} {'G' if q.graphics else ''}{'C' if q.compute else ''}"
-            f"{'T' if q.transfer else ''}" for q in d.queue_families))  # fmt: skip
-        print(f"    memory heaps: {heaps}; types: " + ", ".join("+".join(t.flags) or "-" for t in d.memory_types))
-        print(f"    workgroup: size {d.max_workgroup_size}, invocations {d.max_workgroup_invocations}, "
-              f"shared {d.shared_memory_bytes} B, subgroup {d.subgroup_size}")  # fmt: skip
+        print(
+            "    queues: "
+            + ", ".join(
+                f"family {q.index} x{q.count} {'G' if q.graphics else ''}{'C' if q.compute else ''}"
+                f"{'T' if q.transfer else ''}"
+                for q in d.queue_families
+            )
+        )
+        print(
+            f"    memory heaps: {heaps}; types: "
+            + ", ".join("+".join(t.flags) or "-" for t in d.memory_types)
+        )
+        print(
+            f"    workgroup: size {d.max_workgroup_size}, invocations {d.max_workgroup_invocations}, "
+            f"shared {d.shared_memory_bytes} B, subgroup {d.subgroup_size}"
+        )
         print(f"    features: {', '.join(d.features) or '-'}")
         if d.cooperative_matrix_shapes:
             print(f"    cooperative matrix: {'; '.join(d.cooperative_matrix_shapes)}")

@@ -84,8 +84,14 @@ class Graph:
     tensors: dict[str, TensorDecl] = field(default_factory=dict)
     groups: list[list[Launch]] = field(default_factory=list)
 
-    def add(self, name: str, shape: tuple[int, ...], role: Role = "work", dtype: DType = "float32",
-            view_of: str | None = None) -> str:  # fmt: skip
+    def add(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        role: Role = "work",
+        dtype: DType = "float32",
+        view_of: str | None = None,
+    ) -> str:
         declared = TensorDecl(name, tuple(int(d) for d in shape), dtype, role, view_of)
         existing = self.tensors.get(name)
         if existing is not None and existing != declared:
@@ -115,8 +121,12 @@ def stages(model: Model) -> list[Stage]:
             and isinstance(previous.layer, Linear | Conv2d)
             and previous.activation is None
         ):
-            result[-1] = replace(previous, activation=activation, layer=_with_slope(previous.layer, layer),
-                                 out_shape=shapes[index])  # fmt: skip
+            result[-1] = replace(
+                previous,
+                activation=activation,
+                layer=_with_slope(previous.layer, layer),
+                out_shape=shapes[index],
+            )
         else:
             own = getattr(layer, "activation", None) if isinstance(layer, Linear | Conv2d) else activation
             result.append(Stage(index, layer, own, in_shape, shapes[index]))
@@ -155,17 +165,28 @@ def parameters(model: Model) -> list[ParamDecl]:
         layer, _ = _unwrap(stage.layer)
         if isinstance(layer, Linear):
             fan_in, fan_out = stage.in_shape[0], layer.units
-            params.append(ParamDecl(f"layers[{stage.index}].weight", (fan_in, fan_out), fan_in, fan_out, False))
+            params.append(
+                ParamDecl(f"layers[{stage.index}].weight", (fan_in, fan_out), fan_in, fan_out, False)
+            )
             if layer.bias:
                 params.append(ParamDecl(f"layers[{stage.index}].bias", (fan_out,), fan_in, fan_out, True))
         elif isinstance(layer, Conv2d):
             c = stage.in_shape[0]
             area = layer.kernel * layer.kernel
             shape = (layer.channels, c, layer.kernel, layer.kernel)
-            params.append(ParamDecl(f"layers[{stage.index}].weight", shape, c * area, layer.channels * area, False))
+            params.append(
+                ParamDecl(f"layers[{stage.index}].weight", shape, c * area, layer.channels * area, False)
+            )
             if layer.bias:
-                params.append(ParamDecl(f"layers[{stage.index}].bias", (layer.channels,), c * area,
-                                        layer.channels * area, True))  # fmt: skip
+                params.append(
+                    ParamDecl(
+                        f"layers[{stage.index}].bias",
+                        (layer.channels,),
+                        c * area,
+                        layer.channels * area,
+                        True,
+                    )
+                )
     return params
 
 
@@ -205,13 +226,31 @@ class _Builder:
         if isinstance(layer, Linear):
             w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
             k, n = stage.in_shape[0], layer.units
-            g.emit(launch("gemm", (h, w, bias if layer.bias else h, target), M=b, N=n, K=k,
-                          has_bias=int(layer.bias), act=epilogue, alpha=1.0, slope=slope))  # fmt: skip
+            g.emit(
+                launch(
+                    "gemm",
+                    (h, w, bias if layer.bias else h, target),
+                    M=b,
+                    N=n,
+                    K=k,
+                    has_bias=int(layer.bias),
+                    act=epilogue,
+                    alpha=1.0,
+                    slope=slope,
+                )
+            )
         elif isinstance(layer, Conv2d):
             w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
-            g.emit(launch("conv2d", (h, w, bias if layer.bias else h, target),
-                          **self._conv_params(stage, layer), has_bias=int(layer.bias), act=epilogue,
-                          slope=slope))  # fmt: skip
+            g.emit(
+                launch(
+                    "conv2d",
+                    (h, w, bias if layer.bias else h, target),
+                    **self._conv_params(stage, layer),
+                    has_bias=int(layer.bias),
+                    act=epilogue,
+                    slope=slope,
+                )
+            )
         elif isinstance(layer, MaxPool2d):
             idx = g.add(f"argmax[{stage.index}]", (b, *stage.out_shape), dtype="int32")
             saved["idx"] = idx
@@ -225,9 +264,13 @@ class _Builder:
             rows, cols = b * math.prod(stage.out_shape[:-1]), stage.out_shape[-1]
             g.emit(launch("softmax", (h, out), rows=rows, cols=cols, log=0))
         else:
-            raise PlanError([Problem(f"model.layers[{stage.index}]", f"no forward rule for {type(layer).__name__}")])
+            raise PlanError(
+                [Problem(f"model.layers[{stage.index}]", f"no forward rule for {type(layer).__name__}")]
+            )
         if split_gelu:
-            g.emit(launch("unary", (target, out), n=b * math.prod(stage.out_shape), fn=act_code, a=0.0, b=0.0))
+            g.emit(
+                launch("unary", (target, out), n=b * math.prod(stage.out_shape), fn=act_code, a=0.0, b=0.0)
+            )
             saved["pre"] = target
         self.saved[position] = saved
         return out
@@ -235,8 +278,19 @@ class _Builder:
     def _conv_params(self, stage: Stage, layer: Conv2d) -> dict[str, int]:
         c, h, w = stage.in_shape
         k, oh, ow = stage.out_shape
-        return dict(N=self.b, C=c, H=h, W=w, K=k, R=layer.kernel, S=layer.kernel, stride=layer.stride,
-                    pad=layer.padding, OH=oh, OW=ow)  # fmt: skip
+        return dict(
+            N=self.b,
+            C=c,
+            H=h,
+            W=w,
+            K=k,
+            R=layer.kernel,
+            S=layer.kernel,
+            stride=layer.stride,
+            pad=layer.padding,
+            OH=oh,
+            OW=ow,
+        )
 
     def _pool_params(self, stage: Stage, layer: MaxPool2d) -> dict[str, int]:
         c, h, w = stage.in_shape
@@ -254,16 +308,38 @@ class _Builder:
         grad = g.add(f"grad:{output}", out_shape) if write_grad else None
         if isinstance(self.model.loss, CrossEntropy):
             correct_rows = g.add("correct_rows", (b,))
-            g.emit(launch("softmax_xent", (output, labels, loss_rows, correct_rows, grad or loss_rows),
-                          rows=b, cols=cols, write_grad=int(write_grad), scale=1.0 / b))  # fmt: skip
             g.emit(
-                launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0 / b),
-                launch("reduce", (correct_rows, "correct"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0),
+                launch(
+                    "softmax_xent",
+                    (output, labels, loss_rows, correct_rows, grad or loss_rows),
+                    rows=b,
+                    cols=cols,
+                    write_grad=int(write_grad),
+                    scale=1.0 / b,
+                )
+            )
+            g.emit(
+                launch(
+                    "reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0 / b
+                ),
+                launch(
+                    "reduce", (correct_rows, "correct"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0
+                ),
             )
         elif isinstance(self.model.loss, MSE):
-            g.emit(launch("mse", (output, labels, loss_rows, grad or loss_rows), rows=b, cols=cols,
-                          write_grad=int(write_grad), scale=2.0 / (b * cols)))  # fmt: skip
-            g.emit(launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0 / b))
+            g.emit(
+                launch(
+                    "mse",
+                    (output, labels, loss_rows, grad or loss_rows),
+                    rows=b,
+                    cols=cols,
+                    write_grad=int(write_grad),
+                    scale=2.0 / (b * cols),
+                )
+            )
+            g.emit(
+                launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0 / b)
+            )
         else:
             raise PlanError([Problem("model.loss", "training needs a loss (CrossEntropy or MSE)")])
         return grad
@@ -277,7 +353,9 @@ class _Builder:
         for position in range(len(self.stages) - 1, -1, -1):
             if first_trainable is None or position < first_trainable:
                 break
-            grad = self._backward_stage(position, self.stages[position], grad, need_input_grad=position > first_trainable)
+            grad = self._backward_stage(
+                position, self.stages[position], grad, need_input_grad=position > first_trainable
+            )
 
     def _backward_stage(self, position: int, stage: Stage, grad: str, need_input_grad: bool) -> str:
         b, g = self.b, self.g
@@ -293,8 +371,16 @@ class _Builder:
             if stage.activation is not None:
                 dz = g.add(f"grad:pre[{stage.index}]", (b, *stage.out_shape))
                 keep = saved["pre"] if stage.activation == "gelu" else saved["output"]
-                g.emit(launch("unary_backward", (grad, keep, dz), n=count, fn=ACTIVATIONS[stage.activation],
-                              a=slope, b=0.0))  # fmt: skip
+                g.emit(
+                    launch(
+                        "unary_backward",
+                        (grad, keep, dz),
+                        n=count,
+                        fn=ACTIVATIONS[stage.activation],
+                        a=slope,
+                        b=0.0,
+                    )
+                )
             w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
             dw, db = f"grad:{w}", f"grad:{bias}"
             if isinstance(layer, Linear):
@@ -302,20 +388,34 @@ class _Builder:
                 g.emit(
                     launch("gemm", (h, dz, h, dw), M=k, N=n, K=b, trans_a=1, alpha=1.0),
                     launch("reduce", (dz, db), rows=b, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
-                    if layer.bias else None,
-                    launch("gemm", (dz, w, dz, in_grad), M=b, N=k, K=n, trans_b=1, alpha=1.0) if in_grad else None,
-                )  # fmt: skip
+                    if layer.bias
+                    else None,
+                    launch("gemm", (dz, w, dz, in_grad), M=b, N=k, K=n, trans_b=1, alpha=1.0)
+                    if in_grad
+                    else None,
+                )
             else:
                 params = self._conv_params(stage, layer)
                 g.emit(
                     launch("conv2d_backward_weight", (h, dz, dw), **params),
-                    launch("channel_sum", (dz, db), N=b, K=layer.channels, HW=stage.out_shape[1] * stage.out_shape[2])
-                    if layer.bias else None,
+                    launch(
+                        "channel_sum",
+                        (dz, db),
+                        N=b,
+                        K=layer.channels,
+                        HW=stage.out_shape[1] * stage.out_shape[2],
+                    )
+                    if layer.bias
+                    else None,
                     launch("conv2d_backward_data", (dz, w, in_grad), **params) if in_grad else None,
-                )  # fmt: skip
+                )
         elif isinstance(layer, MaxPool2d):
             if in_grad:
-                g.emit(launch("maxpool2d_backward", (grad, saved["idx"], in_grad), **self._pool_params(stage, layer)))
+                g.emit(
+                    launch(
+                        "maxpool2d_backward", (grad, saved["idx"], in_grad), **self._pool_params(stage, layer)
+                    )
+                )
         elif isinstance(layer, Flatten):
             if in_grad:
                 # The gradient of a reshape is the reshaped gradient: a view, no launch.
@@ -324,12 +424,26 @@ class _Builder:
         elif stage.activation is not None:
             if in_grad:
                 keep = h if stage.activation == "gelu" else saved["output"]
-                g.emit(launch("unary_backward", (grad, keep, in_grad), n=count, fn=ACTIVATIONS[stage.activation],
-                              a=slope, b=0.0))  # fmt: skip
+                g.emit(
+                    launch(
+                        "unary_backward",
+                        (grad, keep, in_grad),
+                        n=count,
+                        fn=ACTIVATIONS[stage.activation],
+                        a=slope,
+                        b=0.0,
+                    )
+                )
         else:
-            raise PlanError([Problem(f"model.layers[{stage.index}]",
-                                     f"{type(layer).__name__} has no backward rule; it can only be used for "
-                                     "inference (CrossEntropy already fuses the softmax)")])  # fmt: skip
+            raise PlanError(
+                [
+                    Problem(
+                        f"model.layers[{stage.index}]",
+                        f"{type(layer).__name__} has no backward rule; it can only be used for "
+                        "inference (CrossEntropy already fuses the softmax)",
+                    )
+                ]
+            )
         return in_grad or ""
 
 
@@ -345,17 +459,31 @@ def update_launch(optimiser: Optimiser, total: int) -> Launch:
     is always zero, so it stays zero)."""
     if isinstance(optimiser, SGD):
         momentum_buffer = "state:momentum" if optimiser.momentum else "grads:all"
-        return launch("sgd", ("params:all", "grads:all", momentum_buffer, "stepvals"), n=total,
-                      momentum=float(optimiser.momentum), nesterov=int(optimiser.nesterov),
-                      weight_decay=float(optimiser.weight_decay))  # fmt: skip
+        return launch(
+            "sgd",
+            ("params:all", "grads:all", momentum_buffer, "stepvals"),
+            n=total,
+            momentum=float(optimiser.momentum),
+            nesterov=int(optimiser.nesterov),
+            weight_decay=float(optimiser.weight_decay),
+        )
     if isinstance(optimiser, Adam | AdamW):
-        return launch("adam", ("params:all", "grads:all", "state:exp_avg", "state:exp_avg_sq", "stepvals"), n=total,
-                      beta1=float(optimiser.betas[0]), beta2=float(optimiser.betas[1]), eps=float(optimiser.eps),
-                      weight_decay=float(optimiser.weight_decay), decoupled=int(isinstance(optimiser, AdamW)))  # fmt: skip
+        return launch(
+            "adam",
+            ("params:all", "grads:all", "state:exp_avg", "state:exp_avg_sq", "stepvals"),
+            n=total,
+            beta1=float(optimiser.betas[0]),
+            beta2=float(optimiser.betas[1]),
+            eps=float(optimiser.eps),
+            weight_decay=float(optimiser.weight_decay),
+            decoupled=int(isinstance(optimiser, AdamW)),
+        )
     raise PlanError([Problem("optimiser", f"unknown optimiser {type(optimiser).__name__}")])
 
 
-def build_graph(model: Model, optimiser: Optimiser | None, batch: int, program: str, total_params: int) -> Graph:
+def build_graph(
+    model: Model, optimiser: Optimiser | None, batch: int, program: str, total_params: int
+) -> Graph:
     """The launches of one program for one batch size.
 
     Args:

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from flow.autodiff import Graph, ParamDecl, TensorDecl, build_graph, label_shape, optimiser_state_names, parameters
+from flow.autodiff import (
+    Graph,
+    ParamDecl,
+    TensorDecl,
+    build_graph,
+    label_shape,
+    optimiser_state_names,
+    parameters,
+)
 from flow.errors import PlanError, Problem
 from flow.program import ITEM_BYTES, Arena, Launch, Layout, Program, Tensor, align_up, with_barriers
 from flow.shapes import infer_shapes
@@ -46,8 +54,13 @@ class MemoryReport:
     budget: int | None
 
     def as_dict(self) -> dict:
-        return {"arenas": dict(self.arenas), "work_peak": self.work_peak, "work_naive": self.work_naive,
-                "total": self.total, "budget": self.budget}  # fmt: skip
+        return {
+            "arenas": dict(self.arenas),
+            "work_peak": self.work_peak,
+            "work_naive": self.work_naive,
+            "total": self.total,
+            "budget": self.budget,
+        }
 
 
 @dataclass(frozen=True)
@@ -113,16 +126,33 @@ def _device_dict(device: DevicePlan) -> dict:
         "slots": device.slots,
         "stages": list(device.stages),
         "memory": device.memory.as_dict(),
-        "arenas": [{"name": a.name, "bytes": a.nbytes, "per_slot": a.per_slot, "host_visible": a.host_visible}
-                   for a in device.layout.arenas],  # fmt: skip
-        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "arena": t.arena, "offset": t.offset,
-                     "bytes": t.nbytes} for t in device.layout.tensors],  # fmt: skip
+        "arenas": [
+            {"name": a.name, "bytes": a.nbytes, "per_slot": a.per_slot, "host_visible": a.host_visible}
+            for a in device.layout.arenas
+        ],
+        "tensors": [
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "arena": t.arena,
+                "offset": t.offset,
+                "bytes": t.nbytes,
+            }
+            for t in device.layout.tensors
+        ],
         "programs": [
-            {"name": p.name, "steps": [
-                {"op": s.op, "args": list(s.args), "params": dict(s.params)} if isinstance(s, Launch) else "barrier"
-                for s in p.steps]}
+            {
+                "name": p.name,
+                "steps": [
+                    {"op": s.op, "args": list(s.args), "params": dict(s.params)}
+                    if isinstance(s, Launch)
+                    else "barrier"
+                    for s in p.steps
+                ],
+            }
             for p in device.programs
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -168,7 +198,9 @@ def assign_offsets(lives: list[Lifetime]) -> tuple[dict[str, int], int]:
     offsets: dict[str, int] = {}
     peak = 0
     for life in sorted(lives, key=lambda x: (x.first, -x.nbytes, x.name)):
-        busy = sorted((o, e) for o, e, other in placed if not (other.last < life.first or life.last < other.first))
+        busy = sorted(
+            (o, e) for o, e, other in placed if not (other.last < life.first or life.last < other.first)
+        )
         offset = 0
         for start, end in busy:
             if offset + life.nbytes <= start:
@@ -259,7 +291,10 @@ def plan_device(spec: Spec, device: str, budget: int | None = None) -> DevicePla
 
     arenas = [Arena("params", param_bytes), Arena("grads", param_bytes)]
     arenas += [Arena(f"state:{s}", param_bytes) for s in state_names]
-    arenas += [Arena("work", max(work_peak, 256)), Arena("io", max(io_offset, 256), per_slot=True, host_visible=True)]
+    arenas += [
+        Arena("work", max(work_peak, 256)),
+        Arena("io", max(io_offset, 256), per_slot=True, host_visible=True),
+    ]
     layout = Layout(arenas=tuple(arenas), tensors=tuple(tensors))
     _check_bindings(layout, graphs)
 
@@ -269,12 +304,29 @@ def plan_device(spec: Spec, device: str, budget: int | None = None) -> DevicePla
     if budget is not None and total > budget:
         largest = sorted(layout.tensors, key=lambda t: -t.nbytes)[:5]
         detail = ", ".join(f"{t.name} {t.shape} {t.nbytes:,} B" for t in largest)
-        raise PlanError([Problem(f"devices[{device}]",
-                                 f"the plan needs {total:,} bytes but the memory budget is {budget:,} bytes; "
-                                 f"largest tensors: {detail}")])  # fmt: skip
+        raise PlanError(
+            [
+                Problem(
+                    f"devices[{device}]",
+                    f"the plan needs {total:,} bytes but the memory budget is {budget:,} bytes; "
+                    f"largest tensors: {detail}",
+                )
+            ]
+        )
     names = tuple(f"layers[{i}] {type(layer).__name__}" for i, layer in enumerate(model.layers))
-    return DevicePlan(device, model, spec.optimiser, batch, slots, layout, tuple(params), total_params,
-                      state_names, memory, names)  # fmt: skip
+    return DevicePlan(
+        device,
+        model,
+        spec.optimiser,
+        batch,
+        slots,
+        layout,
+        tuple(params),
+        total_params,
+        state_names,
+        memory,
+        names,
+    )
 
 
 def _check_bindings(layout: Layout, graphs: dict[str, Graph]) -> None:
@@ -329,4 +381,3 @@ def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.
         else:
             values[p.name] = (rng.standard_normal(p.shape) * math.sqrt(2.0 / p.fan_in)).astype(np.float32)
     return values
-

@@ -130,12 +130,31 @@ def _reduce_groups(params, local, spec) -> Groups:
 
 _ELEMENTWISE_PUSH = (("n", "u"), ("fn", "u"), ("a", "f"), ("b", "f"))
 _CONV_PUSH = (
-    ("N", "u"), ("C", "u"), ("H", "u"), ("W", "u"), ("K", "u"), ("R", "u"), ("S", "u"),
-    ("stride", "u"), ("pad", "u"), ("OH", "u"), ("OW", "u"), ("has_bias", "u"), ("act", "u"), ("slope", "f"),
-)  # fmt: skip
+    ("N", "u"),
+    ("C", "u"),
+    ("H", "u"),
+    ("W", "u"),
+    ("K", "u"),
+    ("R", "u"),
+    ("S", "u"),
+    ("stride", "u"),
+    ("pad", "u"),
+    ("OH", "u"),
+    ("OW", "u"),
+    ("has_bias", "u"),
+    ("act", "u"),
+    ("slope", "f"),
+)
 _POOL_PUSH = (
-    ("N", "u"), ("C", "u"), ("H", "u"), ("W", "u"), ("OH", "u"), ("OW", "u"), ("kernel", "u"), ("stride", "u"),
-)  # fmt: skip
+    ("N", "u"),
+    ("C", "u"),
+    ("H", "u"),
+    ("W", "u"),
+    ("OH", "u"),
+    ("OW", "u"),
+    ("kernel", "u"),
+    ("stride", "u"),
+)
 
 
 def _conv_out_groups(params, local, spec) -> Groups:
@@ -166,10 +185,23 @@ def _pool_in_groups(params, local, spec) -> Groups:
 _OPS: tuple[OpDef, ...] = (
     # C[M,N] = act(alpha * op(A) @ op(B) + bias[N] + (accumulate ? C : 0))
     OpDef(
-        "gemm", "gemm.comp", ("A", "B", "bias", "C"),
-        (("M", "u"), ("N", "u"), ("K", "u"), ("trans_a", "u"), ("trans_b", "u"), ("has_bias", "u"),
-         ("act", "u"), ("accumulate", "u"), ("alpha", "f"), ("slope", "f")),
-        _gemm_groups, local_size=(256, 1, 1),
+        "gemm",
+        "gemm.comp",
+        ("A", "B", "bias", "C"),
+        (
+            ("M", "u"),
+            ("N", "u"),
+            ("K", "u"),
+            ("trans_a", "u"),
+            ("trans_b", "u"),
+            ("has_bias", "u"),
+            ("act", "u"),
+            ("accumulate", "u"),
+            ("alpha", "f"),
+            ("slope", "f"),
+        ),
+        _gemm_groups,
+        local_size=(256, 1, 1),
         spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4)),
         local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]), 1, 1),
     ),
@@ -181,45 +213,78 @@ _OPS: tuple[OpDef, ...] = (
     OpDef("binary", "binary.comp", ("X", "Y", "Z"), _ELEMENTWISE_PUSH, _linear_groups("n")),
     # X is [rows, cols]; axis 0 reduces over rows -> [cols], axis 1 over cols -> [rows]; result * alpha.
     OpDef(
-        "reduce", "reduce.comp", ("X", "Y"),
+        "reduce",
+        "reduce.comp",
+        ("X", "Y"),
         (("rows", "u"), ("cols", "u"), ("axis", "u"), ("fn", "u"), ("alpha", "f")),
-        _reduce_groups, local_size=(64, 1, 1),
+        _reduce_groups,
+        local_size=(64, 1, 1),
     ),
     # Row-wise softmax (log=0) or log-softmax (log=1) of X [rows, cols].
-    OpDef("softmax", "softmax.comp", ("X", "Y"), (("rows", "u"), ("cols", "u"), ("log", "u")),
-          _rows_groups, local_size=(64, 1, 1)),
+    OpDef(
+        "softmax",
+        "softmax.comp",
+        ("X", "Y"),
+        (("rows", "u"), ("cols", "u"), ("log", "u")),
+        _rows_groups,
+        local_size=(64, 1, 1),
+    ),
     # Fused softmax + cross-entropy on int labels: loss_rows[r], correct_rows[r] (1.0 if argmax == label),
     # and when write_grad, dlogits = scale * (softmax - onehot).
     OpDef(
-        "softmax_xent", "softmax_xent.comp", ("logits", "labels", "loss_rows", "correct_rows", "dlogits"),
+        "softmax_xent",
+        "softmax_xent.comp",
+        ("logits", "labels", "loss_rows", "correct_rows", "dlogits"),
         (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("scale", "f")),
-        _rows_groups, local_size=(64, 1, 1),
+        _rows_groups,
+        local_size=(64, 1, 1),
     ),
     # loss_rows[r] = mean_c (Y - T)^2; when write_grad, dY = scale * (Y - T).
     OpDef(
-        "mse", "mse.comp", ("Y", "T", "loss_rows", "dY"),
+        "mse",
+        "mse.comp",
+        ("Y", "T", "loss_rows", "dY"),
         (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("scale", "f")),
-        _rows_groups, local_size=(64, 1, 1),
+        _rows_groups,
+        local_size=(64, 1, 1),
     ),
     # NCHW conv with square stride/pad; Y = act(conv(X, W) + bias).
     OpDef("conv2d", "conv2d.comp", ("X", "Wt", "bias", "Y"), _CONV_PUSH, _conv_out_groups),
-    OpDef("conv2d_backward_data", "conv2d_backward_data.comp", ("dY", "Wt", "dX"), _CONV_PUSH, _conv_data_groups),
-    OpDef("conv2d_backward_weight", "conv2d_backward_weight.comp", ("X", "dY", "dW"), _CONV_PUSH,
-          _conv_weight_groups, local_size=(64, 1, 1)),
+    OpDef(
+        "conv2d_backward_data", "conv2d_backward_data.comp", ("dY", "Wt", "dX"), _CONV_PUSH, _conv_data_groups
+    ),
+    OpDef(
+        "conv2d_backward_weight",
+        "conv2d_backward_weight.comp",
+        ("X", "dY", "dW"),
+        _CONV_PUSH,
+        _conv_weight_groups,
+        local_size=(64, 1, 1),
+    ),
     # db[k] = sum over n and spatial of dY[n, k, :] (dY viewed as [N, K, HW]).
-    OpDef("channel_sum", "channel_sum.comp", ("dY", "db"), (("N", "u"), ("K", "u"), ("HW", "u")),
-          lambda p, local, spec: capped_groups(int(p["K"]), 1), local_size=(64, 1, 1)),
+    OpDef(
+        "channel_sum",
+        "channel_sum.comp",
+        ("dY", "db"),
+        (("N", "u"), ("K", "u"), ("HW", "u")),
+        lambda p, local, spec: capped_groups(int(p["K"]), 1),
+        local_size=(64, 1, 1),
+    ),
     # Y = max over each window; idx = flat h*W+w of the max within its channel plane.
     OpDef("maxpool2d", "maxpool2d.comp", ("X", "Y", "idx"), _POOL_PUSH, _pool_out_groups),
     OpDef("maxpool2d_backward", "maxpool2d_backward.comp", ("dY", "idx", "dX"), _POOL_PUSH, _pool_in_groups),
     # In-place optimisers over a flat parameter range; step values [lr, 1-b1^t, 1-b2^t, t] per slot.
     OpDef(
-        "sgd", "sgd.comp", ("P", "G", "M", "stepvals"),
+        "sgd",
+        "sgd.comp",
+        ("P", "G", "M", "stepvals"),
         (("n", "u"), ("momentum", "f"), ("nesterov", "u"), ("weight_decay", "f")),
         _linear_groups("n"),
     ),
     OpDef(
-        "adam", "adam.comp", ("P", "G", "M", "V", "stepvals"),
+        "adam",
+        "adam.comp",
+        ("P", "G", "M", "V", "stepvals"),
         (("n", "u"), ("beta1", "f"), ("beta2", "f"), ("eps", "f"), ("weight_decay", "f"), ("decoupled", "u")),
         _linear_groups("n"),
     ),
@@ -229,23 +294,46 @@ _OPS: tuple[OpDef, ...] = (
     # n elements converted by mode (CASTS); float16 is packed two per 32-bit word.
     OpDef("cast", "cast.comp", ("X", "Y"), (("n", "u"), ("mode", "u")), _linear_groups("n")),
     # out[r] = argmax_c X[r, c] (first maximum), int32.
-    OpDef("argmax", "argmax.comp", ("X", "out"), (("rows", "u"), ("cols", "u")), _rows_groups,
-          local_size=(64, 1, 1)),
+    OpDef(
+        "argmax",
+        "argmax.comp",
+        ("X", "out"),
+        (("rows", "u"), ("cols", "u")),
+        _rows_groups,
+        local_size=(64, 1, 1),
+    ),
 )
 
 # What each op writes; everything else it binds is read only.
 _OUTPUTS: dict[str, tuple[str, ...]] = {
-    "gemm": ("C",), "unary": ("Y",), "unary_backward": ("dX",), "binary": ("Z",), "reduce": ("Y",),
-    "softmax": ("Y",), "softmax_xent": ("loss_rows", "correct_rows", "dlogits"), "mse": ("loss_rows", "dY"),
-    "conv2d": ("Y",), "conv2d_backward_data": ("dX",), "conv2d_backward_weight": ("dW",), "channel_sum": ("db",),
-    "maxpool2d": ("Y", "idx"), "maxpool2d_backward": ("dX",), "sgd": ("P", "M"), "adam": ("P", "M", "V"),
-    "fill": ("X",), "copy": ("Y",), "cast": ("Y",), "argmax": ("out",),
-}  # fmt: skip
+    "gemm": ("C",),
+    "unary": ("Y",),
+    "unary_backward": ("dX",),
+    "binary": ("Z",),
+    "reduce": ("Y",),
+    "softmax": ("Y",),
+    "softmax_xent": ("loss_rows", "correct_rows", "dlogits"),
+    "mse": ("loss_rows", "dY"),
+    "conv2d": ("Y",),
+    "conv2d_backward_data": ("dX",),
+    "conv2d_backward_weight": ("dW",),
+    "channel_sum": ("db",),
+    "maxpool2d": ("Y", "idx"),
+    "maxpool2d_backward": ("dX",),
+    "sgd": ("P", "M"),
+    "adam": ("P", "M", "V"),
+    "fill": ("X",),
+    "copy": ("Y",),
+    "cast": ("Y",),
+    "argmax": ("out",),
+}
 
 # Scale factors default to 1, not 0.
 _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
-    "gemm": (("alpha", 1.0),), "binary": (("a", 1.0),), "reduce": (("alpha", 1.0),),
-}  # fmt: skip
+    "gemm": (("alpha", 1.0),),
+    "binary": (("a", 1.0),),
+    "reduce": (("alpha", 1.0),),
+}
 
 OPS: dict[str, OpDef] = {
     op.name: replace(op, outputs=_OUTPUTS[op.name], defaults=_DEFAULTS.get(op.name, ())) for op in _OPS

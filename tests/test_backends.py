@@ -48,7 +48,7 @@ def test_block_allocator_sub_allocates_reuses_and_enforces_the_budget(rng):
         placements.append(placement)
     assert len(allocator.blocks) <= 2  # sub-allocated, not one block per buffer
     spans = sorted((p.block, p.offset, p.offset + p.size) for p in placements)
-    for (b1, _, end), (b2, start, _) in zip(spans, spans[1:]):
+    for (b1, _, end), (b2, start, _) in zip(spans, spans[1:], strict=False):
         assert b1 != b2 or end <= start
     assert allocator.in_use == sum(sizes)
     with pytest.raises(MemoryBudgetError) as error:
@@ -76,7 +76,9 @@ def test_vulkan_over_budget_allocation_names_bytes_and_budget():
 
     backend = VulkanBackend(memory_fraction=1e-6)
     try:
-        layout = Layout(arenas=(Arena("work", 64 * 2**20),), tensors=(Tensor("t", (16 * 2**20,), "float32", "work", 0),))
+        layout = Layout(
+            arenas=(Arena("work", 64 * 2**20),), tensors=(Tensor("t", (16 * 2**20,), "float32", "work", 0),)
+        )
         with pytest.raises(MemoryBudgetError) as error:
             backend.open_layout(layout)
         assert "work" in str(error.value) and f"{backend.budget:,}" in str(error.value)
@@ -91,8 +93,13 @@ def test_vulkan_over_budget_allocation_names_bytes_and_budget():
 
 
 def test_devices_json_lists_the_device_with_its_facts(vulkan_backend):
-    done = subprocess.run([sys.executable, "-m", "flow", "devices", "--json"], capture_output=True, text=True,
-                          cwd=ROOT, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "flow", "devices", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     listing = json.loads(done.stdout)
     names = [d["name"] for d in listing["devices"]]
     assert vulkan_backend.facts.name in names
@@ -104,7 +111,9 @@ def test_devices_json_lists_the_device_with_its_facts(vulkan_backend):
 
 
 def test_no_driver_gives_a_clear_message_and_the_cpu_fallback(tmp_path):
-    env = dict(os.environ, VK_DRIVER_FILES=str(tmp_path / "missing.json"), VK_ICD_FILENAMES=str(tmp_path / "x.json"))
+    env = dict(
+        os.environ, VK_DRIVER_FILES=str(tmp_path / "missing.json"), VK_ICD_FILENAMES=str(tmp_path / "x.json")
+    )
     script = (
         "from actors.devices import open_backend, list_devices\n"
         "devices, message = list_devices()\n"
@@ -113,13 +122,20 @@ def test_no_driver_gives_a_clear_message_and_the_cpu_fallback(tmp_path):
         "print(message)\n"
         "print(why)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
-                          check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+    )
     first, message, why = done.stdout.splitlines()[:3]
     assert first == "0 CpuBackend"
     assert "CPU" in message and "CPU" in why
-    cli = subprocess.run([sys.executable, "-m", "flow", "devices"], capture_output=True, text=True, cwd=ROOT,
-                         env=env, check=True)  # fmt: skip
+    cli = subprocess.run(
+        [sys.executable, "-m", "flow", "devices"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
+    )
     assert "CPU" in cli.stdout
 
 

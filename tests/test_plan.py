@@ -17,7 +17,7 @@ from actors.cpu_backend import CpuBackend
 from actors.engine import Engine
 from flow.autodiff import stages
 from flow.errors import PlanError
-from flow.plan import assign_offsets, init_parameters, plan, Lifetime
+from flow.plan import Lifetime, assign_offsets, init_parameters, plan
 from flow.spec import (
     GELU,
     MSE,
@@ -27,7 +27,6 @@ from flow.spec import (
     CrossEntropy,
     Data,
     Flatten,
-    LeakyReLU,
     Linear,
     MaxPool2d,
     Model,
@@ -57,10 +56,16 @@ MLP = Model(
 )
 CNN = Model(
     input_shape=(2, 7, 6),
-    layers=(Conv2d(3, 3, padding=1, activation="relu"), MaxPool2d(2), Conv2d(4, 2, stride=1), Tanh(), Flatten(),
-            Linear(4)),
+    layers=(
+        Conv2d(3, 3, padding=1, activation="relu"),
+        MaxPool2d(2),
+        Conv2d(4, 2, stride=1),
+        Tanh(),
+        Flatten(),
+        Linear(4),
+    ),
     loss=CrossEntropy(),
-)  # fmt: skip
+)
 REGRESSION = Model(input_shape=(5,), layers=(Linear(8), ReLU(), Linear(3, activation="sigmoid")), loss=MSE())
 
 
@@ -95,8 +100,10 @@ def test_whole_model_gradients_match_finite_differences(model, rng):
     device = plan(_spec(model, batch=5)).devices[0]
     backend = CpuBackend(precision="float64")
     backend.open_layout(device.layout)
-    params = {k: v.astype(np.float64) + 0.05 * rng.standard_normal(v.shape) for k, v in
-              init_parameters(device, "xavier", int(rng.integers(1 << 30))).items()}  # fmt: skip
+    params = {
+        k: v.astype(np.float64) + 0.05 * rng.standard_normal(v.shape)
+        for k, v in init_parameters(device, "xavier", int(rng.integers(1 << 30))).items()
+    }
     x, y = _batch(model, 5, rng)
     grads, _ = _gradients_and_loss(device, backend, params, x, y)
     eps = 1e-6
@@ -141,8 +148,11 @@ def _numpy_mlp_step(params, x, y, lr):
 
 
 def test_buffer_reuse_beats_the_naive_sum_and_matches_a_numpy_oracle(rng):
-    model = Model(input_shape=(13,), layers=tuple(Linear(u, activation="relu") for u in (31, 17, 33, 9))
-                  + (Linear(5),), loss=CrossEntropy())  # fmt: skip
+    model = Model(
+        input_shape=(13,),
+        layers=tuple(Linear(u, activation="relu") for u in (31, 17, 33, 9)) + (Linear(5),),
+        loss=CrossEntropy(),
+    )
     device = plan(_spec(model, batch=11, optimiser=SGD(lr=0.05))).devices[0]
     assert device.memory.work_peak < device.memory.work_naive
     engine = Engine(device, CpuBackend())
@@ -190,8 +200,13 @@ def test_cli_check_and_plan_work_on_every_example():
     assert examples
     for path in examples:
         for command in (["check", str(path)], ["plan", str(path), "--json"]):
-            done = subprocess.run([sys.executable, "-m", "flow", *command], capture_output=True, text=True,
-                                  cwd=ROOT, check=False)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "flow", *command],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                check=False,
+            )
             assert done.returncode == 0, done.stdout + done.stderr
         plan_json = json.loads(done.stdout)
         assert plan_json["devices"][0]["programs"][0]["name"].startswith("train[")
@@ -203,8 +218,13 @@ def test_cli_check_lists_every_problem(tmp_path):
     bad["model"]["layers"][2]["unitz"] = 5
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad))
-    done = subprocess.run([sys.executable, "-m", "flow", "check", str(path)], capture_output=True, text=True,
-                          cwd=ROOT, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "flow", "check", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert done.returncode == 1
     assert "model.layers[1].units" in done.stdout and "unitz" in done.stdout
 
