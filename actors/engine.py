@@ -14,7 +14,7 @@ import numpy as np
 
 from actors.backend import Backend
 from flow.plan import DevicePlan, init_parameters
-from flow.spec import SGD, Adam, AdamW, learning_rate
+from flow.spec import SGD, Adam, AdamW, CrossEntropy, learning_rate
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Engine:
         self.slots = device_plan.slots
         backend.open_layout(device_plan.layout, slots=self.slots)
         self._handles: dict[tuple[str, int, int], int] = {}
+        # Only a classifier counts correct answers; for regression the count is not a number.
+        self.has_accuracy = isinstance(device_plan.model.loss, CrossEntropy)
 
     # -- state ----------------------------------------------------------------------------------
     def initialise(self, scheme: str, seed: int) -> None:
@@ -111,7 +113,7 @@ class Engine:
     def result(self, slot: int, step: int, rows: int) -> StepResult:
         """Loss and correct count of the finished program on ``slot``."""
         loss = float(self.backend.read("loss", slot)[0])
-        correct = float(self.backend.read("correct", slot)[0])
+        correct = float(self.backend.read("correct", slot)[0]) if self.has_accuracy else float("nan")
         return StepResult(step=step, loss=loss, correct=correct, rows=rows)
 
     def outputs(self, slot: int, rows: int) -> np.ndarray:
