@@ -1,0 +1,237 @@
+"""Spec to and from msgpack and JSON, without loss, and canonical: equal specs give equal bytes.
+
+A record becomes a map with a ``"kind"`` tag (its class name) and every field; the top level also
+carries ``"schema"`` (the spec's ``version``). Keys are sorted, floats are float64 and fields
+declared float are written as floats even when built from an int. Decoding is the reverse, led by
+the field annotations: arrays become tuples, ints in float fields become floats, and a map
+becomes the record its ``"kind"`` names (which may be left out where only one kind fits). Fields at
+their defaults may be left out of a file.
+
+Decoding is for untrusted input, so it collects every problem (unknown kinds, unknown or missing
+keys) and then validates what it could build: :func:`decode` returns only valid specs and otherwise
+raises one :class:`SpecError` listing everything found.
+"""
+
+import difflib
+import json
+from dataclasses import MISSING, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import msgpack
+
+from flow.errors import Problem, SpecError
+from flow.spec import SCHEMA_VERSION, Spec, file_key
+from flow.validate import alternatives, validate
+
+_JSON = (".json",)
+_MSGPACK = (".msgpack", ".mpk")
+
+
+def _declared_float(annotation: Any) -> bool:
+    options = alternatives(annotation)
+    return float in options and int not in options
+
+
+def _item(annotation: Any, index: int) -> Any:
+    """The annotation of a tuple field's item at ``index`` (Any where none is declared)."""
+    tuples = [o for o in alternatives(annotation) if get_origin(o) is tuple]
+    args = get_args(tuples[0]) if tuples else ()
+    if args[-1:] == (Ellipsis,):
+        return args[0]
+    return args[index] if index < len(args) else Any
+
+
+def encode(spec: Spec) -> dict[str, Any]:
+    """A spec as plain maps, lists and scalars, keys sorted.
+
+    Args:
+        spec: the spec (encoded as it is; see flow.validate to check it).
+
+    Returns:
+        The tree that dumps and save write.
+
+    Raises:
+        SpecError: a value no file format can hold, named by its path.
+    """
+    return _encode(spec, Spec, "")
+
+
+def _encode(value: Any, annotation: Any, path: str) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        tree = {"kind": cls.__name__}
+        for f in fields(value):
+            key = file_key(cls, f.name)
+            tree[key] = _encode(getattr(value, f.name), f.type, f"{path}.{key}" if path else key)
+        return dict(sorted(tree.items()))
+    if isinstance(value, tuple):
+        return [_encode(item, _item(annotation, i), f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, int) and not isinstance(value, bool) and _declared_float(annotation):
+        return float(value)
+    if isinstance(value, float):
+        return value + 0.0  # -0.0 == 0.0, so it must encode the same
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    raise SpecError([Problem(path, f"cannot encode a {type(value).__name__}: {value!r}")])
+
+
+def decode(tree: Any) -> Spec:
+    """A valid spec from plain maps, lists and scalars.
+
+    Args:
+        tree: what msgpack or JSON parsing gave.
+
+    Returns:
+        The spec, valid.
+
+    Raises:
+        SpecError: every problem found, decoding and validation together, each with its path.
+    """
+    try:
+        return _decode_spec(tree)
+    except RecursionError as error:  # only hostile input nests this deep; it must still be a SpecError
+        raise SpecError("the document is nested too deeply to be a spec") from error
+
+
+def _decode_spec(tree: Any) -> Spec:
+    if not isinstance(tree, dict):
+        raise SpecError(f"a spec must be a map, got {type(tree).__name__}")
+    schema = tree.get("schema")
+    if type(schema) is not int or schema != SCHEMA_VERSION:
+        found = "no schema" if schema is None else f"schema {schema!r}"
+        raise SpecError([Problem("schema", f"found {found}; this vkflow reads schema {SCHEMA_VERSION}")])
+    problems: list[Problem] = []
+    spec = _decode(tree, Spec, "", problems)
+    if not problems:
+        found_later = validate(spec)
+        if found_later:
+            raise SpecError(found_later)
+        return spec
+    # Also report what validation finds in the parts that decoded, so one pass shows everything;
+    # where decoding failed it already said why, and a placeholder None would only repeat it.
+    if isinstance(spec, Spec):
+        problems += [p for p in validate(spec) if not any(p.within(d.path) for d in problems)]
+    raise SpecError(problems)
+
+
+def _decode(raw: Any, annotation: Any, path: str, problems: list[Problem]) -> Any:
+    options = alternatives(annotation)
+    records = [o for o in options if is_dataclass(o)]
+    if isinstance(raw, dict) and records:
+        return _decode_record(raw, records, path, problems)
+    if isinstance(raw, list):
+        return tuple(_decode(v, _item(annotation, i), f"{path}[{i}]", problems) for i, v in enumerate(raw))
+    if isinstance(raw, int) and not isinstance(raw, bool) and _declared_float(annotation):
+        return float(raw)
+    return raw  # a value of the wrong type stays as it is, for validation to name
+
+
+def _decode_record(raw: dict, classes: list[type], path: str, problems: list[Problem]) -> Any:
+    names = [c.__name__ for c in classes]
+    kind = raw.get("kind")
+    if kind is None and len(classes) == 1:
+        cls = classes[0]
+    elif kind in names:
+        cls = classes[names.index(kind)]
+    else:
+        close = difflib.get_close_matches(kind, names, n=1) if isinstance(kind, str) else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        what = "missing kind" if kind is None else f"unknown kind {kind!r}"
+        problems.append(Problem(path, f"{what}; expected one of {', '.join(names)}{hint}"))
+        return None
+    declared = {file_key(cls, f.name): f for f in fields(cls)}
+    for key in raw:
+        if key != "kind" and key not in declared:
+            close = difflib.get_close_matches(key, list(declared), n=1) if isinstance(key, str) else []
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(Problem(f"{path}.{key}" if path else str(key), f"unknown key{hint}"))
+    values = {}
+    for key, f in declared.items():
+        where = f"{path}.{key}" if path else key
+        if key in raw:
+            values[f.name] = _decode(raw[key], f.type, where, problems)
+        elif f.default is MISSING:
+            problems.append(Problem(where, "missing required key"))
+            values[f.name] = None
+    return cls(**values)
+
+
+def dumps(spec: Spec) -> bytes:
+    """A spec as msgpack bytes, canonical.
+
+    Args:
+        spec: the spec.
+
+    Returns:
+        The bytes; equal specs give equal bytes.
+    """
+    return msgpack.packb(encode(spec), use_bin_type=True)
+
+
+def loads(data: bytes) -> Spec:
+    """A valid spec from msgpack bytes.
+
+    Args:
+        data: what dumps wrote, or any bytes.
+
+    Returns:
+        The spec.
+
+    Raises:
+        SpecError: the bytes are not msgpack, or every problem with the spec they hold.
+    """
+    try:
+        tree = msgpack.unpackb(data, raw=False)
+    except Exception as error:  # msgpack raises many types on bad bytes; all mean "not a spec"
+        raise SpecError(f"not a msgpack document: {error}") from error
+    return decode(tree)
+
+
+def _format(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in _JSON + _MSGPACK:
+        return "json" if suffix in _JSON else "msgpack"
+    raise SpecError(f"{path}: unknown spec file type {suffix or '(none)'!r}; use .json, .msgpack or .mpk")
+
+
+def save(spec: Spec, path: str | Path) -> None:
+    """Write a spec, as JSON (pretty, sorted keys) for .json and as msgpack for .msgpack or .mpk.
+
+    Args:
+        spec: the spec.
+        path: the file to write.
+
+    Raises:
+        SpecError: the extension is neither.
+    """
+    path = Path(path)
+    if _format(path) == "json":
+        path.write_text(
+            json.dumps(encode(spec), indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8"
+        )
+    else:
+        path.write_bytes(dumps(spec))
+
+
+def load(path: str | Path) -> Spec:
+    """Read a valid spec, choosing JSON or msgpack by the file's extension.
+
+    Args:
+        path: a .json, .msgpack or .mpk file.
+
+    Returns:
+        The spec.
+
+    Raises:
+        SpecError: an unknown extension, a file that does not parse, or every problem with the spec.
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    if _format(path) == "msgpack":
+        return loads(path.read_bytes())
+    try:
+        tree = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise SpecError(f"{path}: not a JSON document: {error}") from error
+    return decode(tree)

@@ -1,0 +1,126 @@
+"""Shape inference for a model, pure: the output shape after each layer and the parameter count.
+
+Shapes exclude the batch dimension. The validator uses :func:`trace` to turn a bad layer into a
+problem; the planner uses :func:`infer_shapes`, which raises on a model that does not fit together.
+Inputs are assumed well typed (see flow.validate).
+"""
+
+import math
+
+from flow.errors import Problem, SpecError
+from flow.spec import Conv2d, Flatten, Layer, Linear, MaxPool2d, Model, Shape
+
+
+def _window(name: str, shape: Shape, kernel: int, stride: int, padding: int) -> tuple[int, int] | str:
+    """Output (height, width) of a square sliding window, or why it has none."""
+    if len(shape) != 3:
+        return f"{name} needs a (channels, height, width) input, got shape {shape}"
+    _, h, w = shape
+    out_h = (h + 2 * padding - kernel) // stride + 1
+    out_w = (w + 2 * padding - kernel) // stride + 1
+    if out_h <= 0 or out_w <= 0:
+        return (
+            f"{name} output size {out_h}x{out_w} is not positive "
+            f"(input {h}x{w}, kernel {kernel}, stride {stride}, padding {padding})"
+        )
+    return out_h, out_w
+
+
+def output_shape(layer: Layer, shape: Shape) -> Shape | str:
+    """The shape a layer produces from an input shape.
+
+    Args:
+        layer: a layer record.
+        shape: its input shape, without the batch dimension.
+
+    Returns:
+        The output shape, or a message saying why the layer cannot take that input.
+    """
+    if isinstance(layer, Linear):
+        if len(shape) != 1:
+            return f"Linear needs a flat (1-D) input, got shape {shape}; add Flatten() before it"
+        return (layer.units,)
+    if isinstance(layer, Conv2d):
+        size = _window("Conv2d", shape, layer.kernel, layer.stride, layer.padding)
+        return size if isinstance(size, str) else (layer.channels, *size)
+    if isinstance(layer, MaxPool2d):
+        stride = layer.kernel if layer.stride is None else layer.stride
+        size = _window("MaxPool2d", shape, layer.kernel, stride, 0)
+        return size if isinstance(size, str) else (shape[0], *size)
+    if isinstance(layer, Flatten):
+        return (math.prod(shape),)
+    return shape  # activations keep the shape
+
+
+def trace(input_shape: Shape, layers: tuple[Layer, ...]) -> tuple[list[Shape], tuple[int, str] | None]:
+    """Output shapes layer by layer, stopping at the first layer that cannot take its input.
+
+    Args:
+        input_shape: the model's input shape.
+        layers: the layers, in order.
+
+    Returns:
+        ``(shapes, None)`` with one shape per layer, or ``(shapes so far, (index, why))``.
+    """
+    shapes: list[Shape] = []
+    shape = tuple(input_shape)
+    for i, layer in enumerate(layers):
+        out = output_shape(layer, shape)
+        if isinstance(out, str):
+            return shapes, (i, out)
+        shapes.append(out)
+        shape = out
+    return shapes, None
+
+
+def infer_shapes(model: Model) -> list[Shape]:
+    """The output shape after each layer of a model.
+
+    Args:
+        model: a well-typed model.
+
+    Returns:
+        One shape per layer, without the batch dimension.
+
+    Raises:
+        SpecError: a layer cannot take its input shape.
+    """
+    shapes, failure = trace(model.input_shape, model.layers)
+    if failure is not None:
+        index, why = failure
+        raise SpecError([Problem(f"model.layers[{index}]", why)])
+    return shapes
+
+
+def layer_parameters(layer: Layer, input_shape: Shape) -> int:
+    """Trainable parameters of one layer (weights and bias).
+
+    Args:
+        layer: a layer record.
+        input_shape: its input shape, which the layer must accept.
+
+    Returns:
+        The number of parameters.
+    """
+    if isinstance(layer, Linear):
+        return input_shape[0] * layer.units + (layer.units if layer.bias else 0)
+    if isinstance(layer, Conv2d):
+        weights = input_shape[0] * layer.channels * layer.kernel * layer.kernel
+        return weights + (layer.channels if layer.bias else 0)
+    return 0
+
+
+def count_parameters(model: Model) -> int:
+    """Trainable parameters of a model.
+
+    Args:
+        model: a model whose layers fit together.
+
+    Returns:
+        The total number of parameters.
+
+    Raises:
+        SpecError: a layer cannot take its input shape.
+    """
+    inputs = [tuple(model.input_shape), *infer_shapes(model)]
+    return sum(layer_parameters(layer, shape) for layer, shape in zip(model.layers, inputs, strict=False))

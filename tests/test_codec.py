@@ -1,0 +1,498 @@
+"""The codec: lossless and canonical round trips, and every bad input turned into one SpecError."""
+
+import copy
+import dataclasses
+import random
+import tempfile
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flow.codec import decode, dumps, encode, load, loads, save
+from flow.errors import SpecError
+from flow.shapes import output_shape
+from flow.spec import (
+    CSV,
+    GELU,
+    IDX,
+    MSE,
+    RECORDS,
+    SCHEMA_VERSION,
+    SGD,
+    Adam,
+    AdamW,
+    Constant,
+    Conv2d,
+    Cosine,
+    CrossEntropy,
+    Data,
+    Devices,
+    Digits,
+    Edge,
+    Flatten,
+    HorizontalFlip,
+    ImageFolder,
+    Init,
+    LeakyReLU,
+    Linear,
+    MaxPool2d,
+    Model,
+    Normalize,
+    RandomCrop,
+    RawBinary,
+    ReLU,
+    Resize,
+    RunSettings,
+    Scale,
+    Sigmoid,
+    Spec,
+    Split,
+    StepLR,
+    Synthetic,
+    Tanh,
+    default_pipeline,
+)
+from flow.validate import check, summarize, validate
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def mlp() -> Spec:
+    return Spec(
+        model=Model(
+            input_shape=(64,),
+            layers=(Linear(128, activation="relu"), Linear(64, activation="tanh"), Linear(10)),
+            loss=CrossEntropy(),
+        ),
+        optimiser=SGD(0.05, momentum=0.9, nesterov=True, schedule=StepLR(100, gamma=0.5)),
+        data=Data(
+            CSV("data/train.csv", label_column="label"), batch_size=32, split=Split(train=0.9, val=0.1)
+        ),
+        run=RunSettings(epochs=None, steps=1000, eval_every=100),
+    )
+
+
+def cnn() -> Spec:
+    spec = Spec(
+        model=Model(
+            input_shape=(3, 32, 32),
+            layers=(Conv2d(16, 3, padding=1, activation="relu"), MaxPool2d(2), Flatten(), Linear(10)),
+            loss=CrossEntropy(),
+            init=Init(scheme="xavier", seed=7),
+        ),
+        optimiser=AdamW(1e-3, schedule=Cosine(5000, min_lr=1e-5, warmup_steps=100)),
+        data=Data(
+            ImageFolder("data/cifar", size=(32, 32), mode="RGB"),
+            preprocess=(Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),),
+            augment=(RandomCrop((32, 32), padding=4), HorizontalFlip()),
+        ),
+        devices=Devices(0, memory_fraction=0.5),
+        run=RunSettings(epochs=3, checkpoint_dir="runs/cifar", checkpoint_every=500, metrics_file="m.jsonl"),
+    )
+    return dataclasses.replace(spec, pipeline=default_pipeline(spec))
+
+
+def test_round_trip_msgpack_and_json(tmp_path):
+    for spec in (mlp(), cnn()):
+        assert validate(spec) == []
+        assert loads(dumps(spec)) == spec
+        for name in ("spec.json", "spec.msgpack", "spec.mpk"):
+            save(spec, tmp_path / name)
+            assert load(tmp_path / name) == spec
+
+
+def test_types_follow_the_declared_fields():
+    spec = dataclasses.replace(mlp(), optimiser=SGD(1, schedule=StepLR(10, gamma=1)))
+    back = loads(dumps(spec))
+    assert type(back.optimiser.lr) is float and type(back.optimiser.schedule.gamma) is float
+    assert type(back.optimiser.schedule.step_size) is int
+    assert isinstance(back.model.layers, tuple) and back.model.input_shape == (64,)
+    assert dumps(spec) == dumps(
+        dataclasses.replace(mlp(), optimiser=SGD(1.0, schedule=StepLR(10, gamma=1.0)))
+    )
+
+
+def test_dumps_is_canonical():
+    assert dumps(cnn()) == dumps(cnn())
+    assert dumps(mlp()) != dumps(cnn())
+    tree = encode(mlp())
+    assert list(tree) == sorted(tree) and tree["schema"] == SCHEMA_VERSION and tree["kind"] == "Spec"
+    assert list(tree["model"]["layers"][0]) == ["activation", "bias", "kind", "units"]
+    # A Node's own kind cannot share the "kind" tag's key.
+    node = {"device": None, "kind": "Node", "name": "loader", "node_kind": "loader", "workers": 2}
+    assert encode(cnn())["pipeline"]["nodes"][0] == node
+    # A file edited by hand, keys in any order and defaults left out, gives the same bytes back.
+    shuffled = copy.deepcopy(tree)
+    shuffled["model"] = dict(reversed(list(shuffled["model"].items())))
+    assert dumps(decode(shuffled)) == dumps(mlp())
+
+
+def test_defaults_and_single_kinds_may_be_left_out():
+    tree = {
+        "schema": 1,
+        "model": {"input_shape": [4], "layers": [{"kind": "Linear", "units": 3}], "loss": {"kind": "MSE"}},
+        "optimiser": {"kind": "Adam"},
+        "data": {"source": {"kind": "Synthetic", "task": "regression", "samples": 10, "features": [4]}},
+    }
+    spec = decode(tree)
+    assert spec == Spec(
+        model=Model(input_shape=(4,), layers=(Linear(3),), loss=MSE()),
+        optimiser=Adam(),
+        data=Data(Synthetic(task="regression", samples=10, features=(4,))),
+    )
+
+
+def test_unknown_schema_version():
+    tree = encode(mlp())
+    tree["schema"] = 2
+    with pytest.raises(SpecError, match="found schema 2; this vkflow reads schema 1"):
+        loads(msgpack.packb(tree))
+    del tree["schema"]
+    with pytest.raises(SpecError, match="found no schema"):
+        decode(tree)
+
+
+def test_unknown_key_suggests_the_field():
+    tree = encode(mlp())
+    tree["model"]["layers"][1]["activaton"] = tree["model"]["layers"][1].pop("activation")
+    with pytest.raises(SpecError) as error:
+        decode(tree)
+    assert str(error.value) == "model.layers[1].activaton: unknown key; did you mean 'activation'?"
+
+
+def test_typo_and_negative_size_are_both_reported():
+    tree = encode(mlp())
+    tree["model"]["layers"][1]["unitz"] = tree["model"]["layers"][1].pop("units")
+    tree["model"]["layers"][2]["units"] = -3
+    with pytest.raises(SpecError) as error:
+        loads(msgpack.packb(tree))
+    assert str(error.value).splitlines() == [
+        "model.layers[1].unitz: unknown key; did you mean 'units'?",
+        "model.layers[1].units: missing required key",
+        "model.layers[2].units: must be > 0, got -3",
+    ]
+
+
+def test_unknown_kind_names_its_path():
+    tree = encode(mlp())
+    tree["model"]["layers"][0]["kind"] = "Linaer"
+    tree["optimiser"]["kind"] = "RMSProp"
+    with pytest.raises(SpecError) as error:
+        decode(tree)
+    lines = str(error.value).splitlines()
+    assert lines[0].startswith("model.layers[0]: unknown kind 'Linaer'; expected one of Linear, Conv2d")
+    assert lines[0].endswith("did you mean 'Linear'?")
+    assert lines[1] == "optimiser: unknown kind 'RMSProp'; expected one of SGD, Adam, AdamW"
+    assert len(lines) == 2
+
+
+def test_bad_documents(tmp_path):
+    with pytest.raises(SpecError, match="not a msgpack document"):
+        loads(b"\xc1")
+    with pytest.raises(SpecError, match="must be a map"):
+        loads(msgpack.packb([1, 2]))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SpecError, match="bad.json: not a JSON document"):
+        load(tmp_path / "bad.json")
+    with pytest.raises(SpecError, match=r"spec\.yaml: unknown spec file type '\.yaml'"):
+        save(mlp(), tmp_path / "spec.yaml")
+
+
+def test_example_digits_is_valid_and_canonical(tmp_path):
+    spec = load(EXAMPLES / "digits.json")
+    check(spec)
+    assert spec.model.layers == (
+        Flatten(),
+        Linear(128, activation="relu"),
+        Linear(64, activation="relu"),
+        Linear(10),
+    )
+    assert spec.data.source == Digits() and spec.data.split == Split(train=0.8, val=0.2, stratify=True)
+    assert "parameters: 17,226 (68,904 bytes as float32)" in summarize(spec)
+    save(spec, tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == (EXAMPLES / "digits.json").read_text()
+
+
+# Random valid specs.
+
+
+def floats(low: float, high: float, **kwargs) -> st.SearchStrategy[float]:
+    return st.floats(low, high, allow_nan=False, allow_infinity=False, **kwargs)
+
+
+names = st.text(min_size=1, max_size=12)
+sizes = st.tuples(st.integers(1, 64), st.integers(1, 64))
+activations = st.sampled_from([None, "relu", "leaky_relu", "sigmoid", "tanh", "gelu"])
+activation_layers = st.sampled_from([ReLU(), Sigmoid(), Tanh(), GELU()]) | st.builds(LeakyReLU, floats(0, 1))
+seeds = st.integers(0, 2**32)
+
+
+@st.composite
+def models(draw) -> Model:
+    layers = []
+    if draw(st.booleans()):
+        input_shape = shape = (draw(st.integers(1, 3)), draw(st.integers(4, 16)), draw(st.integers(4, 16)))
+        for _ in range(draw(st.integers(0, 3))):
+            kernel = draw(st.integers(1, min(shape[1:])))
+            if draw(st.booleans()):
+                layer = Conv2d(
+                    draw(st.integers(1, 8)),
+                    kernel,
+                    stride=draw(st.integers(1, 3)),
+                    padding=draw(st.integers(0, 2)),
+                    bias=draw(st.booleans()),
+                    activation=draw(activations),
+                )
+            else:
+                layer = MaxPool2d(kernel, stride=draw(st.none() | st.integers(1, 3)))
+            shape = output_shape(layer, shape)
+            layers.append(layer)
+        layers.append(Flatten())
+    else:
+        input_shape = (draw(st.integers(1, 64)),)
+    hidden = (
+        st.builds(Linear, st.integers(1, 64), bias=st.booleans(), activation=activations) | activation_layers
+    )
+    layers += draw(st.lists(hidden, max_size=3))
+    layers.append(Linear(draw(st.integers(2, 16)), bias=draw(st.booleans())))
+    return Model(
+        input_shape=input_shape,
+        layers=tuple(layers),
+        loss=draw(st.sampled_from([CrossEntropy(), MSE()])),
+        input_dtype=draw(st.sampled_from(["float32", "float16", "uint8"])),
+        init=Init(scheme=draw(st.sampled_from(["he", "xavier"])), seed=draw(seeds)),
+    )
+
+
+@st.composite
+def optimisers(draw):
+    lr = draw(floats(1e-6, 1.0))
+    warmup = draw(st.integers(0, 100))
+    schedule = draw(
+        st.just(Constant(warmup_steps=warmup))
+        | st.builds(StepLR, st.integers(1, 1000), gamma=floats(0.01, 1.0), warmup_steps=st.just(warmup))
+        | st.builds(
+            Cosine, st.integers(warmup + 1, 10_000), min_lr=floats(0, lr), warmup_steps=st.just(warmup)
+        )
+    )
+    betas = st.tuples(floats(0, 0.999), floats(0, 0.9999))
+    momentum = draw(floats(0, 0.99))
+    return draw(
+        st.builds(
+            SGD,
+            st.just(lr),
+            momentum=st.just(momentum),
+            nesterov=st.booleans().map(lambda b: b and momentum > 0),
+            weight_decay=floats(0, 0.1),
+            schedule=st.just(schedule),
+        )
+        | st.builds(
+            Adam,
+            st.just(lr),
+            betas=betas,
+            eps=floats(1e-12, 1e-3),
+            weight_decay=floats(0, 0.1),
+            schedule=st.just(schedule),
+        )
+        | st.builds(AdamW, st.just(lr), betas=betas, weight_decay=floats(0, 0.1), schedule=st.just(schedule))
+    )
+
+
+@st.composite
+def normalizes(draw) -> Normalize:
+    n = draw(st.integers(1, 3))
+    return Normalize(
+        tuple(draw(st.lists(floats(-1, 1), min_size=n, max_size=n))),
+        tuple(draw(st.lists(floats(0.01, 2), min_size=n, max_size=n))),
+    )
+
+
+on_error = st.sampled_from(["raise", "skip"])
+dtypes = st.sampled_from(["uint8", "int32", "float16", "float32", "float64"])
+sources = st.one_of(
+    st.builds(
+        ImageFolder,
+        names,
+        size=st.none() | sizes,
+        mode=st.sampled_from(["L", "RGB", "RGBA"]),
+        layout=st.sampled_from(["CHW", "HWC"]),
+        labels_csv=st.none() | names,
+        workers=st.integers(1, 8),
+        on_error=on_error,
+    ),
+    st.builds(
+        CSV,
+        names,
+        label_column=names,
+        feature_columns=st.none() | st.lists(st.integers(0, 50), min_size=1),
+        chunk_rows=st.integers(1, 10_000),
+        on_error=on_error,
+    ),
+    st.builds(
+        RawBinary,
+        names,
+        dtype=dtypes,
+        shape=st.lists(st.integers(1, 32), min_size=1, max_size=3),
+        labels_path=st.none() | names,
+        label_dtype=dtypes,
+        on_error=on_error,
+    ),
+    st.builds(IDX, names, names),
+    st.builds(
+        Synthetic,
+        task=st.sampled_from(["classification", "regression"]),
+        samples=st.integers(1, 10**6),
+        features=st.lists(st.integers(1, 32), min_size=1, max_size=3),
+        classes=st.integers(2, 100),
+        seed=seeds,
+    ),
+    st.just(Digits()),
+)
+transforms = st.one_of(
+    normalizes(),
+    st.builds(Scale, floats(-10, 10)),
+    st.builds(RandomCrop, sizes, padding=st.integers(0, 8)),
+    st.builds(HorizontalFlip, floats(0, 1)),
+    st.builds(Resize, sizes),
+)
+
+
+@st.composite
+def splits(draw) -> Split:
+    train = draw(floats(0.01, 1.0))
+    val = draw(floats(0.0, 1.0 - train))
+    return Split(train=train, val=val, test=max(0.0, 1.0 - train - val), stratify=draw(st.booleans()))
+
+
+@st.composite
+def specs(draw) -> Spec:
+    steps = draw(st.none() | st.integers(1, 10**6))
+    checkpoint_dir = draw(st.none() | names)
+    spec = Spec(
+        model=draw(models()),
+        optimiser=draw(optimisers()),
+        data=draw(
+            st.builds(
+                Data,
+                sources,
+                batch_size=st.integers(1, 1024),
+                shuffle=st.booleans(),
+                seed=seeds,
+                split=splits(),
+                drop_last=st.booleans(),
+                preprocess=st.lists(transforms, max_size=3),
+                augment=st.lists(transforms, max_size=3),
+            )
+        ),
+        devices=Devices(
+            draw(st.sampled_from(["auto", "cpu"]) | st.integers(0, 7) | names),
+            memory_fraction=draw(floats(0, 1, exclude_min=True)),
+        ),
+        run=RunSettings(
+            epochs=draw(st.integers(1, 100)) if steps is None else draw(st.none() | st.integers(1, 100)),
+            steps=steps,
+            eval_every=draw(st.none() | st.integers(1, 1000)),
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=None if checkpoint_dir is None else draw(st.none() | st.integers(1, 1000)),
+            metrics_file=draw(st.none() | names),
+            in_flight=draw(st.integers(1, 8)),
+        ),
+    )
+    if draw(st.booleans()):
+        pipeline = default_pipeline(spec)
+        edges = pipeline.edges + ((Edge("optimiser", "device", credit=True),) if draw(st.booleans()) else ())
+        spec = dataclasses.replace(spec, pipeline=dataclasses.replace(pipeline, edges=edges))
+    return spec
+
+
+@settings(max_examples=200, deadline=None)
+@given(specs())
+def test_random_valid_specs_round_trip(spec):
+    assert validate(spec) == []  # the strategy makes valid specs only, or the round trips prove little
+    assert loads(dumps(spec)) == spec
+    assert dumps(loads(dumps(spec))) == dumps(spec)
+    with tempfile.TemporaryDirectory() as folder:
+        save(spec, Path(folder) / "spec.json")
+        assert load(Path(folder) / "spec.json") == spec
+
+
+# Random mutations of valid specs.
+
+KIND_NAMES = [cls.__name__ for cls in RECORDS]
+GARBAGE = [
+    "",
+    "x",
+    "relu",
+    -1,
+    -3.5,
+    0,
+    0.0,
+    2**63,
+    10**18,
+    True,
+    False,
+    None,
+    [],
+    {},
+    [1, "a"],
+    {"kind": "Linear"},
+    float("nan"),
+    float("inf"),
+    {"units": 3},
+    "\u00e9\u2603",
+    [[1]],
+    -(2**63),
+]
+
+
+def _mutate(tree: dict, rng: random.Random) -> None:
+    spots = []
+
+    def walk(node):
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            spots.append((node, key))
+            walk(value)
+
+    walk(tree)
+    node, key = rng.choice(spots)
+    action = rng.randrange(6)
+    if action == 0:
+        value = node[key]
+        node[key] = -value if isinstance(value, int | float) and not isinstance(value, bool) and value else -1
+    elif action == 1:
+        node[key] = rng.choice(GARBAGE)
+    elif action == 2:
+        del node[key]
+    elif action == 3:
+        node[key] = "".join(rng.choice("abcdefgh_ .\u00e9[]") for _ in range(rng.randrange(8)))
+    elif action == 4:
+        target = node if isinstance(node, dict) else tree
+        target[rng.choice(["unitz", "kind_", "lr ", "x", "batchsize"])] = rng.choice(GARBAGE)
+    else:
+        dicts = [n for n, _ in spots if isinstance(n, dict)]
+        rng.choice(dicts)["kind"] = rng.choice([*KIND_NAMES, "Nope", 3, None])
+
+
+def test_random_mutations_give_only_spec_errors():
+    rng = random.Random(1234)
+    bases = [encode(s) for s in (mlp(), cnn(), load(EXAMPLES / "digits.json"))]
+    rejected = 0
+    for _ in range(1000):
+        tree = copy.deepcopy(rng.choice(bases))
+        for _ in range(rng.randint(1, 3)):
+            _mutate(tree, rng)
+        try:
+            spec = loads(msgpack.packb(tree))
+            check(spec)
+        except SpecError as error:
+            assert error.problems and all(str(p) for p in error.problems)
+            rejected += 1
+        else:
+            # Whatever survives is a real spec: it round trips and summarizes.
+            assert loads(dumps(spec)) == spec
+            summarize(spec)
+    assert rejected > 700  # nearly every mutation breaks something; a codec accepting junk fails here

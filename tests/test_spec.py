@@ -1,0 +1,144 @@
+"""Spec records, the learning-rate schedules, the default pipeline and shape inference."""
+
+import dataclasses
+import math
+
+import pytest
+
+from flow.errors import SpecError
+from flow.shapes import count_parameters, infer_shapes, layer_parameters
+from flow.spec import (
+    SGD,
+    Adam,
+    AdamW,
+    Constant,
+    Conv2d,
+    Cosine,
+    CrossEntropy,
+    Data,
+    Digits,
+    Flatten,
+    ImageFolder,
+    Linear,
+    MaxPool2d,
+    Model,
+    ReLU,
+    RunSettings,
+    Spec,
+    StepLR,
+    default_pipeline,
+    learning_rate,
+)
+from flow.validate import validate
+
+
+def test_positional_first_argument_and_defaults():
+    layer = Linear(128, activation="relu")
+    assert (layer.units, layer.bias, layer.activation) == (128, True, "relu")
+    conv = Conv2d(16, 3, padding=1)
+    assert (conv.channels, conv.kernel, conv.stride, conv.padding) == (16, 3, 1, 1)
+    assert MaxPool2d(2).stride is None
+    assert AdamW().weight_decay == 0.01 and Adam().weight_decay == 0.0
+    with pytest.raises(TypeError):
+        Linear(128, True)  # everything after the first argument is keyword-only
+
+
+def test_records_are_frozen_hashable_and_lists_become_tuples():
+    model = Model(input_shape=[1, 8, 8], layers=[Flatten(), Linear(10)], loss=CrossEntropy())
+    assert model.input_shape == (1, 8, 8) and isinstance(model.layers, tuple)
+    assert model == Model(input_shape=(1, 8, 8), layers=(Flatten(), Linear(10)), loss=CrossEntropy())
+    assert hash(model) == hash(
+        Model(input_shape=(1, 8, 8), layers=(Flatten(), Linear(10)), loss=CrossEntropy())
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        model.loss = None
+
+
+@pytest.mark.parametrize(
+    ("optimiser", "step", "expected"),
+    [
+        (SGD(0.1), 0, 0.1),
+        (SGD(0.1), 1000, 0.1),
+        (SGD(0.1, schedule=Constant(warmup_steps=10)), 0, 0.0),
+        (SGD(0.1, schedule=Constant(warmup_steps=10)), 5, 0.05),
+        (SGD(0.1, schedule=Constant(warmup_steps=10)), 10, 0.1),
+        (Adam(1.0, schedule=StepLR(10, gamma=0.5)), 9, 1.0),
+        (Adam(1.0, schedule=StepLR(10, gamma=0.5)), 10, 0.5),
+        (Adam(1.0, schedule=StepLR(10, gamma=0.5)), 25, 0.25),
+        (Adam(1.0, schedule=StepLR(10, gamma=0.5, warmup_steps=4)), 2, 0.5),
+        (Adam(1.0, schedule=StepLR(10, gamma=0.5, warmup_steps=4)), 14, 0.5),
+        (AdamW(1.0, schedule=Cosine(100)), 0, 1.0),
+        (AdamW(1.0, schedule=Cosine(100)), 50, 0.5),
+        (AdamW(1.0, schedule=Cosine(100)), 25, 0.5 + 0.5 * math.cos(math.pi / 4)),
+        (AdamW(1.0, schedule=Cosine(100)), 100, 0.0),
+        (AdamW(1.0, schedule=Cosine(100)), 150, 0.0),
+        # Warmup is part of total_steps: the decay spans steps 10..110.
+        (AdamW(1.1, schedule=Cosine(110, min_lr=0.1, warmup_steps=10)), 5, 0.55),
+        (AdamW(1.1, schedule=Cosine(110, min_lr=0.1, warmup_steps=10)), 10, 1.1),
+        (AdamW(1.1, schedule=Cosine(110, min_lr=0.1, warmup_steps=10)), 60, 0.6),
+        (AdamW(1.1, schedule=Cosine(110, min_lr=0.1, warmup_steps=10)), 110, 0.1),
+    ],
+)
+def test_learning_rate(optimiser, step, expected):
+    assert learning_rate(optimiser, step) == pytest.approx(expected, abs=1e-12)
+
+
+def test_learning_rate_rejects_negative_step():
+    with pytest.raises(ValueError, match="step"):
+        learning_rate(SGD(), -1)
+
+
+def _spec(**changes) -> Spec:
+    model = Model(input_shape=(3, 8, 8), layers=(Flatten(), Linear(10)), loss=CrossEntropy())
+    return Spec(model=model, optimiser=SGD(), data=Data(Digits()), **changes)
+
+
+def test_default_pipeline():
+    spec = _spec(run=RunSettings(in_flight=3))
+    pipeline = default_pipeline(spec)
+    assert [(n.name, n.kind) for n in pipeline.nodes] == [
+        ("loader", "loader"),
+        ("preprocess", "preprocess"),
+        ("device", "device"),
+        ("optimiser", "optimiser"),
+        ("sink", "sink"),
+    ]
+    edges = {(e.src, e.dst): e.capacity for e in pipeline.edges}
+    assert edges == {
+        ("loader", "preprocess"): 4,
+        ("preprocess", "device"): 3,
+        ("device", "optimiser"): 4,
+        ("device", "sink"): 4,
+    }
+    assert ("optimiser", "device") not in edges  # the update runs inside the device's step
+    assert validate(dataclasses.replace(spec, pipeline=pipeline)) == []
+    folder = dataclasses.replace(spec, data=Data(ImageFolder("imgs", workers=6)))
+    assert default_pipeline(folder).nodes[0].workers == 6
+
+
+def test_infer_shapes_and_parameters_of_a_cnn():
+    model = Model(
+        input_shape=(3, 32, 32),
+        layers=(
+            Conv2d(8, 3, padding=1, activation="relu"),  # (8, 32, 32): 3*8*9 + 8 = 224
+            MaxPool2d(2),  # (8, 16, 16)
+            Conv2d(16, 5, stride=2, bias=False),  # (16, 6, 6): 8*16*25 = 3200
+            MaxPool2d(3, stride=1),  # (16, 4, 4)
+            Flatten(),  # (256,)
+            Linear(10),  # 2570
+            ReLU(),
+        ),
+        loss=CrossEntropy(),
+    )
+    assert infer_shapes(model) == [(8, 32, 32), (8, 16, 16), (16, 6, 6), (16, 4, 4), (256,), (10,), (10,)]
+    assert count_parameters(model) == 224 + 3200 + 2570
+    assert layer_parameters(Linear(5, bias=False), (4,)) == 20
+
+
+def test_infer_shapes_names_the_layer_that_does_not_fit():
+    model = Model(input_shape=(1, 8, 8), layers=(Flatten(), Linear(4), Conv2d(2, 3)), loss=None)
+    with pytest.raises(SpecError) as error:
+        infer_shapes(model)
+    assert str(error.value) == (
+        "model.layers[2]: Conv2d needs a (channels, height, width) input, got shape (4,)"
+    )
