@@ -1,0 +1,267 @@
+"""Fixed-size binary records: raw files through ``np.memmap``, and the IDX format (MNIST).
+
+A raw file is ``n`` records of ``dtype`` and ``shape`` back to back; labels, when given, are a second
+raw file (or ``.npy``) of ``n`` values. IDX is the format MNIST ships in: two zero bytes, a type code,
+the number of dimensions, each dimension as a big-endian uint32, then big-endian data.
+:func:`write_idx` writes it, so that the reader can be tested by round trip. Records are mapped,
+not read: only the rows asked for are touched.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from loaders.errors import ErrorPolicy, LoaderError
+from loaders.source import SourceStatistics, StatsRecorder, check_indices, readonly
+
+IDX_TYPES = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+_IDX_CODES = {dt.newbyteorder("=").str if dt.itemsize > 1 else dt.str: code for code, dt in IDX_TYPES.items()}
+
+
+def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
+    """Write ``array`` as an IDX file (gzip-compressed when ``path`` ends in ``.gz``).
+
+    Args:
+        path: the file to write.
+        array: uint8, int8, int16, int32, float32 or float64 data, at least 1-D.
+    """
+    array = np.asarray(array)
+    key = array.dtype.newbyteorder("=").str if array.dtype.itemsize > 1 else array.dtype.str
+    if key not in _IDX_CODES:
+        raise ValueError(f"IDX cannot hold dtype {array.dtype} (uint8, int8, int16, int32, float32, float64)")
+    if array.ndim < 1 or array.ndim > 255:
+        raise ValueError(f"IDX needs 1..255 dimensions, got {array.ndim}")
+    code = _IDX_CODES[key]
+    head = struct.pack(">HBB", 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    body = np.ascontiguousarray(array, dtype=IDX_TYPES[code]).tobytes()
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(head + body)
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read an IDX file: memory-mapped, or decompressed into memory when it ends in ``.gz``.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The array (big-endian dtypes as stored; values are exact).
+
+    Raises:
+        LoaderError: bad magic number, unknown type code, or a size that does not match the header.
+    """
+    where = str(path)
+    gz = where.endswith(".gz")
+    try:
+        if gz:
+            with gzip.open(path, "rb") as f:
+                raw = f.read()
+            size = len(raw)
+            head = raw[:4]
+        else:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                head = f.read(4)
+    except (OSError, EOFError) as exc:
+        raise LoaderError(where, f"cannot read IDX file ({exc})") from exc
+    if len(head) < 4 or head[0] != 0 or head[1] != 0:
+        raise LoaderError(where, f"not an IDX file (magic bytes {head.hex() or 'missing'})")
+    code, ndim = head[2], head[3]
+    if code not in IDX_TYPES:
+        raise LoaderError(where, f"unknown IDX type code 0x{code:02x}")
+    offset = 4 + 4 * ndim
+    if gz:
+        dims_raw = raw[4:offset]
+    else:
+        with open(path, "rb") as f:
+            f.seek(4)
+            dims_raw = f.read(4 * ndim)
+    if len(dims_raw) < 4 * ndim:
+        raise LoaderError(where, f"truncated header: {ndim} dimensions announced")
+    dims = struct.unpack(f">{ndim}I", dims_raw)
+    dtype = IDX_TYPES[code]
+    expected = offset + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    if size != expected:
+        raise LoaderError(where, f"size {size} bytes, but the header {dims} of {dtype} needs {expected}")
+    if gz:
+        return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(dims)
+    if expected == offset:
+        return np.empty(dims, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=dims)
+
+
+class _ArraySource:
+    """A source over an array-like of records (memmap or array) and a label array."""
+
+    def __init__(
+        self, where: str, records: np.ndarray, labels: np.ndarray, scale: float, policy: ErrorPolicy
+    ) -> None:
+        self.path = where
+        self._records = records
+        self._scale = np.float32(scale)
+        self._policy = policy
+        self._stats = StatsRecorder()
+        self.sample_shape: tuple[int, ...] = tuple(int(d) for d in records.shape[1:])
+        if labels.dtype.kind in "iu":
+            labels = labels.astype(np.int32)
+            if labels.size and labels.min() < -1:
+                raise LoaderError(where, f"negative class label {labels.min()}")
+            self.num_classes: int | None = (
+                int(labels.max()) + 1 if labels.size and labels.max() >= 0 else None
+            )
+        else:
+            labels = labels.astype(np.float32)
+            self.num_classes = None
+        self.labels = readonly(labels)
+        self.label_dtype = self.labels.dtype
+
+    def __len__(self) -> int:
+        return int(self._records.shape[0])
+
+    def __enter__(self) -> _ArraySource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the mapping (the file closes when the last view of it goes)."""
+        self._records = self._records[:0]
+
+    def statistics(self) -> SourceStatistics:
+        """Frozen counters.
+
+        Returns:
+            The statistics so far.
+        """
+        return self._stats.snapshot(self._policy.skipped)
+
+    def read(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
+        """Copy records out as float32.
+
+        Args:
+            indices: record indices, any order, repeats allowed.
+
+        Returns:
+            (x float32 [n, *sample_shape], y [n], skipped); a record with NaN or infinity is a bad
+            item (it would poison training).
+
+        Raises:
+            LoaderError: under ``on_error="raise"``, for the first non-finite record.
+        """
+        idx = check_indices(indices, len(self), self.path)
+        t0 = time.perf_counter()
+        raw = self._records[idx]
+        x = raw.astype(np.float32)
+        if self._scale != 1:
+            x *= self._scale
+        ok = np.isfinite(x.reshape(len(idx), -1)).all(axis=1)
+        self._stats.add(bytes_read=raw.nbytes, seconds=time.perf_counter() - t0)
+        for pos in np.flatnonzero(~ok).tolist():
+            self._policy.handle(
+                LoaderError(f"{self.path}: record {int(idx[pos])}", "contains NaN or infinity")
+            )
+        skipped = int(idx.size - ok.sum())
+        if skipped:
+            x, idx = x[ok], idx[ok]
+        self._stats.add(samples=int(idx.size))
+        return x, self.labels[idx], skipped
+
+
+class RawBinarySource(_ArraySource):
+    """Raw fixed-size records through ``np.memmap``; values are cast to float32 unscaled.
+
+    Args:
+        path: the records file.
+        dtype: numpy dtype of one value (e.g. "uint8", "<f4").
+        shape: shape of one record.
+        labels_path: a raw file (or ``.npy``) of one label per record; None = unlabelled (labels
+            are -1 and num_classes is None).
+        label_dtype: dtype of the raw labels file.
+        on_error: "raise" or "skip". A file whose size is not a whole number of records is bad
+            input: raised, or under "skip" the partial record at the end is left out and counted.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        dtype: str | np.dtype,
+        shape: Sequence[int],
+        labels_path: str | os.PathLike | None = None,
+        label_dtype: str | np.dtype = "int32",
+        on_error: str = "raise",
+    ) -> None:
+        where = str(path)
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        record = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if record <= 0:
+            raise ValueError(f"record shape {shape} of {dtype} has no bytes")
+        try:
+            size = os.path.getsize(path)
+        except OSError as exc:
+            raise LoaderError(where, f"cannot open ({exc.strerror or exc})") from exc
+        n, rest = divmod(size, record)
+        policy = ErrorPolicy(on_error, where)
+        if rest:
+            policy.handle(
+                LoaderError(
+                    where, f"size {size} is not a whole number of {record}-byte records ({rest} bytes over)"
+                )
+            )
+        records = (
+            np.memmap(path, dtype=dtype, mode="r", shape=(n, *shape)) if n else np.empty((0, *shape), dtype)
+        )
+        if labels_path is None:
+            labels = np.full(n, -1, dtype=np.int32)
+        else:
+            labels = _load_labels(labels_path, np.dtype(label_dtype))
+            if labels.shape != (n,):
+                raise LoaderError(str(labels_path), f"{labels.size} labels for {n} records in {where}")
+        super().__init__(where, records, labels, 1.0, policy)
+
+
+def _load_labels(path: str | os.PathLike, dtype: np.dtype) -> np.ndarray:
+    try:
+        if str(path).endswith(".npy"):
+            return np.load(path, mmap_mode="r").reshape(-1)
+        return np.fromfile(path, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise LoaderError(str(path), f"cannot read labels ({exc})") from exc
+
+
+class IDXSource(_ArraySource):
+    """An IDX images file and an IDX labels file (MNIST layout).
+
+    3-D images (n, h, w) become (n, 1, h, w) samples, CHW like the image folder; uint8 pixels are
+    scaled to [0, 1] like decoded images; other dtypes are cast unscaled.
+
+    Args:
+        images: IDX file of the samples (n, ...).
+        labels: IDX file of n labels.
+        on_error: "raise" or "skip".
+    """
+
+    def __init__(self, images: str | os.PathLike, labels: str | os.PathLike, on_error: str = "raise") -> None:
+        x = read_idx(images)
+        y = read_idx(labels)
+        if y.ndim != 1 or y.shape[0] != x.shape[0]:
+            raise LoaderError(str(labels), f"labels of shape {y.shape} for {x.shape[0]} samples in {images}")
+        if x.ndim == 3:
+            x = x.reshape(x.shape[0], 1, *x.shape[1:])
+        scale = 1.0 / 255.0 if x.dtype == np.uint8 else 1.0
+        super().__init__(str(images), x, np.asarray(y), scale, ErrorPolicy(on_error, str(images)))

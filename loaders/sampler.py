@@ -1,0 +1,130 @@
+"""Which samples go in which batch: a seeded shuffle per epoch, sharded by rank, resumable.
+
+Pure and deterministic: no I/O, and the order depends only on (indices, seed, epoch), through
+``np.random.default_rng((seed, epoch))``, so it is the same on every machine and after a restart.
+A :class:`SamplerState` (epoch, batches already emitted) is all a checkpoint needs to resume on
+the exact next batch.
+
+Sharding: each epoch's permutation is cut to a multiple of ``world`` and rank ``r`` takes every
+``world``-th sample starting at ``r``. The ``len(indices) % world`` samples at the tail of the
+permutation sit this epoch out, so every rank sees the same number of samples and batches (no rank
+waits at a collective for a batch another lacks) and no sample is duplicated. With shuffling the
+left-out tail differs each epoch; without it the same last samples are always left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    """Where a sampler stands.
+
+    Attributes:
+        epoch: the epoch (0-based).
+        position: batches already emitted in this epoch.
+    """
+
+    epoch: int
+    position: int
+
+
+class Sampler:
+    """Batches of sample indices (see the module docstring).
+
+    Args:
+        indices: the sample indices to draw from (e.g. a split), any order.
+        batch_size: samples per batch.
+        shuffle: permute each epoch; otherwise keep ``indices`` order.
+        seed: the shuffle's seed.
+        drop_last: leave out the final partial batch of each epoch (never padded with zeros or
+            repeats either way).
+        rank: this shard.
+        world: number of shards.
+    """
+
+    def __init__(
+        self,
+        indices: np.ndarray,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
+        self.indices = np.array(indices, dtype=np.int64).reshape(-1)
+        self.indices.setflags(write=False)
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.rank = int(rank)
+        self.world = int(world)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples this rank sees per epoch (before drop_last)."""
+        return self.indices.size // self.world
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The whole epoch's order, before sharding.
+
+        Args:
+            epoch: the epoch.
+
+        Returns:
+            ``indices`` permuted by ``default_rng((seed, epoch))`` (or as given without shuffle).
+        """
+        if not self.shuffle:
+            return self.indices.copy()
+        return self.indices[np.random.default_rng((self.seed, epoch)).permutation(self.indices.size)]
+
+    def shard(self, epoch: int) -> np.ndarray:
+        """This rank's samples for an epoch, in order.
+
+        Args:
+            epoch: the epoch.
+
+        Returns:
+            Every ``world``-th sample of the epoch order from ``rank``, tail cut as documented.
+        """
+        order = self.epoch_order(epoch)
+        return order[: self.samples_per_epoch * self.world][self.rank :: self.world]
+
+    def batches_per_epoch(self) -> int:
+        """Batches this rank emits per epoch.
+
+        Returns:
+            The count, the same on every rank.
+        """
+        full, rest = divmod(self.samples_per_epoch, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def batches(self, state: SamplerState) -> Iterator[tuple[SamplerState, np.ndarray]]:
+        """Batches from ``state`` to the end of its epoch.
+
+        Args:
+            state: where to start; ``position`` batches of ``epoch`` are taken as already emitted.
+
+        Yields:
+            (the state after this batch, the batch's sample indices). Resuming from any yielded
+            state gives exactly the batches that followed it.
+        """
+        total = self.batches_per_epoch()
+        if not 0 <= state.position <= total:
+            raise ValueError(f"position {state.position} outside 0..{total} for epoch {state.epoch}")
+        if state.position == total:
+            return
+        shard = self.shard(state.epoch)
+        for pos in range(state.position, total):
+            batch = shard[pos * self.batch_size : (pos + 1) * self.batch_size]
+            yield SamplerState(state.epoch, pos + 1), batch

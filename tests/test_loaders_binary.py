@@ -1,0 +1,114 @@
+"""Raw binary records (memmap) and the IDX format: round trips and bad files."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaders import IDXSource, LoaderError, RawBinarySource, read_idx, write_idx
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.float32, np.float64])
+@pytest.mark.parametrize("suffix", [".idx", ".idx.gz"])
+def test_idx_round_trip(tmp_path: Path, dtype: type, suffix: str) -> None:
+    rng = np.random.default_rng(3)
+    info = np.iinfo(dtype) if np.issubdtype(dtype, np.integer) else None
+    if info is not None:
+        data = rng.integers(info.min, info.max, (7, 3, 5), endpoint=True).astype(dtype)
+    else:
+        data = rng.standard_normal((7, 3, 5)).astype(dtype)
+    path = tmp_path / f"a{suffix}"
+    write_idx(path, data)
+    back = read_idx(path)
+    assert back.shape == data.shape and back.dtype.newbyteorder("=") == np.dtype(dtype).newbyteorder("=")
+    np.testing.assert_array_equal(back, data)
+
+
+def test_idx_header_is_mnist_big_endian(tmp_path: Path) -> None:
+    write_idx(tmp_path / "l.idx", np.array([1, 2, 3], dtype=np.uint8))
+    assert (tmp_path / "l.idx").read_bytes() == bytes([0, 0, 0x08, 1, 0, 0, 0, 3, 1, 2, 3])
+    write_idx(tmp_path / "i.idx", np.array([[258]], dtype=np.int32))
+    assert (tmp_path / "i.idx").read_bytes() == bytes([0, 0, 0x0C, 2, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 1, 2])
+
+
+def test_idx_rejects_bad_files(tmp_path: Path) -> None:
+    write_idx(tmp_path / "ok.idx", np.arange(12, dtype=np.uint8).reshape(3, 4))
+    good = (tmp_path / "ok.idx").read_bytes()
+    (tmp_path / "short.idx").write_bytes(good[:-1])
+    (tmp_path / "magic.idx").write_bytes(b"\x01\x00" + good[2:])
+    (tmp_path / "type.idx").write_bytes(b"\x00\x00\x0a" + good[3:])
+    (tmp_path / "empty.idx").write_bytes(b"")
+    for name, why in [
+        ("short", "size 23 bytes"),
+        ("magic", "not an IDX file"),
+        ("type", "type code 0x0a"),
+        ("empty", "not an IDX file"),
+    ]:
+        with pytest.raises(LoaderError, match=why) as info:
+            read_idx(tmp_path / f"{name}.idx")
+        assert f"{name}.idx" in str(info.value)
+    with pytest.raises(ValueError):
+        write_idx(tmp_path / "x.idx", np.zeros(3, dtype=np.int64))
+
+
+def test_idx_source_is_mnist_shaped(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (10, 4, 6), dtype=np.uint8)
+    labels = (np.arange(10) % 4).astype(np.uint8)
+    write_idx(tmp_path / "img.idx", images)
+    write_idx(tmp_path / "lab.idx.gz", labels)
+    src = IDXSource(tmp_path / "img.idx", tmp_path / "lab.idx.gz")
+    assert len(src) == 10 and src.sample_shape == (1, 4, 6) and src.num_classes == 4
+    assert src.label_dtype == np.int32
+    x, y, skipped = src.read([9, 2])
+    assert skipped == 0 and y.tolist() == [1, 2]
+    np.testing.assert_allclose(x[:, 0], images[[9, 2]] / 255.0, atol=1e-7)
+    write_idx(tmp_path / "few.idx", labels[:9])
+    with pytest.raises(LoaderError, match="few.idx"):
+        IDXSource(tmp_path / "img.idx", tmp_path / "few.idx")
+
+
+def test_raw_binary_records_and_labels(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((9, 2, 3)).astype("<f4")
+    data.tofile(tmp_path / "x.bin")
+    labels = rng.integers(0, 5, 9).astype(np.int32)
+    labels.tofile(tmp_path / "y.bin")
+    src = RawBinarySource(tmp_path / "x.bin", "<f4", (2, 3), labels_path=tmp_path / "y.bin")
+    assert len(src) == 9 and src.sample_shape == (2, 3) and src.num_classes == int(labels.max()) + 1
+    x, y, _ = src.read([4, 0, 4])
+    np.testing.assert_array_equal(x, data[[4, 0, 4]])
+    np.testing.assert_array_equal(y, labels[[4, 0, 4]])
+    assert src.statistics().bytes_read == 3 * 24 and src.statistics().samples_read == 3
+    np.save(tmp_path / "t.npy", np.linspace(0, 1, 9, dtype=np.float32))
+    reg = RawBinarySource(tmp_path / "x.bin", "float32", (6,), labels_path=tmp_path / "t.npy")
+    assert reg.label_dtype == np.float32 and reg.num_classes is None and reg.sample_shape == (6,)
+    unlabelled = RawBinarySource(tmp_path / "x.bin", "float32", (6,))
+    assert unlabelled.labels.tolist() == [-1] * 9 and unlabelled.num_classes is None
+    with pytest.raises(LoaderError, match="8 labels for 9 records"):
+        labels[:8].tofile(tmp_path / "y8.bin")
+        RawBinarySource(tmp_path / "x.bin", "<f4", (2, 3), labels_path=tmp_path / "y8.bin")
+
+
+def test_raw_binary_partial_record_and_nan_follow_the_policy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = np.arange(5 * 4, dtype=np.float32).reshape(5, 4) + 1
+    data[2, 1] = np.nan
+    (tmp_path / "x.bin").write_bytes(data.tobytes() + b"\x00\x01")
+    with pytest.raises(LoaderError, match=r"x\.bin: size 82 is not a whole number of 16-byte records"):
+        RawBinarySource(tmp_path / "x.bin", np.float32, (4,))
+    with caplog.at_level(logging.WARNING, logger="vkflow.loaders"):
+        src = RawBinarySource(tmp_path / "x.bin", np.float32, (4,), on_error="skip")
+        x, _, skipped = src.read(range(5))
+    assert len(src) == 5 and skipped == 1 and src.statistics().skipped == 2
+    np.testing.assert_array_equal(x, data[[0, 1, 3, 4]])
+    assert len([r for r in caplog.records if r.name == "vkflow.loaders"]) == 1
+    (tmp_path / "y.bin").write_bytes(data.tobytes())
+    strict = RawBinarySource(tmp_path / "y.bin", np.float32, (4,))
+    np.testing.assert_array_equal(strict.read([0, 4])[0], data[[0, 4]])
+    with pytest.raises(LoaderError, match=r"y\.bin: record 2: contains NaN"):
+        strict.read([1, 2])
