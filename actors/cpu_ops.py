@@ -19,11 +19,7 @@ Params = dict[str, float]
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_erf = np.vectorize(math.erf, otypes=[np.float64])
-
-
-def erf(x: np.ndarray) -> np.ndarray:
-    return _erf(x).astype(x.dtype, copy=False)
+_erfc = np.vectorize(math.erfc, otypes=[np.float64])
 
 
 def activate(x: np.ndarray, code: int, slope: float) -> np.ndarray:
@@ -39,7 +35,9 @@ def activate(x: np.ndarray, code: int, slope: float) -> np.ndarray:
     if code == ACTIVATIONS["tanh"]:
         return np.tanh(x)
     if code == ACTIVATIONS["gelu"]:
-        return (0.5 * x * (1 + erf(x * x.dtype.type(_SQRT_HALF)))).astype(x.dtype, copy=False)
+        # erfc keeps the lower tail: 1 + erf(x/sqrt2) cancels to 0 in float32 below x ~ -5.5.
+        wide = x.astype(np.float64)
+        return (0.5 * wide * _erfc(-wide * _SQRT_HALF)).astype(x.dtype)
     raise ValueError(f"unknown activation code {code}")
 
 
@@ -54,12 +52,12 @@ def activation_derivative(saved: np.ndarray, code: int, slope: float) -> np.ndar
     if code == ACTIVATIONS["sigmoid"]:
         return saved * (one - saved)
     if code == ACTIVATIONS["tanh"]:
-        return one - saved * saved
+        return (one - saved) * (one + saved)  # no cancellation where tanh saturates
     if code == ACTIVATIONS["gelu"]:
-        x = saved
-        cdf = 0.5 * (1 + erf(x * x.dtype.type(_SQRT_HALF)))
-        pdf = np.exp(-0.5 * x * x) * x.dtype.type(_INV_SQRT_2PI)
-        return (cdf + x * pdf).astype(x.dtype, copy=False)
+        x = saved.astype(np.float64)
+        cdf = 0.5 * _erfc(-x * _SQRT_HALF)
+        pdf = np.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        return (cdf + x * pdf).astype(saved.dtype)
     if code == ACTIVATIONS["none"]:
         return np.ones_like(saved)
     raise ValueError(f"activation code {code} has no derivative")
@@ -117,10 +115,11 @@ def reduce(arrays: list[np.ndarray], p: Params) -> None:
     x, y = arrays
     rows, cols, axis, fn = int(p["rows"]), int(p["cols"]), int(p["axis"]), int(p["fn"])
     matrix = x[: rows * cols].reshape(rows, cols)
+    # Accumulate in float64 (numpy sums down columns row by row, losing digits in float32).
     if fn == REDUCE["sum"]:
-        result = matrix.sum(axis=axis, dtype=matrix.dtype)
+        result = matrix.sum(axis=axis, dtype=np.float64).astype(matrix.dtype)
     elif fn == REDUCE["mean"]:
-        result = matrix.mean(axis=axis, dtype=matrix.dtype)
+        result = matrix.mean(axis=axis, dtype=np.float64).astype(matrix.dtype)
     elif fn == REDUCE["max"]:
         result = matrix.max(axis=axis)
     else:

@@ -116,7 +116,8 @@ float activation_derivative(float saved, uint code, float slope) {
         case ACT_SIGMOID:
             return saved * (1.0 - saved);
         case ACT_TANH:
-            return 1.0 - saved * saved;
+            // Factored, so it keeps relative accuracy where tanh saturates (1 - s is exact there).
+            return (1.0 - saved) * (1.0 + saved);
         case ACT_GELU:
             return normal_cdf(saved) + saved * exp(-0.5 * saved * saved) * ACT_INV_SQRT_2PI;
         default:
