@@ -26,7 +26,9 @@ class MemoryBudgetError(MemoryError):
         )
 
 
-def choose_memory_type(types: Sequence[MemoryType], allowed_bits: int, host_visible: bool) -> MemoryType:
+def choose_memory_type(
+    types: Sequence[MemoryType], allowed_bits: int, host_visible: bool, host_reads: bool = False
+) -> MemoryType:
     """Pick a memory type by its flags, never by its index.
 
     For host-visible requests prefer device-local + host-visible + coherent memory (ReBAR: the host
@@ -36,6 +38,8 @@ def choose_memory_type(types: Sequence[MemoryType], allowed_bits: int, host_visi
         types: the device's memory types.
         allowed_bits: VkMemoryRequirements.memoryTypeBits of the buffer.
         host_visible: whether the host must map it.
+        host_reads: the host reads it back in bulk: prefer cached memory, since reading
+            uncached (write-combined) device memory from the CPU is an order of magnitude slower.
 
     Returns:
         The chosen type.
@@ -44,7 +48,9 @@ def choose_memory_type(types: Sequence[MemoryType], allowed_bits: int, host_visi
         MemoryError: when no allowed type fits.
     """
     allowed = [t for t in types if allowed_bits & (1 << t.index)]
-    if host_visible:
+    if host_reads:
+        preferences = [{"host_visible", "host_coherent", "host_cached"}, {"host_visible", "host_coherent"}]
+    elif host_visible:
         preferences = [
             {"device_local", "host_visible", "host_coherent"},
             {"host_visible", "host_coherent"},

@@ -67,6 +67,7 @@ _COMPONENT_TYPES = {
     1000141000: "bfloat16",
 }
 _TIMEOUT_NS = 2**64 - 1
+_DIRECT_READ_BYTES = 1 << 20
 
 
 def _check(result: int, what: str) -> None:
@@ -348,6 +349,7 @@ class _ArenaBuffer:
     placement: Placement
     size: int
     mapped: object | None  # cffi pointer to the first byte, when host visible
+    cached: bool = False  # host-cached memory: fast for the CPU to read
 
 
 @dataclass
@@ -510,7 +512,9 @@ class VulkanBackend:
             self._counter = ffi.new("uint64_t*")
 
     # -- memory -----------------------------------------------------------------------------
-    def _create_buffer(self, name: str, size: int, host_visible: bool) -> _ArenaBuffer:
+    def _create_buffer(
+        self, name: str, size: int, host_visible: bool, host_reads: bool = False
+    ) -> _ArenaBuffer:
         usage = (
             vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT
             | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
@@ -530,7 +534,9 @@ class VulkanBackend:
         buffer = handle[0]
         requirements = ffi.new("VkMemoryRequirements*")
         lib.vkGetBufferMemoryRequirements(self.device, buffer, requirements)
-        memory_type = choose_memory_type(self.facts.memory_types, requirements.memoryTypeBits, host_visible)
+        memory_type = choose_memory_type(
+            self.facts.memory_types, requirements.memoryTypeBits, host_visible, host_reads
+        )
         try:
             placement, new_block = self._allocator.place(
                 name, int(requirements.size), int(requirements.alignment), memory_type.index
@@ -548,7 +554,13 @@ class VulkanBackend:
         mapped = None
         if "host_visible" in memory_type.flags:
             mapped = self._block_maps[placement.block] + placement.offset
-        return _ArenaBuffer(buffer=buffer, placement=placement, size=size, mapped=mapped)
+        return _ArenaBuffer(
+            buffer=buffer,
+            placement=placement,
+            size=size,
+            mapped=mapped,
+            cached="host_cached" in memory_type.flags,
+        )
 
     def _allocate_block(self, size: int, memory_type: MemoryType) -> None:
         info = ffi.new(
@@ -622,7 +634,8 @@ class VulkanBackend:
         spec = self._layout.tensor(tensor)
         out = np.empty(spec.shape, dtype=np.dtype(spec.dtype))
         source = self._arena_for(spec, slot)
-        if source.mapped is not None:
+        # CPU reads of uncached (write-combined) VRAM crawl; bulk reads go through cached staging.
+        if source.mapped is not None and (source.cached or out.nbytes < _DIRECT_READ_BYTES):
             ffi.memmove(ffi.from_buffer(out), source.mapped + spec.offset, out.nbytes)
         else:
             self._staged_copy(source, spec.offset, out.nbytes, download=out)
@@ -640,7 +653,7 @@ class VulkanBackend:
         return np.frombuffer(buffer, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
 
     def _staged_copy(self, arena: _ArenaBuffer, offset: int, nbytes: int, upload=None, download=None) -> None:
-        staging = self._create_buffer("staging", max(nbytes, 4), True)
+        staging = self._create_buffer("staging", max(nbytes, 4), True, host_reads=download is not None)
         try:
             if upload is not None:
                 ffi.memmove(staging.mapped, ffi.from_buffer(upload), nbytes)
