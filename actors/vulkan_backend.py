@@ -381,6 +381,7 @@ class VulkanBackend:
         self._descriptor_pools: list[object] = []
         self._recorded: list[_Recorded] = []
         self._query_pools: list[TimestampPool] = []
+        self.tuning = True  # per-launch specialisation (tiles) from the registry's tune functions
         self._create_device()
 
     # -- device and queue -------------------------------------------------------------------
@@ -899,7 +900,8 @@ class VulkanBackend:
         Args:
             program: what to run.
             slot: which per-slot arenas to bind.
-            spec_overrides: op name -> specialisation constants (tuned tile sizes).
+            spec_overrides: op name -> specialisation constants, replacing the registry's
+                per-launch tuning for that op (benchmarks use it to compare tiles).
             timestamps: a QueryPool from ``timestamp_pool`` to write one timestamp before the
                 first launch and after each launch (for per-kernel GPU timing in benchmarks).
 
@@ -931,6 +933,8 @@ class VulkanBackend:
                     f"{len(definition.bindings)} {definition.bindings}"
                 )
             overrides = (spec_overrides or {}).get(step.op)
+            if overrides is None and definition.tune is not None and self.tuning:
+                overrides = definition.tune(step.param_dict, self.facts)
             pipeline, pipeline_layout, spec = self.pipeline(definition, overrides)
             descriptor_set = self._descriptor_set(len(definition.bindings))
             infos = ffi.new("VkDescriptorBufferInfo[]", len(step.args))

@@ -1,7 +1,7 @@
 """vkflow: train and run small ML models on any Vulkan GPU, with the job described as data.
 
-The pure layers (spec, codec, validation, plan) import nothing heavy; the runtime (``run``,
-``open_pipeline``, ``predict``) is imported on first use so ``import flow`` stays cheap.
+The pure layers (spec, codec, validation, plan) hold the job as data; the runtime (``run``,
+``open_pipeline``, ``predict``) runs it as trio actors.
 """
 
 from flow.codec import dumps, load, loads, save
@@ -10,6 +10,7 @@ from flow.plan import Plan, plan
 from flow.validate import check, summarize, validate
 
 __all__ = [
+    "ActorError",
     "FlowError",
     "Plan",
     "PlanError",
@@ -23,16 +24,23 @@ __all__ = [
     "plan",
     "predict",
     "run",
+    "RunResult",
     "save",
     "summarize",
     "validate",
 ]
 
 
-def __getattr__(name: str):
-    # The runtime pulls in trio and the backends; load it only when asked for.
-    if name in ("run", "open_pipeline", "predict"):
-        from flow import run as _run_module
+_RUNTIME = ("ActorError", "RunResult", "open_pipeline", "predict", "run")
 
-        return getattr(_run_module, name)
+
+def __getattr__(name: str):
+    # The runtime (flow.runner) sits above the actors, which import flow's pure modules; loading
+    # it on first use keeps that layering free of import cycles.
+    if name in _RUNTIME:
+        import importlib
+
+        value = getattr(importlib.import_module("flow.runner"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'flow' has no attribute {name!r}")

@@ -91,7 +91,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flow.run import main_run
+    from flow.runner import main_run
 
     return main_run(args.rest)
 

@@ -73,6 +73,8 @@ class OpDef:
     outputs: tuple[str, ...] = ()  # bindings the op writes (the rest it only reads)
     defaults: tuple[tuple[str, float], ...] = ()  # push fields whose default is not 0
     local_from_spec: Callable[[dict[str, int]], tuple[int, int, int]] | None = None
+    # (launch params, device facts) -> specialisation constants for this launch (e.g. GEMM tiles).
+    tune: Callable[[dict[str, float], object], dict[str, int]] | None = None
 
     def local(self, spec: dict[str, int]) -> tuple[int, int, int]:
         """The workgroup size for these specialisation constants (tiles set it for GEMM)."""
@@ -117,6 +119,40 @@ def _linear_groups(count_param: str, per_thread: int = 1):
 def _rows_groups(params, local, spec) -> Groups:
     # One workgroup per row: rows are reduced cooperatively with shared memory.
     return capped_groups(int(params["rows"]), 1)
+
+
+# GEMM tile shapes (BM, BN, BK, TM, TN), largest first; each uses 256 threads.
+GEMM_TILES: tuple[tuple[int, int, int, int, int], ...] = (
+    (128, 128, 8, 8, 8),
+    (64, 64, 16, 4, 4),
+    (32, 32, 16, 2, 2),
+)
+# Enough workgroups to fill a big GPU (an H100 has 132 multiprocessors).
+GEMM_MIN_WORKGROUPS = 128
+
+
+def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
+    """Pick GEMM tiles for one launch: the largest tile that still yields enough workgroups to
+    keep every multiprocessor busy, since at MLP sizes a big tile leaves most of a GPU idle. On a
+    CPU driver (lavapipe) the middle tile is best: its threads are few and wide.
+
+    Args:
+        params: the launch's parameters (M, N).
+        facts: the device (only ``kind`` and ``shared_memory_bytes`` are read).
+
+    Returns:
+        Specialisation constants BM, BN, BK, TM, TN.
+    """
+    choice = GEMM_TILES[1]
+    if getattr(facts, "kind", "cpu") != "cpu":
+        m, n = int(params["M"]), int(params["N"])
+        shared = getattr(facts, "shared_memory_bytes", 0)
+        fitting = [t for t in GEMM_TILES if (t[0] + t[1] + 2) * t[2] * 4 <= shared]
+        for tile in fitting:
+            choice = tile
+            if ceil_div(m, tile[0]) * ceil_div(n, tile[1]) >= GEMM_MIN_WORKGROUPS:
+                break
+    return dict(zip(("BM", "BN", "BK", "TM", "TN"), choice, strict=True))
 
 
 def _gemm_groups(params, local, spec) -> Groups:
@@ -204,6 +240,7 @@ _OPS: tuple[OpDef, ...] = (
         local_size=(256, 1, 1),
         spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4)),
         local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]), 1, 1),
+        tune=tune_gemm,
     ),
     # Y = f(X) elementwise; fn codes from ACTIVATIONS | UNARY_EXTRA; a = slope or scale, b = shift.
     OpDef("unary", "unary.comp", ("X", "Y"), _ELEMENTWISE_PUSH, _linear_groups("n")),
@@ -302,6 +339,49 @@ _OPS: tuple[OpDef, ...] = (
         _rows_groups,
         local_size=(64, 1, 1),
     ),
+    # gemm on tensor cores (GL_KHR_cooperative_matrix): same bindings, push constants and result,
+    # but A and B are rounded to float16 (fp32 accumulate), ~1e-3 relative error. Block tile
+    # BM x BN x BK; (BM/WM)*(BN/WN) subgroups of SG invocations (the device's subgroup size),
+    # each a WM x WN warp tile; GM tile rows per L2 group. Defaults are the fastest on an H200 at
+    # 4096^3; small problems (e.g. 256x1024x784) prefer BM=BN=32, BK=64, WM=WN=16.
+    OpDef(
+        "gemm_coopmat",
+        "gemm_coopmat.comp",
+        ("A", "B", "bias", "C"),
+        (
+            ("M", "u"),
+            ("N", "u"),
+            ("K", "u"),
+            ("trans_a", "u"),
+            ("trans_b", "u"),
+            ("has_bias", "u"),
+            ("act", "u"),
+            ("accumulate", "u"),
+            ("alpha", "f"),
+            ("slope", "f"),
+        ),
+        _gemm_groups,
+        local_size=(128, 1, 1),
+        spec=(("BM", 128), ("BN", 128), ("BK", 32), ("WM", 64), ("WN", 64), ("SG", 32), ("GM", 8)),
+        features=frozenset({"cooperative_matrix"}),
+        local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
+        # The largest tile that still gives GEMM_MIN_WORKGROUPS workgroups, else the smallest.
+        tune=lambda params, facts: dict(
+            zip(
+                ("BM", "BN", "BK", "WM", "WN"),
+                next(
+                    (
+                        t
+                        for t in ((128, 128, 32, 64, 64), (64, 64, 64, 32, 32))
+                        if ceil_div(int(params["M"]), t[0]) * ceil_div(int(params["N"]), t[1])
+                        >= GEMM_MIN_WORKGROUPS
+                    ),
+                    (32, 32, 64, 16, 16),
+                ),
+                strict=True,
+            )
+        ),
+    ),
 )
 
 # What each op writes; everything else it binds is read only.
@@ -326,6 +406,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "copy": ("Y",),
     "cast": ("Y",),
     "argmax": ("out",),
+    "gemm_coopmat": ("C",),
 }
 
 # Scale factors default to 1, not 0.
@@ -333,6 +414,7 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "gemm": (("alpha", 1.0),),
     "binary": (("a", 1.0),),
     "reduce": (("alpha", 1.0),),
+    "gemm_coopmat": (("alpha", 1.0),),
 }
 
 OPS: dict[str, OpDef] = {

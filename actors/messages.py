@@ -1,0 +1,163 @@
+"""The records that travel on the runtime's channels, from the loader down to the sink.
+
+Every message is a frozen dataclass: an actor never changes what it received, it sends a new
+record. Arrays ride along by reference (numpy arrays are not frozen, so actors treat them as
+read-only by convention and make new ones). Order on a channel is the order of the run: the loader
+emits the whole schedule (training batches, evaluation batches, checkpoint marks) and every actor
+keeps that order, so the device needs no reordering and a checkpoint mark is consistent by
+construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+Split = Literal["train", "val", "predict"]
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a training run stands, between two steps.
+
+    Attributes:
+        step: training steps done (the next step's 0-based index).
+        epoch: the epoch of the next batch, or of the last one while ``position`` is at its end.
+        position: training batches of ``epoch`` already taken (the sampler's position).
+    """
+
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One batch on its way to the device.
+
+    Attributes:
+        seq: sequence number in the stream (0, 1, ... for this run or feed).
+        epoch: the epoch it was drawn in.
+        position: its position in the epoch (sampler position before it).
+        indices: the sample indices (into the source), or the rows of a fed array.
+        x: float32 inputs [n, *input_shape].
+        y: labels or targets [n, ...]; None for prediction.
+        split: "train", "val" (evaluation) or "predict".
+        step: for "train", the step it is; for "val", the steps done when the evaluation runs.
+        last: the last batch of its evaluation round, or of its fed array.
+        tag: for "predict", which fed array it belongs to.
+    """
+
+    seq: int
+    epoch: int
+    position: int
+    indices: np.ndarray
+    x: np.ndarray
+    y: np.ndarray | None
+    split: Split = "train"
+    step: int = 0
+    last: bool = False
+    tag: int = 0
+
+    @property
+    def rows(self) -> int:
+        return int(self.x.shape[0])
+
+    def after(self) -> Cursor:
+        """The cursor once this training batch has been applied."""
+        return Cursor(self.step + 1, self.epoch, self.position + 1)
+
+
+@dataclass(frozen=True)
+class CheckpointMark:
+    """A point in the stream where the weights are consistent with ``cursor``: every training batch
+    before the mark has been applied and none after it. The device snapshots there.
+
+    Attributes:
+        cursor: where the run stands at the mark.
+        final: the end of the run (the last mark; the run's result comes from its snapshot).
+    """
+
+    cursor: Cursor
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A finished training step, reported in step order.
+
+    Attributes:
+        step: the step's 0-based index.
+        epoch: its epoch.
+        position: its batch position in the epoch.
+        loss: mean loss over the batch.
+        correct: correctly classified rows (0 for regression).
+        rows: rows in the batch.
+        lr: the learning rate the update used.
+    """
+
+    step: int
+    epoch: int
+    position: int
+    loss: float
+    correct: float
+    rows: int
+    lr: float
+
+
+@dataclass(frozen=True)
+class EvalDone:
+    """One evaluation over the validation split.
+
+    Attributes:
+        step: training steps done when it ran.
+        epoch: the epoch of the last training batch before it.
+        loss: mean loss per sample.
+        accuracy: correct / samples (0 for regression).
+        samples: rows evaluated.
+    """
+
+    step: int
+    epoch: int
+    loss: float
+    accuracy: float
+    samples: int
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    """Weights and optimiser state at a checkpoint mark, for the sink to write.
+
+    Attributes:
+        cursor: where the run stands (see CheckpointMark).
+        state: Engine.state(): ``params:all`` and ``state:<name>`` flat float32 arrays.
+        final: the end of the run.
+        interrupted: taken after an interruption rather than at a scheduled mark.
+    """
+
+    cursor: Cursor
+    state: dict[str, np.ndarray] = field(repr=False)
+    final: bool = False
+    interrupted: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Prediction:
+    """The predict program's output for one fed batch.
+
+    Attributes:
+        seq: the batch's sequence number.
+        tag: which fed array it belongs to.
+        last: the last batch of that array.
+        outputs: [rows, *output_shape] (probabilities for CrossEntropy models).
+    """
+
+    seq: int
+    tag: int
+    last: bool
+    outputs: np.ndarray
+
+
+Message = Batch | CheckpointMark | StepDone | EvalDone | Snapshot | Prediction

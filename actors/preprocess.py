@@ -1,0 +1,101 @@
+"""The preprocess actor: runs the spec's numpy transforms on each batch, on the CPU.
+
+``spec.data.preprocess`` applies to every batch; ``spec.data.augment`` to training batches only.
+The random ones draw from ``batch_rng(seed, epoch, position)``, a pure function of where the batch
+sits in the run, so a resumed run augments exactly as an uninterrupted one. The work itself is
+:func:`transform_batch` (pure); the actor runs it in a worker thread under its own limiter so the
+event loop stays free, and passes every other message through in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import trio
+
+from actors.messages import Batch
+from actors.statistics import Meter
+from loaders import apply_transforms, batch_rng
+
+
+def transform_batch(
+    batch: Batch,
+    preprocess: Sequence[Any],
+    augment: Sequence[Any],
+    seed: int,
+    input_shape: tuple[int, ...] | None = None,
+) -> Batch:
+    """A batch with the transforms applied (a new record; the input is not changed).
+
+    Args:
+        batch: the batch.
+        preprocess: transform specs for every batch.
+        augment: transform specs for training batches only.
+        seed: the data seed (spec.data.seed).
+        input_shape: the model's input shape, to check the result against; None skips the check.
+
+    Returns:
+        The transformed batch, x as float32.
+
+    Raises:
+        ValueError: the transforms give samples of another shape than the model takes.
+    """
+    steps = tuple(preprocess) + (tuple(augment) if batch.split == "train" else ())
+    x = np.asarray(batch.x, dtype=np.float32)
+    if steps:
+        x = apply_transforms(x, steps, batch_rng(seed, batch.epoch, batch.position))
+    if input_shape is not None and tuple(x.shape[1:]) != tuple(input_shape):
+        raise ValueError(
+            f"batch {batch.seq}: samples of shape {tuple(x.shape[1:])} after preprocessing, but the model "
+            f"takes {tuple(input_shape)} (check data.preprocess or model.input_shape)"
+        )
+    return replace(batch, x=x)
+
+
+class Preprocess:
+    """The preprocess actor (see the module docstring).
+
+    Args:
+        meter: its ports.
+        preprocess: transform specs for every batch.
+        augment: transform specs for training batches.
+        seed: the data seed.
+        input_shape: the model's input shape (checked on every batch).
+        inline: transform on the event loop instead of in a thread (deterministic tests).
+    """
+
+    def __init__(
+        self,
+        meter: Meter,
+        preprocess: Sequence[Any],
+        augment: Sequence[Any],
+        seed: int,
+        input_shape: tuple[int, ...] | None,
+        inline: bool = False,
+    ) -> None:
+        self.meter = meter
+        self.preprocess = tuple(preprocess)
+        self.augment = tuple(augment)
+        self.seed = seed
+        self.input_shape = input_shape
+        self.inline = inline
+        self.limiter = trio.CapacityLimiter(1)
+
+    async def run(self) -> None:
+        """Transform batches until the inbox ends, then close the outboxes."""
+        async with self.meter:
+            async for item in self.meter:
+                if isinstance(item, Batch):
+                    args = (item, self.preprocess, self.augment, self.seed, self.input_shape)
+                    with self.meter.busy():
+                        if self.inline or not (self.preprocess or self.augment):
+                            item = transform_batch(*args)
+                        else:
+                            item = await trio.to_thread.run_sync(transform_batch, *args, limiter=self.limiter)
+                await self.meter.send(item)
+
+    def statistics(self):
+        return self.meter.statistics()

@@ -1,0 +1,251 @@
+"""What each actor reports about itself, and the meter that counts it while moving items.
+
+Every actor takes items from its inbox and sends to its outboxes only through a :class:`Meter`, so
+the counts (items in and out), the times (busy working, idle waiting for input, blocked waiting for
+space downstream) and the channel fill are measured in one place, the same way for every actor.
+``Meter.statistics()`` returns a frozen :class:`ActorStatistics`, safe to hand to the sink or a
+test while the actor keeps running.
+
+:class:`Hooks` lets tests and tools watch or perturb items as actors move them (fail at the n-th
+item, sleep to be a slow consumer, gate a loader one batch at a time, sample channel depths); a
+Meter without hooks pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+
+@dataclass(frozen=True)
+class ActorStatistics:
+    """One actor's counters at a moment.
+
+    Attributes:
+        name: the pipeline node's name.
+        items_in: items taken from the inbox.
+        items_out: items sent (one per item, however many outboxes it went to).
+        busy_seconds: time spent working on items.
+        idle_seconds: time spent waiting for input.
+        blocked_seconds: time spent waiting for space downstream (backpressure).
+        inbox_used: items waiting in the inbox now.
+        inbox_capacity: the inbox's capacity (0 for an actor without one).
+        inbox_peak: the most items seen waiting in the inbox.
+        outbox_used: items waiting in the fullest outbox now.
+        outbox_peak: the most items seen waiting in any outbox.
+    """
+
+    name: str
+    items_in: int = 0
+    items_out: int = 0
+    busy_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    blocked_seconds: float = 0.0
+    inbox_used: int = 0
+    inbox_capacity: int = 0
+    inbox_peak: int = 0
+    outbox_used: int = 0
+    outbox_peak: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as plain data (for JSON lines); times rounded to microseconds."""
+        out: dict[str, Any] = {}
+        for key, value in self.__dict__.items():
+            out[key] = round(value, 6) if isinstance(value, float) else value
+        return out
+
+
+class Hooks:
+    """Callbacks around every item an actor moves; the default does nothing.
+
+    Subclass and override what you need (see flow.testing for ready-made ones). Hooks run inside
+    the actor's task, so an exception raised here is that actor failing, and a sleep here is that
+    actor being slow.
+    """
+
+    def attach(self, channels: dict[tuple[str, str], tuple[Any, Any]]) -> None:
+        """Called once before the actors start.
+
+        Args:
+            channels: (src, dst) -> (send channel, receive channel) for every pipeline edge.
+        """
+
+    async def received(self, actor: str, item: Any) -> None:
+        """After ``actor`` took ``item`` from its inbox."""
+
+    async def sending(self, actor: str, item: Any) -> None:
+        """Before ``actor`` sends ``item`` downstream."""
+
+    async def sent(self, actor: str, item: Any) -> None:
+        """After ``actor`` sent ``item`` to every outbox."""
+
+
+class HookList(Hooks):
+    """Several hooks, called in order."""
+
+    def __init__(self, hooks: Sequence[Hooks]) -> None:
+        self.hooks = tuple(hooks)
+
+    def attach(self, channels: dict[tuple[str, str], tuple[Any, Any]]) -> None:
+        for hook in self.hooks:
+            hook.attach(channels)
+
+    async def received(self, actor: str, item: Any) -> None:
+        for hook in self.hooks:
+            await hook.received(actor, item)
+
+    async def sending(self, actor: str, item: Any) -> None:
+        for hook in self.hooks:
+            await hook.sending(actor, item)
+
+    async def sent(self, actor: str, item: Any) -> None:
+        for hook in self.hooks:
+            await hook.sent(actor, item)
+
+
+def _used(channel: Any) -> int:
+    stats = getattr(channel, "statistics", None)
+    return int(stats().current_buffer_used) if stats else 0
+
+
+def _capacity(channel: Any) -> int:
+    stats = getattr(channel, "statistics", None)
+    size = stats().max_buffer_size if stats else 0
+    return int(size) if size != float("inf") else -1
+
+
+class Meter:
+    """An actor's ports: iterate it for inbox items, ``send`` to every outbox, ``busy()`` around
+    work. Use it as an async context manager; leaving it cleanly closes the inbox and the outboxes,
+    so the actors downstream see the end of the stream.
+
+    Args:
+        name: the actor's name (statistics and hooks use it).
+        inbox: the receive channel, or None for a source actor.
+        outboxes: send channels; each item goes to every one of them in order (explicit fan-out).
+        hooks: optional observers.
+        clock: the time source for busy/idle/blocked seconds.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        inbox: trio.MemoryReceiveChannel | None = None,
+        outboxes: Sequence[trio.MemorySendChannel] = (),
+        hooks: Hooks | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.name = name
+        self.inbox = inbox
+        self.outboxes = tuple(outboxes)
+        self.hooks = hooks
+        self._clock = clock
+        self._in = 0
+        self._out = 0
+        self._busy = 0.0
+        self._idle = 0.0
+        self._blocked = 0.0
+        self._inbox_peak = 0
+        self._outbox_peak = 0
+
+    # -- receiving -------------------------------------------------------------------------------
+    def __aiter__(self) -> Meter:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.inbox is None:
+            raise StopAsyncIteration
+        self._inbox_peak = max(self._inbox_peak, _used(self.inbox))
+        start = self._clock()
+        try:
+            item = await self.inbox.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        finally:
+            self._idle += self._clock() - start
+        self._in += 1
+        if self.hooks is not None:
+            await self.hooks.received(self.name, item)
+        return item
+
+    # -- sending ---------------------------------------------------------------------------------
+    async def send(self, item: Any) -> None:
+        """Send ``item`` to every outbox, waiting for space (the time counts as blocked).
+
+        Args:
+            item: the message.
+        """
+        if self.hooks is not None:
+            await self.hooks.sending(self.name, item)
+        for outbox in self.outboxes:
+            start = self._clock()
+            try:
+                await outbox.send(item)
+            finally:
+                self._blocked += self._clock() - start
+            self._outbox_peak = max(self._outbox_peak, _used(outbox))
+        self._out += 1
+        if self.hooks is not None:
+            await self.hooks.sent(self.name, item)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Count the time inside the block as work."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self._busy += self._clock() - start
+
+    @contextmanager
+    def blocked(self) -> Iterator[None]:
+        """Count the time inside the block as waiting for capacity downstream (e.g. a free device
+        slot), like a send that waits for space."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self._blocked += self._clock() - start
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the inbox and every outbox (no checkpoint: nothing else runs meanwhile)."""
+        for outbox in self.outboxes:
+            outbox.close()
+        if self.inbox is not None:
+            self.inbox.close()
+
+    async def __aenter__(self) -> Meter:
+        return self
+
+    async def __aexit__(self, exc_type: type | None, *exc: object) -> None:
+        # Only a clean end closes the channels. On an error the runner cancels every actor anyway;
+        # closing here would make the neighbours fail too (BrokenResourceError upstream, a false
+        # end of stream downstream) and blur which actor really failed.
+        if exc_type is None:
+            self.close()
+
+    def statistics(self) -> ActorStatistics:
+        """The counters now.
+
+        Returns:
+            A frozen snapshot.
+        """
+        return ActorStatistics(
+            name=self.name,
+            items_in=self._in,
+            items_out=self._out,
+            busy_seconds=self._busy,
+            idle_seconds=self._idle,
+            blocked_seconds=self._blocked,
+            inbox_used=_used(self.inbox) if self.inbox is not None else 0,
+            inbox_capacity=_capacity(self.inbox) if self.inbox is not None else 0,
+            inbox_peak=self._inbox_peak,
+            outbox_used=max((_used(o) for o in self.outboxes), default=0),
+            outbox_peak=self._outbox_peak,
+        )

@@ -1,0 +1,468 @@
+"""GEMM and upload microbenchmarks: vkflow against PyTorch on the same GPU, in one run.
+
+What is measured (letters follow the performance issue):
+
+(c) fp32 GEMM C = A @ B, row-major, for 4096^3, 8192^3 and the odd shapes 4000^3 and
+    256x1024x784 (M x N x K: the small MLP's first layer). vkflow: one program of n ``gemm``
+    launches separated by barriers (as in a training step), recorded once with a timestamp pool;
+    the time of one GEMM is the median difference of consecutive timestamps over several
+    submissions (n is chosen so one submission takes about ``target`` seconds of GPU time). Each
+    tile configuration is first checked against numpy on an odd shape, then timed; every config
+    gets a line and ``best`` marks the fastest per shape, which the ratio uses.
+    torch: ``torch.matmul`` into a preallocated output, timed with CUDA events over n calls, TF32
+    off, median of repetitions; fp16 and bf16 (cuBLAS tensor cores) for reference only.
+(d) Host-to-device uploads. vkflow: a numpy copy into the numpy view that ``write_into`` returns
+    for a host-visible io tensor, and ``backend.write`` (one memmove) into it, timed with host
+    clocks (the copy is the transfer: the host writes device-visible memory directly), once with
+    the GPU idle and once while GEMM submissions keep it busy. torch: pinned host tensor
+    ``.to(device, non_blocking=True)`` on a side stream, timed with CUDA events, idle and while
+    matmuls run on the default stream.
+
+All tile configurations keep (BM/TM)*(BN/TN) = 256 threads, because the backend always
+specialises the op's registered local size (256) and gemm.comp requires local_size_x to equal
+that product; configs that need a different workgroup size, or more shared memory than the
+device has, are reported as skipped with the reason.
+
+Output: one JSON line per figure on stdout (and appended to ``--out``), then a table. Run alone it
+does (c) and (d); bench_mlp.py runs these too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import common
+import numpy as np
+from common import Reporter, import_torch, median, open_vulkan, section, torch_target
+
+DEFAULT_TILES = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
+TILE_CONFIGS = (
+    DEFAULT_TILES,
+    {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8},
+    {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8},
+    {"BM": 128, "BN": 128, "BK": 32, "TM": 8, "TN": 8},
+    {"BM": 128, "BN": 64, "BK": 16, "TM": 8, "TN": 4},
+    {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8},
+)
+QUICK_TILE_CONFIGS = TILE_CONFIGS[:2]
+SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (4000, 4000, 4000), (256, 1024, 784))  # M, N, K
+QUICK_SHAPES = ((256, 256, 256), (100, 128, 78))
+CHECK_SHAPE = (67, 45, 33)  # odd in every dimension: exercises every bounds check of the tiles
+
+
+def tile_name(tiles: dict[str, int]) -> str:
+    return f"{tiles['BM']}x{tiles['BN']}x{tiles['BK']}/{tiles['TM']}x{tiles['TN']}"
+
+
+def shape_name(shape: tuple[int, int, int]) -> str:
+    return "x".join(map(str, shape))
+
+
+def tile_problem(backend, tiles: dict[str, int]) -> str | None:
+    """Why ``tiles`` cannot run on this backend, or None when it can."""
+    from shaders.registry import op
+
+    local = op("gemm").local_size
+    threads = (tiles["BM"] // tiles["TM"]) * (tiles["BN"] // tiles["TN"])
+    if threads != local[0] * local[1] * local[2]:
+        return (
+            f"needs a workgroup of {threads} threads but the backend specialises gemm's registered "
+            f"local size {local}; see bench/README.md for the backend change"
+        )
+    shared = 4 * tiles["BK"] * (tiles["BM"] + 1 + tiles["BN"] + 1)
+    if shared > backend.facts.shared_memory_bytes:
+        return f"needs {shared} B of shared memory; the device has {backend.facts.shared_memory_bytes}"
+    return None
+
+
+# -- vkflow GEMM -------------------------------------------------------------------------------------
+
+
+class VkGemm:
+    """One GEMM shape laid out on a backend, with A and B filled with uniform(-1, 1) values."""
+
+    def __init__(self, backend, shape: tuple[int, int, int], seed: int = 0) -> None:
+        from actors.single_op import single_op_layout
+
+        self.backend = backend
+        self.M, self.N, self.K = shape
+        arrays = {
+            "A": np.empty((self.M, self.K), np.float32),
+            "B": np.empty((self.K, self.N), np.float32),
+            "bias": np.empty(self.N, np.float32),
+            "C": np.empty((self.M, self.N), np.float32),
+        }
+        largest = max(a.nbytes for a in arrays.values())
+        if largest > backend.facts.max_storage_buffer_range:
+            raise ValueError(
+                f"a {largest:,}-byte operand exceeds maxStorageBufferRange "
+                f"({backend.facts.max_storage_buffer_range:,})"
+            )
+        backend.open_layout(single_op_layout(arrays))
+        rng = np.random.default_rng(seed)
+        self.a = rng.uniform(-1, 1, (self.M, self.K)).astype(np.float32)
+        self.b = rng.uniform(-1, 1, (self.K, self.N)).astype(np.float32)
+        backend.write("A", self.a)
+        backend.write("B", self.b)
+        backend.write("bias", np.zeros(self.N, np.float32))
+
+    def program(self, launches: int):
+        from flow.program import Barrier, Program, launch
+
+        one = launch("gemm", ("A", "B", "bias", "C"), M=self.M, N=self.N, K=self.K)
+        steps = [one]
+        for _ in range(launches - 1):
+            steps += [Barrier(), one]
+        return Program(name=f"gemm{shape_name((self.M, self.N, self.K))}x{launches}", steps=tuple(steps))
+
+    def check(self, tiles: dict[str, int]) -> float:
+        """Max relative error of one launch against numpy (float64)."""
+        handle = self.backend.record(self.program(1), 0, spec_overrides={"gemm": tiles})
+        self.backend.wait(self.backend.submit(handle))
+        got = self.backend.read("C")
+        want = self.a.astype(np.float64) @ self.b.astype(np.float64)
+        return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+    def spot_error(self) -> float | None:
+        """Max relative error of three rows of C (after a run) against numpy, read through the
+        mapped view; None where C is not host-visible (reading all of a big C is too slow)."""
+        view = self.backend.write_into("C")
+        if view is None:
+            return None
+        rows = sorted({0, self.M // 2, self.M - 1})
+        got = np.array(view[rows])
+        want = self.a[rows].astype(np.float64) @ self.b.astype(np.float64)
+        return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+    def seconds_per_gemm(
+        self, tiles: dict[str, int], reps: int, target_s: float, max_launches: int
+    ) -> tuple[float, int]:
+        """(median GPU seconds of one GEMM launch, launches per submission), from timestamps."""
+
+        def timed(launches: int, times: int) -> list[float]:
+            pool = self.backend.timestamp_pool(launches + 1)
+            handle = self.backend.record(
+                self.program(launches), 0, spec_overrides={"gemm": tiles}, timestamps=pool
+            )
+            diffs: list[float] = []
+            for _ in range(times):
+                self.backend.wait(self.backend.submit(handle))
+                diffs.extend(np.diff(self.backend.read_timestamps_ns(pool)).tolist())
+            return diffs
+
+        probe = median(timed(2, 2)) * 1e-9  # also the warm-up
+        launches = int(min(max_launches, max(3, round(target_s / max(probe, 1e-9)))))
+        return median(timed(launches, reps)) * 1e-9, launches
+
+
+# -- torch GEMM --------------------------------------------------------------------------------------
+
+
+def torch_seconds_per_matmul(torch, shape: tuple[int, int, int], dtype, reps: int, target_s: float) -> float:
+    """Median seconds of one ``torch.matmul(a, b, out=c)``: CUDA events on the GPU, host clock on CPU."""
+    M, N, K = shape
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = (torch.rand(M, K, device=device, generator=generator) * 2 - 1).to(dtype)
+    b = (torch.rand(K, N, device=device, generator=generator) * 2 - 1).to(dtype)
+    c = torch.empty(M, N, device=device, dtype=dtype)
+
+    def run(n: int) -> float:
+        if not cuda:
+            start = time.perf_counter()
+            for _ in range(n):
+                torch.matmul(a, b, out=c)
+            return (time.perf_counter() - start) / n
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(n):
+            torch.matmul(a, b, out=c)
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) * 1e-3 / n
+
+    run(3)  # warm-up: cuBLAS heuristics, workspace, clocks
+    probe = run(3)
+    n = int(min(1000, max(3, round(target_s / max(probe, 1e-9)))))
+    return median([run(n) for _ in range(reps)])
+
+
+def part_c(args, rep: Reporter, backend, vk_device: str, torch, torch_device: str) -> None:
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    configs = QUICK_TILE_CONFIGS if args.quick else TILE_CONFIGS
+    target_s = 0.05 if args.quick else 0.25
+    section(f"(c) GEMM fp32, shapes {', '.join(map(shape_name, shapes))} (M x N x K)")
+    bench = "gemm"
+    usable: list[dict[str, int]] = []
+    check_error: dict[str, float] = {}
+    if backend is None:
+        rep.missing(bench, "vkflow_gemm", "not available", vk_device)
+    else:
+        for tiles in configs:
+            problem = tile_problem(backend, tiles)
+            if problem is None:
+
+                def check(tiles=tiles):
+                    return VkGemm(backend, CHECK_SHAPE).check(tiles)
+
+                error = rep.guarded(
+                    bench, "vkflow_gemm", check, shape=shape_name(CHECK_SHAPE), tiles=tile_name(tiles)
+                )
+                if error is not None and error > 1e-4:
+                    problem = f"wrong result on {shape_name(CHECK_SHAPE)}: max relative error {error:.2e}"
+                elif error is None:
+                    continue
+            if problem is not None:
+                rep.missing(bench, "vkflow_gemm", "skipped", problem, tiles=tile_name(tiles))
+                continue
+            usable.append(tiles)
+            check_error[tile_name(tiles)] = error
+    for shape in shapes:
+        name, flop = shape_name(shape), 2.0 * shape[0] * shape[1] * shape[2]
+        found = []
+        if usable:
+            gemm = rep.guarded(bench, "vkflow_gemm", lambda shape=shape: VkGemm(backend, shape), shape=name)
+            for tiles in usable if gemm is not None else ():
+
+                def one(tiles=tiles, gemm=gemm, flop=flop):
+                    seconds, launches = gemm.seconds_per_gemm(
+                        tiles, args.reps, target_s, 200 if args.quick else 500
+                    )
+                    return {
+                        "tflops": flop / seconds / 1e12,
+                        "us": seconds * 1e6,
+                        "launches": launches,
+                        "check_err": check_error[tile_name(tiles)],
+                        "spot_err": gemm.spot_error(),
+                    }
+
+                result = rep.guarded(
+                    bench, "vkflow_gemm", one, shape=name, dtype="fp32", tiles=tile_name(tiles)
+                )
+                if result is not None:
+                    found.append((tiles, result))
+        best = max(found, key=lambda f: f[1]["tflops"]) if found else None
+        for tiles, result in found:
+            rep.figure(
+                bench,
+                "vkflow_gemm",
+                vk_device,
+                shape=name,
+                dtype="fp32",
+                tiles=tile_name(tiles),
+                **result,
+                best=best is not None and result is best[1],
+            )
+        if torch is None:
+            rep.missing(bench, "torch_matmul", "not available", "torch is not installed", shape=name)
+            continue
+        dtypes = [("fp32", torch.float32)]
+        if torch.cuda.is_available():
+            dtypes += [("fp16", torch.float16), ("bf16", torch.bfloat16)]
+        impl = "torch_matmul" if torch.cuda.is_available() else "torch_cpu_matmul"
+        fp32 = None
+        for dtype_name, dtype in dtypes:
+
+            def one(dtype=dtype, shape=shape, flop=flop):
+                seconds = torch_seconds_per_matmul(torch, shape, dtype, args.reps, target_s)
+                return {"tflops": flop / seconds / 1e12, "us": seconds * 1e6}
+
+            result = rep.guarded(bench, impl, one, shape=name, dtype=dtype_name)
+            if result is not None:
+                rep.figure(bench, impl, torch_device, shape=name, dtype=dtype_name, **result)
+                if dtype_name == "fp32":
+                    fp32 = result["tflops"]
+        if best is not None:
+            rep.ratio(
+                bench,
+                f"vkflow_gemm/{impl}",
+                best[1]["tflops"],
+                fp32,
+                shape=name,
+                dtype="fp32",
+                tiles=tile_name(best[0]),
+            )
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# -- uploads -------------------------------------------------------------------------------------------
+
+
+def vk_uploads(backend, nbytes: int, copies: int, compute_shape: tuple[int, int, int]) -> dict[str, tuple]:
+    """GB/s of host copies into a host-visible io tensor: idle and with GEMMs keeping the GPU busy.
+
+    Returns:
+        "<method>_<idle|busy>" -> (GB/s, share of busy copies that ended with a GEMM still running).
+    """
+    from flow.program import Arena, Barrier, Layout, Program, Tensor, launch
+
+    M, N, K = compute_shape
+    sizes = {"A": M * K, "B": K * N, "bias": N, "C": M * N}
+    tensors, offset = [], 0
+    for name, count in sizes.items():
+        tensors.append(Tensor(name, (count,), "float32", "work", offset))
+        offset += (count * 4 + 255) // 256 * 256
+    tensors.append(Tensor("upload", (nbytes // 4,), "float32", "io", 0))
+    arenas = (Arena("work", offset), Arena("io", nbytes, per_slot=True, host_visible=True))
+    backend.open_layout(Layout(arenas=arenas, tensors=tuple(tensors)), slots=1)
+    one = launch("gemm", ("A", "B", "bias", "C"), M=M, N=N, K=K)
+    compute = backend.record(Program("busy", steps=(one, Barrier()) * 7 + (one,)), 0)
+    src = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)
+    view = backend.write_into("upload")
+
+    def copy_view() -> None:
+        np.copyto(view, src)
+
+    def write() -> None:
+        backend.write("upload", src)
+
+    in_flight: deque[int] = deque()
+
+    def keep_busy() -> None:
+        while in_flight and backend.is_done(in_flight[0]):
+            in_flight.popleft()
+        while len(in_flight) < 2:
+            in_flight.append(backend.submit(compute))
+
+    results = {}
+    for label, fn in (("write_into", copy_view), ("write", write)):
+        if label == "write_into" and view is None:
+            continue
+        fn()  # warm-up: first touch of the mapping
+        for busy in (False, True):
+            times, overlapped = [], 0
+            for _ in range(copies):
+                if busy:
+                    keep_busy()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+                overlapped += busy and not backend.is_done(in_flight[-1])
+            while in_flight:
+                backend.wait(in_flight.popleft())
+            key = f"{label}_{'busy' if busy else 'idle'}"
+            results[key] = (nbytes / median(times) / 1e9, overlapped / copies if busy else None)
+    return results
+
+
+def torch_uploads(torch, nbytes: int, copies: int, compute_n: int) -> dict[str, tuple]:
+    """GB/s of pinned ``.to(device, non_blocking=True)`` on a side stream: idle and under matmuls.
+
+    Returns:
+        "idle" | "busy" -> (GB/s, for busy: whether every copy ran between the matmuls' start and end).
+    """
+    src = torch.randn(nbytes // 4).pin_memory()
+    stream = torch.cuda.Stream()
+    a = torch.randn(compute_n, compute_n, device="cuda")
+    results = {}
+    for busy in (False, True):
+        torch.cuda.synchronize()
+        compute = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        if busy:
+            compute[0].record()
+            for _ in range(64):
+                torch.matmul(a, a)
+            compute[1].record()
+        events = []
+        with torch.cuda.stream(stream):
+            src.to("cuda", non_blocking=True)  # warm-up
+            for _ in range(copies):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record(stream)
+                src.to("cuda", non_blocking=True)
+                end.record(stream)
+                events.append((begin, end))
+        torch.cuda.synchronize()
+        times = [b.elapsed_time(e) * 1e-3 for b, e in events]
+        overlapped = None
+        if busy:
+            overlapped = (
+                compute[0].elapsed_time(events[0][0]) >= 0 and events[-1][1].elapsed_time(compute[1]) >= 0
+            )
+        results["busy" if busy else "idle"] = (nbytes / median(times) / 1e9, overlapped)
+    return results
+
+
+def part_d(args, rep: Reporter, backend, vk_device: str, torch, torch_device: str) -> None:
+    nbytes = (4 if args.quick else 64) * 2**20
+    copies = 10 if args.quick else 30
+    section(f"(d) host -> device uploads of {nbytes >> 20} MiB, GPU idle and busy")
+    bench = "upload"
+    vk_best = {}
+    if backend is None:
+        rep.missing(bench, "vkflow", "not available", vk_device)
+    else:
+        compute_shape = (256, 256, 256) if args.quick else (4096, 4096, 4096)
+        results = rep.guarded(bench, "vkflow", lambda: vk_uploads(backend, nbytes, copies, compute_shape))
+        for key, (rate, overlapped) in (results or {}).items():
+            method, mode = key.rsplit("_", 1)
+            rep.figure(
+                bench,
+                f"vkflow_{method}",
+                vk_device,
+                mode=mode,
+                bytes=nbytes,
+                gb_per_s=rate,
+                **({"overlapped": overlapped} if overlapped is not None else {}),
+            )
+            vk_best[mode] = max(vk_best.get(mode, 0.0), rate)
+    if torch is None or not torch.cuda.is_available():
+        why = "torch is not installed" if torch is None else "no CUDA: host to device copies need a GPU"
+        rep.missing(bench, "torch_pinned_to", "not available", why)
+        return
+    results = rep.guarded(bench, "torch_pinned_to", lambda: torch_uploads(torch, nbytes, copies, 4096))
+    for mode, (rate, overlapped) in (results or {}).items():
+        rep.figure(
+            bench,
+            "torch_pinned_to",
+            torch_device,
+            mode=mode,
+            bytes=nbytes,
+            gb_per_s=rate,
+            **({"overlapped": overlapped} if overlapped is not None else {}),
+        )
+        rep.ratio(bench, "vkflow/torch_pinned_to", vk_best.get(mode), rate, mode=mode)
+
+
+def run_parts(args, rep: Reporter, backend, vk_device: str, torch, torch_device: str) -> None:
+    """Run parts (c) and (d) as selected in ``args.parts`` (bench_mlp.py calls this too)."""
+    if "c" in args.parts:
+        part_c(args, rep, backend, vk_device, torch, torch_device)
+    if "d" in args.parts:
+        part_d(args, rep, backend, vk_device, torch, torch_device)
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0], "cd")
+    skipped = args.parts - {"c", "d"}
+    if skipped:
+        print(f"parts {','.join(sorted(skipped))} are in bench_mlp.py; this script runs c and d")
+    rep = Reporter(args.out)
+    torch = import_torch()
+    torch_device = "-"
+    if torch is None:
+        print("torch: not installed; torch figures are skipped")
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        kind, torch_device = torch_target(torch)
+        print(f"torch {torch.__version__} on {kind}: {torch_device}")
+    backend, why = open_vulkan(args.device)
+    vk_device = backend.facts.name if backend is not None else f"no Vulkan: {why}"
+    print(f"vkflow on {vk_device}")
+    started = time.perf_counter()
+    try:
+        run_parts(args, rep, backend, vk_device, torch, torch_device)
+    finally:
+        print(f"\n== summary ({time.perf_counter() - started:.1f} s)")
+        print(rep.table())
+        rep.close()
+        if backend is not None:
+            backend.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,625 @@
+"""MLP training throughput: vkflow against PyTorch on the same GPU, in one run.
+
+What is measured (letters follow the performance issue):
+
+(a) Small MLP 784-1024-1024-10, batch 256, fp32, SGD and Adam: samples/s of full training steps
+    (forward, backward, optimiser update).
+    - ``vkflow_raw``: the Engine without actors. K input slots in flight; each step copies a batch
+      from host memory into its slot's host-visible io tensors, writes the step values, submits the
+      slot's pre-recorded program, and waits for the oldest step only when all K slots are busy
+      (then reads its loss). One line per K tried; ``best`` marks the fastest, which the ratios use.
+    - ``vkflow_actors``: ``flow.run`` (loader, preprocess, device, optimiser and sink actors) on a
+      Synthetic source with the best K, reusing the backend. Its wall time includes setup, so the
+      figure is the steady-state rate from long minus short runs (see ``measure_actors``). Without
+      ``flow.run`` a line says "not available".
+    - ``torch_eager`` / ``torch_graph``: PyTorch eager, and the whole step (forward, backward,
+      optimiser) captured in one CUDA graph with static inputs, as in the PyTorch CUDA graphs docs.
+      Each step copies its batch from pinned host memory with ``non_blocking=True`` (the same work
+      vkflow does). ``*_resident`` variants keep every batch on the GPU already.
+      Without CUDA, torch runs on the CPU and its lines say ``torch_cpu_*``.
+(b) Large MLP 1024-4096-4096-4096-1024, batch 8192, SGD: fp32 for both (TF32 off in torch), vkflow
+    with its default GEMM tiles and with the 128x64 and 64x128 tiles that bench_gemm.py found faster
+    on NVIDIA; torch bf16 autocast for reference.
+    Cooperative-matrix fp16/bf16 in vkflow is not implemented yet and is printed as such.
+(e) GPU idle fraction of the small-MLP vkflow step loop in steady state, from timestamp queries:
+    each slot's program is recorded with a timestamp pool; for consecutive steps i, i+1 the gap is
+    (first timestamp of i+1) - (last timestamp of i), and idle = sum(gaps) / (span of all steps).
+    The first timestamp is the backend's TOP_OF_PIPE one, so a negative gap means the GPU started
+    the next submission's front end before the last kernel of the previous one ended. The same
+    timestamps give the median GPU time of every launch of the step (``step_kernels``).
+(c), (d): GEMM and upload figures live in bench_gemm.py; this script runs them too when asked
+    (``--only c,d`` or by default), so one command gives every figure.
+
+Timing: end-to-end step loops use host clocks (that figure is samples/s of full steps, so it must
+include Python); a calibration pass picks a step count per repetition and doubles as warm-up;
+the median of ``--reps`` repetitions is reported. GPU-side times come from timestamp queries.
+
+Output: one JSON line per figure on stdout (and appended to ``--out``), then a table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import common
+import numpy as np
+from common import Reporter, calibrated_reps, import_torch, median, open_vulkan, section, torch_target
+
+# Tile configs tried for the large MLP besides the default (64x64x16/4x4); bench_gemm.py tries more.
+# 128x128/8x8 is not among them: on NVIDIA it ran 10x slower than the default in bench_gemm.py.
+LARGE_TILES = (
+    ("128x64x16/8x4", {"BM": 128, "BN": 64, "BK": 16, "TM": 8, "TN": 4}),
+    ("64x128x16/4x8", {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8}),
+)
+KERNEL_PARAMS = ("M", "N", "K", "trans_a", "trans_b", "act", "accumulate", "n", "rows", "cols")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    small: tuple[int, ...]
+    small_batch: int
+    large: tuple[int, ...]
+    large_batch: int
+    in_flight: tuple[int, ...]
+    target_s: float  # wanted duration of one timed repetition of a step loop
+    large_target_s: float
+    idle_steps: int
+    host_batches: int  # distinct batches kept in host memory and cycled through
+
+
+FULL = Sizes(
+    small=(784, 1024, 1024, 10),
+    small_batch=256,
+    large=(1024, 4096, 4096, 4096, 1024),
+    large_batch=8192,
+    in_flight=(1, 2, 3, 4),
+    target_s=0.5,
+    large_target_s=1.5,
+    idle_steps=1000,
+    host_batches=16,
+)
+QUICK = Sizes(
+    small=(64, 128, 10),
+    small_batch=64,
+    large=(128, 256, 256, 128),
+    large_batch=256,
+    in_flight=(1, 2),
+    target_s=0.15,
+    large_target_s=0.2,
+    idle_steps=40,
+    host_batches=4,
+)
+
+
+def layer_str(sizes: tuple[int, ...]) -> str:
+    return "-".join(map(str, sizes))
+
+
+def host_data(sizes: tuple[int, ...], batch: int, count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` batches of standard-normal inputs and uniform labels, float32 and int32."""
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((count, batch, sizes[0]), dtype=np.float32)
+    ys = rng.integers(0, sizes[-1], size=(count, batch), dtype=np.int32)
+    return xs, ys
+
+
+# -- vkflow ----------------------------------------------------------------------------------------
+
+
+def vk_spec(sizes: tuple[int, ...], batch: int, opt: str, in_flight: int):
+    from flow.spec import SGD, Adam, CrossEntropy, Data, Linear, Model, RunSettings, Spec, Synthetic
+
+    layers = tuple(Linear(units, activation="relu") for units in sizes[1:-1]) + (Linear(sizes[-1]),)
+    model = Model(input_shape=(sizes[0],), layers=layers, loss=CrossEntropy())
+    optimiser = SGD(lr=0.01) if opt == "sgd" else Adam(lr=1e-3)
+    source = Synthetic(samples=batch * 16, features=(sizes[0],), classes=sizes[-1])
+    return Spec(
+        model=model,
+        optimiser=optimiser,
+        data=Data(source, batch_size=batch),
+        run=RunSettings(in_flight=in_flight),
+    )
+
+
+class VkTrainer:
+    """A planned MLP on one Vulkan backend, driven by a plain loop (no actors, no trio).
+
+    With no tile override and no timestamps it uses ``Engine.submit`` (the programs the Engine
+    records). Otherwise it records each slot's train program itself, with the GEMM tile override
+    and/or a timestamp pool, and submits exactly as ``Engine.submit`` does.
+    """
+
+    def __init__(
+        self,
+        backend,
+        sizes: tuple[int, ...],
+        batch: int,
+        opt: str,
+        in_flight: int,
+        host_batches: int,
+        tiles: dict[str, int] | None = None,
+        timestamps: bool = False,
+    ) -> None:
+        from actors.engine import Engine, step_values
+        from flow.plan import plan
+
+        self.backend, self.batch, self.slots = backend, batch, in_flight
+        self.plan = plan(vk_spec(sizes, batch, opt, in_flight)).devices[0]
+        self.engine = Engine(self.plan, backend)
+        self.engine.initialise("he", 0)
+        self.xs, self.ys = host_data(sizes, batch, host_batches)
+        self.step = 0
+        self.loss = float("nan")
+        self.spans: list[tuple[float, float]] = []  # (first, last) timestamp of each step, ns
+        self.launch_ns: list[np.ndarray] = []  # per step: end of each launch minus end of the one before
+        self.pools = [None] * in_flight
+        if tiles is None and not timestamps:
+            self.engine.prepare(("train",))
+            self._submit = lambda slot, step: self.engine.submit("train", slot, batch, step)
+            return
+        program = self.plan.program("train")
+        if timestamps:
+            self.pools = [backend.timestamp_pool(len(program.launches) + 1) for _ in range(in_flight)]
+        overrides = {"gemm": tiles} if tiles else None
+        handles = [
+            backend.record(program, slot, spec_overrides=overrides, timestamps=self.pools[slot])
+            for slot in range(in_flight)
+        ]
+
+        def submit(slot: int, step: int) -> int:
+            backend.write("stepvals", step_values(self.plan.optimiser, step), slot)
+            return backend.submit(handles[slot])
+
+        self._submit = submit
+
+    def run(self, steps: int) -> float:
+        """Run ``steps`` training steps, K in flight; returns host seconds until the last is done."""
+        pending: deque[tuple[int, int, int]] = deque()
+        count = len(self.xs)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step = self.step
+            self.step += 1
+            slot = step % self.slots
+            if len(pending) == self.slots:  # the oldest step is the one that used this slot
+                self._finish(*pending.popleft())
+            self.engine.write_batch(slot, self.xs[step % count], self.ys[step % count])
+            pending.append((self._submit(slot, step), slot, step))
+        while pending:
+            self._finish(*pending.popleft())
+        return time.perf_counter() - start
+
+    def _finish(self, ticket: int, slot: int, step: int) -> None:
+        self.backend.wait(ticket)
+        self.loss = self.engine.result(slot, step, self.batch).loss
+        if self.pools[slot] is not None:
+            stamps = self.backend.read_timestamps_ns(self.pools[slot])
+            self.spans.append((float(stamps[0]), float(stamps[-1])))
+            self.launch_ns.append(np.diff(stamps))
+
+
+def actor_pipeline_available() -> bool:
+    try:
+        return importlib.util.find_spec("flow.runner") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def measure_actors(backend, sizes: Sizes, opt: str, in_flight: int, reps: int) -> dict:
+    """Steady-state samples/s of ``flow.run`` (loader, preprocess, device, optimiser and sink actors)
+    on a Synthetic source, reusing ``backend``.
+
+    A run's wall time includes its setup (plan, recording, weights, data generation, nursery), so
+    the rate is the difference between long and short runs: batch * (n - n/4) / (T(n) - T(n/4)),
+    with n calibrated so that T(n) is about ``sizes.target_s`` and each T the median of ``reps``.
+    """
+    from dataclasses import replace
+
+    from flow.runner import run
+    from flow.spec import RunSettings
+
+    batch = sizes.small_batch
+    results = []
+
+    def timed(steps: int) -> float:
+        spec = vk_spec(sizes.small, batch, opt, in_flight)
+        spec = replace(spec, run=RunSettings(epochs=None, steps=steps, in_flight=in_flight))
+        start = time.perf_counter()
+        results.append(run(spec, backend=backend))
+        return time.perf_counter() - start
+
+    steps, long_times = calibrated_reps(timed, reps, sizes.target_s, start=16)
+    result = results[-1]
+    short = max(1, steps // 4)
+    short_times = [timed(short) for _ in range(reps)]
+    per_step = (median(long_times) - median(short_times)) / (steps - short)
+    # Which actor the steps wait on: busy time per step of each, from the last long run.
+    busy = {name: round(stats.busy_seconds / steps * 1e6, 1) for name, stats in result.statistics.items()}
+    return {
+        "samples_per_s": batch / per_step if per_step > 0 else float("nan"),
+        "in_flight": in_flight,
+        "steps": steps,
+        "setup_s": median(short_times) - short * per_step,
+        "loss": result.loss,
+        "busy_us_per_step": busy,
+    }
+
+
+# -- torch -----------------------------------------------------------------------------------------
+
+
+class TorchTrainer:
+    """The same MLP in PyTorch: eager or one CUDA graph per step, batches from host or resident."""
+
+    def __init__(
+        self,
+        torch,
+        sizes: tuple[int, ...],
+        batch: int,
+        opt: str,
+        mode: str,
+        resident: bool,
+        host_batches: int,
+        autocast_bf16: bool = False,
+    ) -> None:
+        self.torch = torch
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.mode, self.resident, self.autocast = mode, resident, autocast_bf16
+        torch.manual_seed(0)
+        layers: list = []
+        for fan_in, fan_out in zip(sizes[:-2], sizes[1:-1], strict=True):
+            layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+        layers.append(torch.nn.Linear(sizes[-2], sizes[-1]))
+        self.model = torch.nn.Sequential(*layers).to(self.device)
+        params = self.model.parameters()
+        graph = mode == "graph"
+        if opt == "sgd":
+            self.opt = torch.optim.SGD(params, lr=0.01)
+        else:
+            self.opt = torch.optim.Adam(params, lr=1e-3, capturable=graph)
+        xs, ys = host_data(sizes, batch, host_batches)
+        self.xs = [torch.from_numpy(x) for x in xs]
+        self.ys = [torch.from_numpy(y).long() for y in ys]
+        if self.cuda:
+            if resident:
+                self.xs = [x.to(self.device) for x in self.xs]
+                self.ys = [y.to(self.device) for y in self.ys]
+            else:
+                self.xs = [x.pin_memory() for x in self.xs]
+                self.ys = [y.pin_memory() for y in self.ys]
+        self.i = 0
+        self.loss = None
+        if graph:
+            self._capture()
+
+    def _loss(self, x, y):
+        torch = self.torch
+        if self.autocast:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                return torch.nn.functional.cross_entropy(self.model(x), y)
+        return torch.nn.functional.cross_entropy(self.model(x), y)
+
+    def _eager_step(self) -> None:
+        x, y = self.xs[self.i % len(self.xs)], self.ys[self.i % len(self.ys)]
+        self.i += 1
+        if self.cuda:
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.opt.zero_grad(set_to_none=True)
+        self.loss = self._loss(x, y)
+        self.loss.backward()
+        self.opt.step()
+
+    def _capture(self) -> None:
+        """Whole-network capture (PyTorch docs, "CUDA Graphs"): warm up on a side stream, then
+        capture forward, backward and the optimiser step reading static input tensors."""
+        torch = self.torch
+        self.static_x = self.xs[0].to(self.device).clone()
+        self.static_y = self.ys[0].to(self.device).clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.opt.zero_grad(set_to_none=True)
+                self._loss(self.static_x, self.static_y).backward()
+                self.opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(self.graph):
+            self.loss = self._loss(self.static_x, self.static_y)
+            self.loss.backward()
+            self.opt.step()
+
+    def _graph_step(self) -> None:
+        self.static_x.copy_(self.xs[self.i % len(self.xs)], non_blocking=True)
+        self.static_y.copy_(self.ys[self.i % len(self.ys)], non_blocking=True)
+        self.i += 1
+        self.graph.replay()
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def run(self, steps: int) -> float:
+        step = self._graph_step if self.mode == "graph" else self._eager_step
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        self.sync()
+        return time.perf_counter() - start
+
+    def loss_value(self) -> float:
+        return float(self.loss.detach().float().cpu()) if self.loss is not None else float("nan")
+
+
+def torch_impl(torch, mode: str, resident: bool = False, suffix: str = "") -> str:
+    base = "torch" if torch.cuda.is_available() else "torch_cpu"
+    return f"{base}_{mode}{'_resident' if resident else ''}{suffix}"
+
+
+def setup_torch_precision(torch) -> None:
+    """fp32 means fp32: no TF32 in matmuls or convolutions (the issue's condition for comparisons)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+# -- the parts -------------------------------------------------------------------------------------
+
+
+def measure(trainer, reps: int, target_s: float, batch: int, start: int) -> tuple[float, int]:
+    """(median samples/s, steps per repetition) of ``trainer.run``."""
+    steps, times = calibrated_reps(trainer.run, reps, target_s, start=start)
+    return steps * batch / median(times), steps
+
+
+def part_a(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, torch_device: str) -> None:
+    section(f"(a) small MLP {layer_str(sizes.small)}, batch {sizes.small_batch}, fp32")
+    bench, shape, batch = "mlp_small", layer_str(sizes.small), sizes.small_batch
+    for opt in ("sgd", "adam"):
+        vk_best: dict | None = None
+        if backend is None:
+            rep.missing(bench, "vkflow_raw", "not available", vk_device, opt=opt, shape=shape)
+        else:
+            found = []
+            for k in sizes.in_flight:
+
+                def one(k=k, opt=opt):
+                    trainer = VkTrainer(backend, sizes.small, batch, opt, k, sizes.host_batches)
+                    value, steps = measure(trainer, args.reps, sizes.target_s, batch, start=16)
+                    return {"samples_per_s": value, "in_flight": k, "steps": steps, "loss": trainer.loss}
+
+                result = rep.guarded(bench, "vkflow_raw", one, opt=opt, shape=shape, in_flight=k)
+                if result is not None:
+                    found.append(result)
+            if found:
+                vk_best = max(found, key=lambda r: r["samples_per_s"])
+                for result in found:
+                    rep.figure(
+                        bench, "vkflow_raw", vk_device, opt=opt, shape=shape, **result, best=result is vk_best
+                    )
+        actors_rate = None
+        if not actor_pipeline_available():
+            print("actor pipeline: not available")
+            rep.missing(bench, "vkflow_actors", "not available", "no flow.run module", opt=opt)
+        elif backend is not None:
+            k = vk_best["in_flight"] if vk_best else 2
+
+            def actors(k=k, opt=opt):
+                return measure_actors(backend, sizes, opt, k, args.reps)
+
+            result = rep.guarded(bench, "vkflow_actors", actors, opt=opt, shape=shape, in_flight=k)
+            if result is not None:
+                rep.figure(bench, "vkflow_actors", vk_device, opt=opt, shape=shape, **result)
+                actors_rate = result["samples_per_s"]
+                if vk_best is not None:
+                    rep.ratio(
+                        bench, "vkflow_actors/vkflow_raw", actors_rate, vk_best["samples_per_s"], opt=opt
+                    )
+
+        if torch is None:
+            rep.missing(bench, "torch", "not available", "torch is not installed", opt=opt, shape=shape)
+            continue
+        torch_rates: dict[str, float] = {}
+        variants = [("eager", False), ("graph", False), ("eager", True), ("graph", True)]
+        if not torch.cuda.is_available():
+            variants = [("eager", False)]
+            rep.missing(bench, "torch_graph", "not available", "no CUDA: CUDA graphs need a GPU", opt=opt)
+        for mode, resident in variants:
+            impl = torch_impl(torch, mode, resident)
+
+            def one(mode=mode, resident=resident, opt=opt):
+                trainer = TorchTrainer(torch, sizes.small, batch, opt, mode, resident, sizes.host_batches)
+                value, steps = measure(trainer, args.reps, sizes.target_s, batch, start=16)
+                return {"samples_per_s": value, "steps": steps, "loss": trainer.loss_value()}
+
+            result = rep.guarded(bench, impl, one, opt=opt, shape=shape)
+            if result is not None:
+                rep.figure(bench, impl, torch_device, opt=opt, shape=shape, **result)
+                torch_rates[impl] = result["samples_per_s"]
+        if vk_best is not None:
+            for impl, rate in torch_rates.items():
+                rep.ratio(
+                    bench,
+                    f"vkflow_raw/{impl}",
+                    vk_best["samples_per_s"],
+                    rate,
+                    opt=opt,
+                    in_flight=vk_best["in_flight"],
+                )
+        for impl, rate in torch_rates.items():
+            rep.ratio(bench, f"vkflow_actors/{impl}", actors_rate, rate, opt=opt)
+
+
+def part_b(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, torch_device: str) -> None:
+    section(f"(b) large MLP {layer_str(sizes.large)}, batch {sizes.large_batch}, SGD")
+    bench, shape, batch, opt = "mlp_large", layer_str(sizes.large), sizes.large_batch, "sgd"
+    vk_rate = None
+    if backend is None:
+        rep.missing(bench, "vkflow_raw", "not available", vk_device, shape=shape)
+    else:
+        for name, tiles in (("default", None), *LARGE_TILES):
+
+            def one(tiles=tiles):
+                trainer = VkTrainer(backend, sizes.large, batch, opt, 2, 2, tiles=tiles)
+                value, steps = measure(trainer, args.reps, sizes.large_target_s, batch, start=1)
+                return {"samples_per_s": value, "steps": steps, "loss": trainer.loss}
+
+            result = rep.guarded(bench, "vkflow_raw", one, shape=shape, dtype="fp32", tiles=name)
+            if result is not None:
+                rep.figure(
+                    bench,
+                    "vkflow_raw",
+                    vk_device,
+                    shape=shape,
+                    dtype="fp32",
+                    tiles=name,
+                    in_flight=2,
+                    **result,
+                )
+                vk_rate = max(vk_rate or 0.0, result["samples_per_s"])
+    rep.missing(
+        bench,
+        "vkflow_coopmat",
+        "not implemented",
+        "no cooperative-matrix fp16/bf16 mode in vkflow yet",
+        shape=shape,
+        dtype="bf16",
+    )
+    if torch is None:
+        rep.missing(bench, "torch", "not available", "torch is not installed", shape=shape)
+        return
+    rates = {}
+    for dtype, autocast in (("fp32", False), ("bf16", True)):
+        impl = torch_impl(torch, "eager", suffix="_bf16_autocast" if autocast else "")
+        if autocast and not torch.cuda.is_available():
+            rep.missing(bench, impl, "not available", "bf16 reference only on CUDA", shape=shape, dtype=dtype)
+            continue
+
+        def one(autocast=autocast):
+            trainer = TorchTrainer(torch, sizes.large, batch, opt, "eager", False, 2, autocast_bf16=autocast)
+            value, steps = measure(trainer, args.reps, sizes.large_target_s, batch, start=1)
+            return {"samples_per_s": value, "steps": steps, "loss": trainer.loss_value()}
+
+        result = rep.guarded(bench, impl, one, shape=shape, dtype=dtype)
+        if result is not None:
+            rep.figure(bench, impl, torch_device, shape=shape, dtype=dtype, **result)
+            rates[dtype] = (impl, result["samples_per_s"])
+    if vk_rate and "fp32" in rates:
+        rep.ratio(bench, f"vkflow_raw/{rates['fp32'][0]}", vk_rate, rates["fp32"][1], dtype="fp32")
+    if vk_rate and "bf16" in rates:
+        rep.ratio(bench, f"vkflow_raw_fp32/{rates['bf16'][0]}", vk_rate, rates["bf16"][1])
+
+
+def part_e(args, rep: Reporter, sizes: Sizes, backend, vk_device: str) -> None:
+    section(f"(e) GPU idle fraction, small MLP {layer_str(sizes.small)} step loop (SGD), timestamp queries")
+    bench, shape, batch = "idle", layer_str(sizes.small), sizes.small_batch
+    if backend is None:
+        rep.missing(bench, "vkflow_raw", "not available", vk_device, shape=shape)
+        return
+    for k in sizes.in_flight:
+
+        def one(k=k):
+            trainer = VkTrainer(backend, sizes.small, batch, "sgd", k, sizes.host_batches, timestamps=True)
+            trainer.run(max(8, sizes.idle_steps // 10))  # warm-up
+            trainer.spans.clear()
+            trainer.launch_ns.clear()
+            elapsed = trainer.run(sizes.idle_steps)
+            spans = sorted(trainer.spans)
+            starts = np.array([s for s, _ in spans])
+            ends = np.array([e for _, e in spans])
+            gaps = starts[1:] - ends[:-1]
+            total = ends[-1] - starts[0]
+            busy = ends - starts
+            return {
+                "idle_fraction": float(np.clip(gaps, 0, None).sum() / total),
+                "gap_us_median": float(np.median(gaps) / 1e3),
+                "gap_us_p90": float(np.percentile(gaps, 90) / 1e3),
+                "negative_gaps": int((gaps < 0).sum()),
+                "gpu_step_us_median": float(np.median(busy) / 1e3),
+                "wall_step_us": elapsed / sizes.idle_steps * 1e6,
+                "steps": sizes.idle_steps,
+                "kernels": kernel_breakdown(trainer),
+            }
+
+        result = rep.guarded(bench, "vkflow_raw", one, shape=shape, opt="sgd", in_flight=k)
+        if result is None:
+            continue
+        kernels = result.pop("kernels")
+        rep.figure(bench, "vkflow_raw", vk_device, shape=shape, opt="sgd", in_flight=k, **result)
+        if k == max(sizes.in_flight):
+            print(f"per-launch GPU time, median over steps (in_flight={k}): from the end of the launch")
+            print("before (so the barrier before it is included); launches in one barrier group overlap")
+            for kernel in sorted(kernels, key=lambda item: -item["us"]):
+                us, index, op = kernel["us"], kernel["launch"], kernel["op"]
+                print(f"  {us:9.2f} us  #{index:<3d} {op:<16s} {kernel['params']}")
+            rep.figure(
+                "step_kernels",
+                "vkflow_raw",
+                vk_device,
+                shape=shape,
+                opt="sgd",
+                in_flight=k,
+                us=float(sum(item["us"] for item in kernels)),
+                kernels=kernels,
+            )
+
+
+def kernel_breakdown(trainer: VkTrainer) -> list[dict]:
+    """Median GPU time of each launch of the train program over the timed steps."""
+    launches = trainer.plan.program("train").launches
+    medians = np.median(np.stack(trainer.launch_ns), axis=0) / 1e3
+    result = []
+    for index, (item, us) in enumerate(zip(launches, medians, strict=True)):
+        params = " ".join(f"{k}={v}" for k, v in item.params if k in KERNEL_PARAMS)
+        result.append({"launch": index, "op": item.op, "params": params, "us": round(float(us), 3)})
+    return result
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0], "abcde")
+    sizes = QUICK if args.quick else FULL
+    rep = Reporter(args.out)
+    torch = import_torch()
+    torch_device = "-"
+    if torch is None:
+        print("torch: not installed; torch figures are skipped")
+    else:
+        setup_torch_precision(torch)
+        kind, torch_device = torch_target(torch)
+        print(f"torch {torch.__version__} on {kind}: {torch_device}")
+    backend, why = open_vulkan(args.device)
+    if backend is None:
+        vk_device = f"no Vulkan: {why}"
+        print(f"vkflow: {vk_device}")
+    else:
+        facts = backend.facts
+        vk_device = facts.name
+        print(f"vkflow on {facts.name} ({facts.driver_version}, Vulkan {facts.api_version})")
+    started = time.perf_counter()
+    try:
+        if "a" in args.parts:
+            part_a(args, rep, sizes, backend, vk_device, torch, torch_device)
+        if "b" in args.parts:
+            part_b(args, rep, sizes, backend, vk_device, torch, torch_device)
+        if "e" in args.parts:
+            part_e(args, rep, sizes, backend, vk_device)
+        if args.parts & {"c", "d"}:
+            import bench_gemm
+
+            bench_gemm.run_parts(args, rep, backend, vk_device, torch, torch_device)
+    finally:
+        print(f"\n== summary ({time.perf_counter() - started:.1f} s)")
+        print(rep.table())
+        rep.close()
+        if backend is not None:
+            backend.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,841 @@
+"""The runner: the one place that knows the whole graph. It turns a spec into actors and channels,
+runs them in one trio nursery, and turns what happens into a result or one clear error.
+
+- :func:`run` trains (sync; ``trio.run`` inside) and returns a :class:`RunResult`.
+- :func:`open_pipeline` does the same inside a trio program (``async with``), and in
+  ``mode="predict"`` lets the caller ``await p.feed(x)`` and read predictions as a stream.
+- :func:`predict` streams predictions from a checkpoint or a spec (sync, no trio needed).
+- :func:`main_run` is the ``python -m flow run FILE [--resume DIR]`` command.
+
+Shutdown is structured. At the end of the data every actor drains its inbox and closes its
+outboxes, so the end flows downstream: the loader's final mark makes the device snapshot, the sink
+writes the final checkpoint, and the nursery exits. When an actor raises, the nursery cancels
+every other actor and the original error comes back as :class:`ActorError` naming the actor (the
+original is its ``__cause__``). On KeyboardInterrupt the actors are cancelled, the device is
+drained and a checkpoint is written before the interrupt propagates. Sources and backends opened
+here are closed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import trio
+
+from actors import checkpoint as checkpoints
+from actors import devices as devices_module
+from actors import optimiser as optim
+from actors.backend import Backend, memory_budget
+from actors.device import DeviceActor, predict_batches
+from actors.engine import Engine
+from actors.loader import Loader, Schedule, jobs, total_steps
+from actors.messages import Batch, Cursor, EvalDone, Prediction
+from actors.optimiser import OptimiserActor
+from actors.preprocess import Preprocess, transform_batch
+from actors.progress import Progress
+from actors.sink import Sink
+from actors.statistics import ActorStatistics, HookList, Hooks, Meter
+from flow.codec import load as load_spec
+from flow.plan import plan
+from flow.spec import Devices, Pipeline, Spec, default_pipeline
+
+logger = logging.getLogger("vkflow")
+
+Mode = Literal["train", "predict"]
+
+
+class ActorError(RuntimeError):
+    """An actor failed; the run was cancelled. The original exception is ``__cause__``.
+
+    Attributes:
+        actor: the pipeline node's name.
+        error: the original exception.
+    """
+
+    def __init__(self, actor: str, error: BaseException) -> None:
+        super().__init__(f"actor {actor!r} failed: {type(error).__name__}: {error}")
+        self.actor = actor
+        self.error = error
+
+
+@dataclass(frozen=True, eq=False)
+class RunResult:
+    """What a run did.
+
+    Attributes:
+        steps: training steps done (the run's step counter; a resumed run counts from 0).
+        epochs: epochs completed.
+        loss: the last training step's loss.
+        accuracy: the last evaluation's accuracy (None without a validation split or for regression).
+        evals: every evaluation of this process, in order.
+        checkpoint: the last checkpoint written, if any.
+        metrics_file: the metrics file, if any.
+        parameters: the final weights by parameter name.
+        device: the device's name.
+        seconds: wall time of this process's run, setup included.
+        statistics: every actor's final statistics.
+        resumed_from: the step the run resumed at (0 for a fresh run).
+    """
+
+    steps: int
+    epochs: int
+    loss: float | None
+    accuracy: float | None
+    evals: tuple[EvalDone, ...]
+    checkpoint: str | None
+    metrics_file: str | None
+    parameters: dict[str, np.ndarray] = field(repr=False)
+    device: str = ""
+    seconds: float = 0.0
+    statistics: dict[str, ActorStatistics] = field(default_factory=dict, repr=False)
+    resumed_from: int = 0
+
+
+# -- decisions (pure) ------------------------------------------------------------------------------
+
+
+def resume_conflicts(spec: Spec, saved: Spec) -> list[str]:
+    """The parts of a spec that must match a checkpoint's for an exact resume.
+
+    The run settings may differ (more epochs, another checkpoint directory); the model, the
+    optimiser and the data may not.
+
+    Args:
+        spec: the spec given now.
+        saved: the checkpoint's spec.
+
+    Returns:
+        The names of the parts that differ; empty when the resume is exact.
+    """
+    return [name for name in ("model", "optimiser", "data") if getattr(spec, name) != getattr(saved, name)]
+
+
+def _pipeline_of(spec: Spec) -> Pipeline:
+    return spec.pipeline or default_pipeline(spec)
+
+
+def wiring(pipeline: Pipeline) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """Each node's inbound and outbound edges, checked.
+
+    Args:
+        pipeline: the pipeline.
+
+    Returns:
+        (node -> sources of its inbound edges, node -> destinations of its outbound edges).
+
+    Raises:
+        ValueError: not exactly one loader, device and sink; or a node with more than one inbound
+            edge (trio has no select: fan-in would need a forwarding task per input, and the
+            stream's order, which checkpoints rely on, would be lost).
+    """
+    for kind in ("loader", "device", "sink"):
+        count = sum(node.kind == kind for node in pipeline.nodes)
+        if count != 1:
+            raise ValueError(f"the pipeline needs exactly one {kind} node, it has {count}")
+    inbound: dict[str, tuple[str, ...]] = {node.name: () for node in pipeline.nodes}
+    outbound: dict[str, tuple[str, ...]] = {node.name: () for node in pipeline.nodes}
+    for edge in pipeline.edges:
+        inbound[edge.dst] += (edge.src,)
+        outbound[edge.src] += (edge.dst,)
+    for name, sources in inbound.items():
+        if len(sources) > 1:
+            raise ValueError(
+                f"pipeline node {name!r} has {len(sources)} inbound edges ({', '.join(sources)}); "
+                "the runtime keeps one ordered stream, so each node takes at most one"
+            )
+    return inbound, outbound
+
+
+# -- effects ---------------------------------------------------------------------------------------
+
+
+def open_backend(devices: Devices) -> Backend:
+    """Open the backend ``devices.select`` asks for: "cpu", "auto" (the best Vulkan device, else the
+    CPU with a one-line warning), or a Vulkan device by index or name.
+
+    Args:
+        devices: the spec's devices.
+
+    Returns:
+        The backend; the caller closes it.
+
+    Raises:
+        LookupError: a named Vulkan device that cannot be had.
+    """
+    backend, message = devices_module.open_backend(devices.select, devices.memory_fraction)
+    if message:
+        logger.warning("vkflow: %s", message.splitlines()[0])
+    return backend
+
+
+def _resolve(
+    spec: Spec | str | Path | None, resume: str | Path | None
+) -> tuple[Spec, checkpoints.Checkpoint | None]:
+    saved = checkpoints.load(resume) if resume is not None else None
+    if isinstance(spec, str | Path):
+        spec = load_spec(spec)
+    if spec is None:
+        if saved is None:
+            raise ValueError("give a spec, a checkpoint to resume, or both")
+        return saved.spec, saved
+    if saved is not None:
+        conflicts = resume_conflicts(spec, saved.spec)
+        if conflicts:
+            raise ValueError(
+                f"cannot resume {resume}: the spec's {', '.join(conflicts)} differ from the "
+                "checkpoint's (only run settings may change on resume)"
+            )
+    return spec, saved
+
+
+class _Relay:
+    """A node that forwards everything (broadcast nodes; the optimiser when predicting)."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+
+    async def run(self) -> None:
+        async with self.meter:
+            async for item in self.meter:
+                await self.meter.send(item)
+
+    def statistics(self) -> ActorStatistics:
+        return self.meter.statistics()
+
+
+class _Runtime:
+    """Everything a pipeline holds: the opened resources, the actors and their channels."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        mode: Mode,
+        saved: checkpoints.Checkpoint | None,
+        backend: Backend | None,
+        hooks: Sequence[Hooks],
+        progress: Progress | None,
+    ) -> None:
+        self.spec = spec
+        self.mode = mode
+        self.saved = saved
+        self.backend = backend
+        self.owns_backend = backend is None
+        self.hooks = HookList(hooks) if hooks else None
+        self.progress = progress
+        self.source = None
+        self.engine: Engine | None = None
+        self.actors: dict[str, Any] = {}
+        self.device: DeviceActor | None = None
+        self.sink: Sink | None = None
+        self.feed: Meter | None = None
+        self.results: trio.MemoryReceiveChannel | None = None
+        self.channels: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self.failure: ActorError | None = None
+        self.running = 0
+        self.finished = trio.Event()
+        self.started = time.monotonic()
+        self.start_cursor = Cursor()
+        self.total = 0
+        self.per_epoch = 1
+        self.inline = False
+
+    async def _blocking(self, fn, *args):
+        """Setup work that may take a while (device creation, recording, opening a source): in a
+        thread so the caller's event loop keeps running, except for a thread-free fake device."""
+        if self.inline:
+            return fn(*args)
+        return await trio.to_thread.run_sync(fn, *args)
+
+    async def open(self) -> None:
+        spec = self.spec
+        if self.backend is None:
+            self.backend = await trio.to_thread.run_sync(open_backend, spec.devices)
+        self.inline = bool(getattr(self.backend, "runs_inline", False))
+        budget = memory_budget(self.backend.facts, spec.devices.memory_fraction)
+        device_plan = plan(spec, budget=budget).devices[0]
+        self.engine = await self._blocking(Engine, device_plan, self.backend)
+        saved = self.saved
+        self.start_cursor = optim.start(
+            self.engine,
+            spec.model.init.scheme,
+            spec.model.init.seed,
+            saved.state if saved else None,
+            saved.cursor if saved else None,
+        )
+        kinds = ("train", "eval") if self.mode == "train" else ("predict",)
+        await self._blocking(self.engine.prepare, kinds)
+        self._wire(_pipeline_of(spec), await self._stream() if self.mode == "train" else None)
+
+    async def _stream(self):
+        """Open the source and lay out the run: splits, samplers, schedule, the loader's jobs."""
+        from loaders import Sampler, open_source, split_indices
+
+        spec, data = self.spec, self.spec.data
+        self.source = await self._blocking(open_source, data.source)
+        split = data.split
+        parts = split_indices(
+            len(self.source),
+            self.source.labels,
+            split.train,
+            split.val,
+            split.test,
+            data.seed,
+            split.stratify,
+        )
+        train = Sampler(parts["train"], data.batch_size, data.shuffle, data.seed, data.drop_last)
+        val = Sampler(parts["val"], data.batch_size, False, data.seed, False) if parts["val"].size else None
+        self.per_epoch = per_epoch = train.batches_per_epoch()
+        if per_epoch == 0:
+            raise ValueError(
+                f"the training split has {parts['train'].size} samples: no batch of "
+                f"{data.batch_size} (drop_last={data.drop_last})"
+            )
+        self.total = total_steps(spec.run.epochs, spec.run.steps, per_epoch)
+        schedule = Schedule(
+            per_epoch, self.total, spec.run.eval_every, spec.run.checkpoint_every, val is not None
+        )
+        return jobs(self.start_cursor, schedule, train, val)
+
+    def _wire(self, pipeline: Pipeline, stream) -> None:
+        inbound, outbound = wiring(pipeline)
+        capacity = {(e.src, e.dst): e.capacity for e in pipeline.edges}
+        for key, size in capacity.items():
+            self.channels[key] = trio.open_memory_channel(size)
+        kinds = {node.name: node for node in pipeline.nodes}
+        for name, node in kinds.items():
+            inbox = self.channels[(inbound[name][0], name)][1] if inbound[name] else None
+            outboxes = [self.channels[(name, dst)][0] for dst in outbound[name]]
+            if node.kind == "sink" and self.mode == "predict":
+                send, self.results = trio.open_memory_channel(max(1, self.engine.slots))
+                outboxes.append(send)
+            meter = Meter(name, inbox, outboxes, self.hooks)
+            self.actors[name] = self._actor(node, meter, stream)
+        if self.hooks is not None:
+            self.hooks.attach(dict(self.channels))
+
+    def _actor(self, node, meter: Meter, stream):
+        spec = self.spec
+        if node.kind == "loader":
+            if self.mode == "predict":
+                self.feed = meter
+                return None  # the caller feeds: PipelineHandle.feed
+            return Loader(meter, self.source, stream, workers=node.workers, inline=self.inline)
+        if node.kind == "preprocess":
+            return Preprocess(
+                meter,
+                spec.data.preprocess,
+                spec.data.augment,
+                spec.data.seed,
+                tuple(spec.model.input_shape),
+                inline=self.inline,
+            )
+        if node.kind == "device":
+            if self.device is not None:
+                raise ValueError(
+                    "this runtime drives one device node; data parallel replicas are not wired yet"
+                )
+            self.device = DeviceActor(meter, self.engine, self.start_cursor, inline=self.inline)
+            return self.device
+        if node.kind == "optimiser" and self.mode == "train":
+            return OptimiserActor(meter, spec.optimiser, self.start_cursor.step)
+        if node.kind == "sink":
+            self.sink = Sink(
+                meter,
+                spec,
+                self.total,
+                self.start_cursor.step,
+                self.statistics,
+                optim.describe(spec.optimiser, self.engine.plan.state_names),
+                spec.run.checkpoint_dir if self.mode == "train" else None,
+                spec.run.metrics_file if self.mode == "train" else None,
+                self.progress if self.mode == "train" else Progress(enabled=False),
+                inline=self.inline,
+            )
+            return self.sink
+        return _Relay(meter)
+
+    def statistics(self) -> dict[str, ActorStatistics]:
+        stats = {name: actor.statistics() for name, actor in self.actors.items() if actor is not None}
+        if self.feed is not None:
+            stats[self.feed.name] = self.feed.statistics()
+        return stats
+
+    def start(self, nursery: trio.Nursery) -> None:
+        for name, actor in self.actors.items():
+            if actor is not None:
+                self.running += 1
+                nursery.start_soon(self._guard, name, actor, name=f"vkflow actor {name}")
+        if self.running == 0:
+            self.finished.set()
+
+    async def _guard(self, name: str, actor) -> None:
+        try:
+            await actor.run()
+        except BaseException as error:
+            real = _real_error(error)
+            if real is None:
+                raise
+            failure = ActorError(name, real)
+            if self.failure is None:
+                self.failure = failure
+            raise failure from real
+        self.running -= 1
+        if self.running == 0:
+            self.finished.set()
+
+    def interrupted(self) -> Path | None:
+        """After a KeyboardInterrupt: drain the device and write a checkpoint (blocking)."""
+        directory = self.spec.run.checkpoint_dir
+        if self.mode != "train" or self.device is None or directory is None:
+            return None
+        snapshot = self.device.snapshot_now()
+        describe = optim.describe(self.spec.optimiser, self.engine.plan.state_names)
+        return checkpoints.save(directory, checkpoints.from_snapshot(self.spec, snapshot, describe))
+
+    def result(self) -> RunResult:
+        sink = self.sink
+        steps = self.start_cursor.step
+        epochs = self.start_cursor.epoch
+        if sink is not None and sink.final is not None:
+            cursor = sink.final.cursor
+            steps = cursor.step
+            epochs = cursor.epoch + (1 if cursor.position >= self.per_epoch else 0)
+        elif sink is not None and sink.last_step is not None:
+            steps, epochs = sink.last_step.step + 1, sink.last_step.epoch
+        evals = tuple(sink.evals) if sink else ()
+        accuracy = evals[-1].accuracy if evals and math.isfinite(evals[-1].accuracy) else None
+        return RunResult(
+            steps=steps,
+            epochs=epochs,
+            loss=sink.last_step.loss if sink and sink.last_step else None,
+            accuracy=accuracy,
+            evals=evals,
+            checkpoint=str(sink.checkpoint) if sink and sink.checkpoint else None,
+            metrics_file=self.spec.run.metrics_file,
+            parameters=self.engine.parameters() if self.engine else {},
+            device=self.backend.facts.name if self.backend else "",
+            seconds=time.monotonic() - self.started,
+            statistics=self.statistics(),
+            resumed_from=self.start_cursor.step,
+        )
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        if self.owns_backend and self.backend is not None:
+            self.backend.close()
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
+
+
+def _real_error(error: BaseException) -> BaseException | None:
+    """The exception an actor really failed with; None for cancellation and interrupts, which must
+    propagate untouched."""
+    leaves = [e for e in _leaves(error) if not isinstance(e, trio.Cancelled)]
+    if not leaves or any(isinstance(e, KeyboardInterrupt | SystemExit) for e in leaves):
+        return None
+    return leaves[0]
+
+
+class PipelineHandle:
+    """A running pipeline, as ``open_pipeline`` yields it."""
+
+    def __init__(self, runtime: _Runtime, nursery: trio.Nursery) -> None:
+        self._runtime = runtime
+        self._nursery = nursery
+        self._tags = 0
+        self._seq = 0
+        self.result: RunResult | None = None
+
+    @property
+    def spec(self) -> Spec:
+        return self._runtime.spec
+
+    @property
+    def channels(self) -> dict[tuple[str, str], tuple[Any, Any]]:
+        """(src, dst) -> (send, receive) channel of every pipeline edge."""
+        return dict(self._runtime.channels)
+
+    @property
+    def total_steps(self) -> int:
+        return self._runtime.total
+
+    def statistics(self) -> dict[str, ActorStatistics]:
+        """Every actor's statistics now."""
+        return self._runtime.statistics()
+
+    async def wait(self) -> None:
+        """Wait until every actor has finished (training: the run is over)."""
+        await self._runtime.finished.wait()
+
+    def cancel(self) -> None:
+        """Stop the pipeline now (no final checkpoint); the ``async with`` block then exits."""
+        self._nursery.cancel_scope.cancel()
+
+    async def feed(self, x: np.ndarray) -> int:
+        """Send inputs to predict on (``mode="predict"``); waits while the pipeline is full.
+
+        Args:
+            x: one sample [*input_shape] or a batch [n, *input_shape] of any n >= 1; it is cut into
+                batches of at most ``data.batch_size`` rows.
+
+        Returns:
+            The tag of this input: predictions come back in feed order, one array per feed.
+        """
+        feed = self._runtime.feed
+        if feed is None:
+            raise RuntimeError("feed() needs open_pipeline(..., mode='predict')")
+        input_shape = tuple(self.spec.model.input_shape)
+        x = np.asarray(x, dtype=np.float32)
+        if x.shape == input_shape:
+            x = x[None]
+        if x.shape[1:] != input_shape or x.shape[0] == 0:
+            raise ValueError(f"feed takes [n >= 1, *{input_shape}] inputs, got shape {x.shape}")
+        tag, self._tags = self._tags, self._tags + 1
+        size = self.spec.data.batch_size
+        starts = range(0, x.shape[0], size)
+        for position, start in enumerate(starts):
+            rows = x[start : start + size]
+            batch = Batch(
+                seq=self._seq,
+                epoch=0,
+                position=position,
+                indices=np.arange(start, start + len(rows)),
+                x=rows,
+                y=None,
+                split="predict",
+                tag=tag,
+                last=start + size >= x.shape[0],
+            )
+            self._seq += 1
+            await feed.send(batch)
+        return tag
+
+    async def end_input(self) -> None:
+        """No more feeds: the pipeline drains and its actors finish."""
+        if self._runtime.feed is not None:
+            self._runtime.feed.close()
+
+    async def results(self) -> AsyncIterator[np.ndarray]:
+        """Predictions, one array per feed, in feed order, until the input ends.
+
+        Yields:
+            [n, *output_shape] arrays.
+        """
+        if self._runtime.results is None:
+            raise RuntimeError("results() needs open_pipeline(..., mode='predict')")
+        parts: list[np.ndarray] = []
+        async for item in self._runtime.results:
+            if isinstance(item, Prediction):
+                parts.append(item.outputs)
+                if item.last:
+                    out, parts = np.concatenate(parts), []
+                    yield out
+
+    async def predict(self, x: np.ndarray) -> np.ndarray:
+        """Feed one input and wait for its predictions (no other feeds may be in flight).
+
+        Args:
+            x: a batch [n, *input_shape].
+
+        Returns:
+            [n, *output_shape].
+        """
+        out: list[np.ndarray] = []
+        results = self.results()
+
+        async def collect() -> None:
+            out.append(await results.__anext__())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect)
+            await self.feed(x)
+        await results.aclose()
+        return out[0]
+
+
+@asynccontextmanager
+async def open_pipeline(
+    spec: Spec | str | Path | None = None,
+    *,
+    resume: str | Path | None = None,
+    backend: Backend | None = None,
+    mode: Mode = "train",
+    hooks: Sequence[Hooks] = (),
+    progress: Progress | None = None,
+) -> AsyncIterator[PipelineHandle]:
+    """Run a pipeline inside a trio program.
+
+    ``mode="train"``: the loader drives; the block's end waits for the run to finish (or call
+    ``p.cancel()``), and ``p.result`` holds the RunResult afterwards. ``mode="predict"``: the caller
+    feeds inputs with ``await p.feed(x)`` and reads ``p.results()`` (or ``await p.predict(x)``);
+    leaving the block ends the input, and predictions not read by then are dropped.
+
+    Args:
+        spec: the spec, a spec file, or None to take the one in ``resume``'s checkpoint.
+        resume: a checkpoint file or directory to continue from (training) or to take weights
+            from (predicting).
+        backend: a backend to use (the caller keeps and closes it); None opens what
+            ``spec.devices.select`` asks for and closes it at the end. A backend with
+            ``runs_inline = True`` (flow.testing.FakeDevice) makes the whole pipeline thread-free.
+        mode: "train" or "predict".
+        hooks: observers of every item the actors move (see actors.statistics.Hooks).
+        progress: the progress line; default: drawn on stderr when it is a TTY.
+
+    Yields:
+        The running pipeline.
+
+    Raises:
+        ActorError: an actor failed (``__cause__`` is the original error).
+        KeyboardInterrupt: after a checkpoint, when the spec has a checkpoint_dir.
+    """
+    spec, saved = _resolve(spec, resume)
+    runtime = _Runtime(spec, mode, saved, backend, hooks, progress if progress is not None else Progress())
+    try:
+        await runtime.open()
+        try:
+            async with trio.open_nursery() as nursery:
+                handle = PipelineHandle(runtime, nursery)
+                runtime.start(nursery)
+                yield handle
+                if mode == "predict":
+                    await handle.end_input()
+                    async for _ in runtime.results:  # unread predictions: let the pipeline drain
+                        pass
+        except BaseException as error:
+            raise _translate(runtime, error) from _cause(runtime, error)
+        handle.result = runtime.result() if mode == "train" else None
+    finally:
+        runtime.close()
+
+
+def _cause(runtime: _Runtime, error: BaseException) -> BaseException | None:
+    if runtime.failure is not None and not any(isinstance(e, KeyboardInterrupt) for e in _leaves(error)):
+        return runtime.failure.error
+    return error.__cause__
+
+
+def _translate(runtime: _Runtime, error: BaseException) -> BaseException:
+    """The one exception to raise for what ended the nursery."""
+    leaves = [e for e in _leaves(error) if not isinstance(e, trio.Cancelled)]
+    interrupt = next((e for e in leaves if isinstance(e, KeyboardInterrupt)), None)
+    if runtime.failure is not None and interrupt is None:
+        return runtime.failure
+    if interrupt is not None:
+        path = runtime.interrupted()
+        if path is not None:
+            interrupt.add_note(f"vkflow: interrupted; checkpoint written to {path}")
+        return interrupt
+    if len(leaves) == 1:
+        return leaves[0]
+    return error
+
+
+# -- sync entry points -------------------------------------------------------------------------------
+
+
+def run(
+    spec: Spec | str | Path | None = None,
+    resume: str | Path | None = None,
+    backend: Backend | None = None,
+    *,
+    hooks: Sequence[Hooks] = (),
+    progress: Progress | None = None,
+) -> RunResult:
+    """Train a spec to the end (sync; runs trio inside).
+
+    Args:
+        spec: the spec or a spec file; None takes the spec in ``resume``'s checkpoint.
+        resume: a checkpoint file or directory: continue exactly where it stopped.
+        backend: a backend to use and keep open; None opens the one the spec selects.
+        hooks: observers of every item the actors move.
+        progress: the progress line; default: drawn on stderr when it is a TTY.
+
+    Returns:
+        The RunResult (final metrics, eval accuracy, steps, checkpoint path, weights).
+
+    Raises:
+        ActorError: an actor failed.
+        KeyboardInterrupt: interrupted (a checkpoint is written first when the spec has a directory).
+    """
+
+    async def main() -> RunResult:
+        async with open_pipeline(spec, resume=resume, backend=backend, hooks=hooks, progress=progress) as p:
+            pass
+        assert p.result is not None
+        return p.result
+
+    return trio.run(main)
+
+
+def _load_model(
+    model: Spec | str | Path | checkpoints.Checkpoint,
+) -> tuple[Spec, dict[str, np.ndarray] | None]:
+    if isinstance(model, Spec):
+        return model, None
+    if isinstance(model, checkpoints.Checkpoint):
+        return model.spec, model.state
+    path = Path(model)
+    if path.suffix in (".json", ".msgpack", ".mpk"):
+        return load_spec(path), None
+    saved = checkpoints.load(path)
+    return saved.spec, saved.state
+
+
+def predict(
+    model: Spec | str | Path | checkpoints.Checkpoint,
+    data: np.ndarray | Any,
+    *,
+    stream: bool = False,
+    backend: Backend | None = None,
+) -> np.ndarray | Iterator[np.ndarray]:
+    """Predictions from a trained model, through the device's predict program.
+
+    Args:
+        model: a checkpoint (file, directory or loaded), or a spec (file or record: fresh weights).
+        data: inputs [n, *input_shape], or a source spec record (e.g. ``Digits()``: every sample,
+            in index order). The spec's ``data.preprocess`` is applied either way.
+        stream: yield one array per batch instead of returning one array.
+        backend: a backend to use and keep open; None opens the one the spec selects.
+
+    Returns:
+        [n, *output_shape] (probabilities for CrossEntropy models), or a generator of such arrays.
+    """
+    spec, state = _load_model(model)
+    outputs = _predict_stream(spec, state, data, backend)
+    if stream:
+        return outputs
+    parts = list(outputs)
+    if parts:
+        return np.concatenate(parts)
+    out_shape = plan(spec).devices[0].layout.tensor("output").shape[1:]
+    return np.zeros((0, *out_shape), np.float32)
+
+
+def _predict_stream(spec: Spec, state, data, backend: Backend | None) -> Iterator[np.ndarray]:
+    owned = backend is None
+    backend = open_backend(spec.devices) if owned else backend
+    source = None
+    try:
+        engine = Engine(
+            plan(spec, budget=memory_budget(backend.facts, spec.devices.memory_fraction)).devices[0], backend
+        )
+        optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state)
+        size = spec.data.batch_size
+        if isinstance(data, np.ndarray) or isinstance(data, list):
+            array = np.asarray(data, dtype=np.float32)
+            if array.shape == tuple(spec.model.input_shape):
+                array = array[None]
+
+            def read(start: int) -> np.ndarray:
+                return array[start : start + size]
+
+            count = array.shape[0]
+        else:
+            from loaders import open_source
+
+            source = open_source(data)
+            count = len(source)
+
+            def read(start: int) -> np.ndarray:
+                return source.read(np.arange(start, min(start + size, count)))[0]
+
+        def batches() -> Iterator[np.ndarray]:
+            for position, start in enumerate(range(0, count, size)):
+                rows = read(start)
+                batch = Batch(
+                    seq=position,
+                    epoch=0,
+                    position=position,
+                    indices=np.arange(len(rows)),
+                    x=rows,
+                    y=None,
+                    split="predict",
+                )
+                yield transform_batch(
+                    batch, spec.data.preprocess, (), spec.data.seed, tuple(spec.model.input_shape)
+                ).x
+
+        yield from predict_batches(engine, batches())
+    finally:
+        if source is not None:
+            source.close()
+        if owned:
+            backend.close()
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def summary(result: RunResult) -> str:
+    """A short report of a run, whose last line is ``accuracy: 0.XXXX`` when there was an evaluation.
+
+    Args:
+        result: the run's result.
+
+    Returns:
+        The lines, joined.
+    """
+    lines = [f"device: {result.device}", f"steps: {result.steps} (epochs {result.epochs})"]
+    if result.loss is not None:
+        lines.append(f"final loss: {result.loss:.4f}")
+    if result.checkpoint:
+        lines.append(f"checkpoint: {result.checkpoint}")
+    lines.append(f"time: {result.seconds:.1f} s")
+    if result.accuracy is not None:
+        lines.append(f"accuracy: {result.accuracy:.4f}")
+    return "\n".join(lines)
+
+
+def main_run(argv: Sequence[str]) -> int:
+    """``python -m flow run FILE [--resume DIR] [--device SELECT]``.
+
+    Args:
+        argv: the arguments after ``run``.
+
+    Returns:
+        The exit status: 0 done, 1 failed, 130 interrupted (after writing a checkpoint).
+    """
+    parser = argparse.ArgumentParser(prog="python -m flow run", description="Train a spec.")
+    parser.add_argument("file", help="the spec (.json, .msgpack or .mpk)")
+    parser.add_argument(
+        "--resume", metavar="DIR", help="continue from the newest checkpoint in DIR (or a file)"
+    )
+    parser.add_argument(
+        "--device", metavar="SELECT", help="override devices.select: cpu, auto, an index or a name"
+    )
+    args = parser.parse_args(list(argv))
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        spec = load_spec(args.file)
+        if args.device is not None:
+            select: int | str = int(args.device) if args.device.isdigit() else args.device
+            spec = replace(spec, devices=replace(spec.devices, select=select))
+        result = run(spec, resume=args.resume)
+    except KeyboardInterrupt as interrupt:
+        notes = getattr(interrupt, "__notes__", [])
+        print(
+            "interrupted" + (f"; {notes[-1].removeprefix('vkflow: interrupted; ')}" if notes else ""),
+            file=sys.stderr,
+        )
+        return 130
+    except (ActorError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(summary(result))
+    return 0

@@ -1,0 +1,542 @@
+"""The actor runtime end to end: training to a target, backend agreement, failure handling,
+backpressure, exact resume (in process, and after SIGKILL / SIGINT of a subprocess), inference, the
+schedule and the progress line."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from actors import checkpoint as checkpoints
+from actors.cpu_backend import CpuBackend
+from actors.device import DeviceActor
+from actors.engine import Engine
+from actors.loader import Schedule, after_step, jobs, next_cursor, total_steps
+from actors.messages import Batch, CheckpointMark, Cursor, StepDone
+from actors.progress import Progress, ProgressState, eta_seconds, format_line
+from actors.statistics import Hooks, Meter
+from flow.codec import load as load_spec
+from flow.codec import save as save_spec
+from flow.plan import plan
+from flow.runner import ActorError, main_run, open_pipeline, predict, resume_conflicts, run
+from flow.spec import (
+    Adam,
+    CrossEntropy,
+    Data,
+    Devices,
+    Edge,
+    Flatten,
+    HorizontalFlip,
+    Linear,
+    Model,
+    Node,
+    Normalize,
+    Pipeline,
+    RandomCrop,
+    RunSettings,
+    Spec,
+    Split,
+    Synthetic,
+)
+from flow.testing import ChannelProbe, FailAt, FakeDevice, Slow
+from loaders import Sampler
+
+runner = importlib.import_module("flow.runner")
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "examples" / "digits.json"
+
+
+def image_spec(tmp: Path | None = None, **run) -> Spec:
+    """A tiny image classifier with augmentation (random crops and flips draw from the batch rng),
+    so exact resume covers the random streams too."""
+    settings = {"epochs": 3, "in_flight": 2, **run}
+    if tmp is not None:
+        settings.setdefault("checkpoint_dir", str(tmp / "ckpt"))
+        settings.setdefault("metrics_file", str(tmp / "metrics.jsonl"))
+    return Spec(
+        model=Model(input_shape=(1, 6, 6), layers=(Flatten(), Linear(16, activation="relu"), Linear(4)),
+                    loss=CrossEntropy()),
+        optimiser=Adam(0.01),
+        data=Data(Synthetic(samples=200, features=(1, 6, 6), classes=4, seed=3), batch_size=16, seed=5,
+                  split=Split(train=0.8, val=0.2), preprocess=(Normalize((0.0,), (2.0,)),),
+                  augment=(RandomCrop((6, 6), padding=1), HorizontalFlip(0.5))),
+        devices=Devices("cpu"),
+        run=RunSettings(**settings),
+    )  # fmt: skip
+
+
+def digits_spec(**run) -> Spec:
+    spec = load_spec(DIGITS)
+    return dataclasses.replace(spec, run=dataclasses.replace(spec.run, **run))
+
+
+class Recorder(Hooks):
+    """Keeps every StepDone the sink receives."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepDone] = []
+
+    async def received(self, actor, item) -> None:
+        if actor == "sink" and isinstance(item, StepDone):
+            self.steps.append(item)
+
+
+class InterruptAt(Hooks):
+    """Raises KeyboardInterrupt in the sink when step ``step`` arrives, as Ctrl-C would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    async def received(self, actor, item) -> None:
+        if actor == "sink" and isinstance(item, StepDone) and item.step == self.step:
+            raise KeyboardInterrupt
+
+
+def vkflow_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("vkflow")]
+
+
+def assert_same_weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        if rtol == 0.0:
+            assert np.array_equal(a[name], b[name]), name
+        else:
+            scale = max(float(np.abs(b[name]).max()), 1e-12)
+            assert float(np.abs(a[name] - b[name]).max()) / scale <= rtol, name
+
+
+# -- end to end ------------------------------------------------------------------------------------
+
+
+def test_digits_reach_the_target_on_vulkan(vulkan_backend, tmp_path):
+    spec = digits_spec(
+        epochs=6, checkpoint_dir=str(tmp_path / "ckpt"), metrics_file=str(tmp_path / "m.jsonl")
+    )
+    recorder = Recorder()
+    result = run(spec, backend=vulkan_backend, hooks=[recorder])
+
+    losses = [s.loss for s in recorder.steps]
+    assert [s.step for s in recorder.steps] == list(range(result.steps))
+    assert np.mean(losses[-10:]) < 0.25 * np.mean(losses[:10])  # the loss falls
+    assert result.accuracy is not None and result.accuracy >= 0.95
+    assert len(result.evals) == 6 and result.evals[-1].samples == 359  # one eval per epoch, whole val split
+    assert result.device == vulkan_backend.facts.name
+
+    # The metrics file holds every step with each actor's statistics, and the evaluations.
+    lines = [json.loads(line) for line in Path(spec.run.metrics_file).read_text().splitlines()]
+    steps = [r for r in lines if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(result.steps))
+    assert set(steps[-1]["statistics"]) == {"loader", "preprocess", "device", "optimiser", "sink"}
+    assert steps[-1]["lr"] == pytest.approx(0.003) and steps[-1]["samples_per_second"] > 0
+    assert [r["accuracy"] for r in lines if r["event"] == "eval"][-1] == pytest.approx(result.accuracy)
+
+    # The final checkpoint holds the final weights, and predicting from it reproduces the accuracy.
+    saved = checkpoints.load(tmp_path / "ckpt")
+    assert saved.final and saved.cursor.step == result.steps and str(result.checkpoint).endswith(".ckpt")
+    flat = saved.state["params:all"]
+    assert any(np.array_equal(flat[: v.size], v.reshape(-1)) for v in result.parameters.values())
+    from loaders import open_source, split_indices
+
+    source = open_source(spec.data.source)
+    parts = split_indices(len(source), source.labels, 0.8, 0.2, 0.0, spec.data.seed, True)
+    x, y, _ = source.read(parts["val"])
+    source.close()
+    probabilities = predict(tmp_path / "ckpt", x, backend=vulkan_backend)
+    assert probabilities.shape == (len(y), 10)
+    assert np.mean(probabilities.argmax(axis=1) == y) == pytest.approx(result.accuracy, abs=1e-9)
+
+
+def test_cpu_and_vulkan_give_the_same_loss_curve(vulkan_backend):
+    spec = image_spec(epochs=None, steps=20)
+    curves = []
+    for backend in (CpuBackend(), vulkan_backend):
+        recorder = Recorder()
+        assert run(spec, backend=backend, hooks=[recorder]).device == backend.facts.name
+        curves.append(np.array([s.loss for s in recorder.steps]))
+    assert len(curves[0]) == 20
+    assert curves[0][-1] < curves[0][0]
+    np.testing.assert_allclose(curves[1], curves[0], rtol=1e-4)
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+class BrokenDevice(CpuBackend):
+    """A backend whose 4th submission fails, as a lost device would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submits = 0
+
+    def submit(self, handle: int) -> int:
+        self.submits += 1
+        if self.submits == 4:
+            raise RuntimeError("device lost")
+        return super().submit(handle)
+
+
+@pytest.mark.parametrize("actor", ["loader", "preprocess", "device", "optimiser", "sink"])
+async def test_a_failing_actor_ends_the_run_fast_with_its_name(actor):
+    injected = FailAt(actor, item=5, error=ValueError(f"boom in {actor}"))
+    spec = digits_spec(epochs=20)  # far longer than the failure point; its image folder decodes in threads
+    with trio.fail_after(10):
+        with pytest.raises(ActorError) as caught:
+            async with open_pipeline(spec, backend=CpuBackend(), hooks=[injected]):
+                pass
+    stopped = time.monotonic()
+    error = caught.value
+    assert error.actor == actor and f"actor '{actor}' failed" in str(error)
+    assert error.__cause__ is injected.error
+    assert stopped - injected.raised_at < 1.0
+    assert vkflow_threads() == []
+
+
+async def test_a_real_failure_names_its_actor():
+    with pytest.raises(ActorError, match="actor 'device' failed: RuntimeError: device lost") as caught:
+        async with open_pipeline(image_spec(), backend=BrokenDevice()):
+            pass
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_a_bad_transform_fails_in_preprocess():
+    cropped = dataclasses.replace(image_spec().data, augment=(RandomCrop((4, 4)),))
+    bad_shape = dataclasses.replace(image_spec(), data=cropped)
+    with pytest.raises(ActorError, match="actor 'preprocess' failed: ValueError: .*shape"):
+        run(bad_shape, backend=FakeDevice())
+
+
+def test_the_backend_the_runner_opens_is_closed_after_a_failure(monkeypatch):
+    opened = []
+
+    class Tracked(CpuBackend):
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+            super().close()
+
+    def open_tracked(devices):
+        opened.append(Tracked())
+        return opened[-1]
+
+    monkeypatch.setattr(runner, "open_backend", open_tracked)
+    with pytest.raises(ActorError):
+        run(image_spec(), hooks=[FailAt("sink", 3)])
+    assert len(opened) == 1 and opened[0].closed
+    assert vkflow_threads() == []
+
+
+# -- backpressure ----------------------------------------------------------------------------------
+
+
+class Bound(Hooks):
+    """Checks, every time the sink takes an item, how far the loader has run ahead of it."""
+
+    def __init__(self) -> None:
+        self.pipeline = None
+        self.ahead: list[int] = []
+
+    async def received(self, actor, item) -> None:
+        if actor == "sink" and self.pipeline is not None:
+            stats = self.pipeline.statistics()
+            self.ahead.append(stats["loader"].items_out - stats["sink"].items_in)
+
+
+async def test_a_slow_sink_blocks_the_loader_and_memory_stays_bounded(autojump_clock):
+    caps = {("loader", "preprocess"): 3, ("preprocess", "device"): 2, ("device", "sink"): 2,
+            ("device", "optimiser"): 6}  # fmt: skip
+    pipeline = Pipeline(
+        nodes=tuple(Node(n, n) for n in ("loader", "preprocess", "device", "optimiser", "sink")),
+        edges=tuple(Edge(src, dst, capacity=c) for (src, dst), c in caps.items()),
+    )
+    # No validation split: then every batch the loader sends comes back to the sink as one message.
+    plain = image_spec(epochs=2)
+    spec = dataclasses.replace(plain, pipeline=pipeline, data=dataclasses.replace(plain.data, split=Split()))
+    probe, bound = ChannelProbe(), Bound()
+    start = trio.current_time()
+    async with open_pipeline(spec, backend=FakeDevice(), hooks=[probe, bound, Slow("sink", 1.0)]) as p:
+        bound.pipeline = p
+    stats = p.result.statistics
+
+    assert probe.capacity == caps
+    assert all(probe.peak[edge] <= caps[edge] for edge in caps)
+    assert probe.peak[("loader", "preprocess")] == 3 and probe.blocked[("loader", "preprocess")]
+    # Items between the loader and the sink: the channels on the way, one item inside each actor,
+    # and the device's slots. Never more, however long the run.
+    path = caps[("loader", "preprocess")] + caps[("preprocess", "device")] + caps[("device", "sink")]
+    assert max(bound.ahead) <= path + 3 + 2
+    assert stats["sink"].items_in == stats["loader"].items_out  # the end drains everything
+    # The sink's pace set the run's: one virtual second per item it took.
+    assert trio.current_time() - start >= stats["sink"].items_in * 1.0
+
+
+# -- the schedule ----------------------------------------------------------------------------------
+
+
+def test_the_schedule_decides_evals_and_checkpoints():
+    schedule = Schedule(
+        batches_per_epoch=4, total_steps=10, eval_every=None, checkpoint_every=3, has_val=True
+    )
+    assert total_steps(3, None, 4) == 12 and total_steps(3, 10, 4) == 10 and total_steps(None, 7, 4) == 7
+    assert next_cursor(Cursor(4, 0, 4), schedule) == Cursor(4, 1, 0)
+    assert next_cursor(Cursor(10, 2, 2), schedule) is None
+    assert after_step(Cursor(3, 0, 3), schedule) == ("checkpoint",)
+    assert after_step(Cursor(4, 0, 4), schedule) == ("eval",)
+    assert after_step(Cursor(10, 2, 2), schedule) == ("eval", "final")
+    every = dataclasses.replace(schedule, eval_every=5, checkpoint_every=None)
+    assert after_step(Cursor(4, 0, 4), every) == () and after_step(Cursor(5, 1, 1), every) == ("eval",)
+
+
+def test_a_resumed_stream_is_the_tail_of_the_uninterrupted_one():
+    train = Sampler(np.arange(37), batch_size=8, shuffle=True, seed=1, drop_last=False)
+    val = Sampler(np.arange(37, 47), batch_size=8, shuffle=False, seed=1, drop_last=False)
+    schedule = Schedule(train.batches_per_epoch(), 13, None, 4, True)
+
+    def key(job):
+        if isinstance(job, CheckpointMark):
+            return ("mark", job.cursor, job.final)
+        return (job.split, job.step, job.epoch, job.position, tuple(job.indices.tolist()))
+
+    full = [key(j) for j in jobs(Cursor(), schedule, train, val)]
+    assert sum(k[0] == "train" for k in full) == 13 and full[-1] == ("mark", Cursor(13, 2, 3), True)
+    marks = [k[1] for k in full if k[0] == "mark"]
+    assert marks[:3] == [Cursor(4, 0, 4), Cursor(8, 1, 3), Cursor(12, 2, 2)]
+    for cursor in marks:
+        tail = [key(j) for j in jobs(cursor, schedule, train, val)]
+        cut = full.index(("mark", cursor, cursor.step == 13)) + 1
+        assert tail == full[cut:] or cursor.step == 13
+
+
+# -- exact resume ----------------------------------------------------------------------------------
+
+
+def test_resume_after_an_interrupt_at_a_random_step_is_bit_exact(tmp_path, rng):
+    reference = run(image_spec(tmp_path / "a"))
+    assert reference.steps == 30
+    stop = int(rng.integers(1, reference.steps - 2))
+    spec = image_spec(tmp_path / "b", checkpoint_every=7)
+    with pytest.raises(KeyboardInterrupt):
+        run(spec, hooks=[InterruptAt(stop)])
+    saved = checkpoints.load(tmp_path / "b" / "ckpt")
+    assert saved.interrupted and not saved.final
+    assert stop + 1 <= saved.cursor.step <= stop + 12  # steps applied but not yet reported are kept
+
+    resumed = run(spec, resume=tmp_path / "b" / "ckpt")
+    assert resumed.resumed_from == saved.cursor.step and resumed.steps == reference.steps
+    assert_same_weights(resumed.parameters, reference.parameters)
+    assert resumed.accuracy == reference.accuracy
+    # The metrics file continues. Steps applied after the last one reported are not in it: the
+    # interruption stopped the sink before their reports arrived.
+    steps = {json.loads(line)["step"] for line in Path(spec.run.metrics_file).read_text().splitlines()}
+    assert set(range(stop)) | set(range(saved.cursor.step, reference.steps)) <= steps
+
+
+def test_resume_on_vulkan_matches_within_float_tolerance(tmp_path, vulkan_backend):
+    reference = run(image_spec(epochs=2), backend=vulkan_backend)
+    spec = image_spec(tmp_path, epochs=2, checkpoint_every=5)
+    with pytest.raises(KeyboardInterrupt):
+        run(spec, backend=vulkan_backend, hooks=[InterruptAt(11)])
+    resumed = run(spec, resume=spec.run.checkpoint_dir, backend=vulkan_backend)
+    assert resumed.resumed_from >= 12
+    assert_same_weights(resumed.parameters, reference.parameters, rtol=1e-6)
+
+
+def test_resume_refuses_a_different_model(tmp_path):
+    spec = image_spec(tmp_path, epochs=1)
+    run(spec)
+    other = dataclasses.replace(spec, optimiser=Adam(0.5))
+    assert resume_conflicts(other, spec) == ["optimiser"]
+    with pytest.raises(ValueError, match="optimiser differ"):
+        run(other, resume=spec.run.checkpoint_dir)
+    # Run settings may change: more epochs continue the finished run.
+    longer = dataclasses.replace(spec, run=dataclasses.replace(spec.run, epochs=2))
+    assert run(longer, resume=spec.run.checkpoint_dir).steps == 20
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from flow.runner import run
+    from flow.testing import Slow
+    try:
+        run(sys.argv[1], resume=sys.argv[2] if len(sys.argv) > 2 else None, hooks=[Slow("sink", 0.01)])
+    except KeyboardInterrupt:
+        sys.exit(130)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_resume_after_the_process_is_killed_is_bit_exact(tmp_path, sig, rng):
+    spec = image_spec(tmp_path, epochs=10, checkpoint_every=5)
+    save_spec(spec, tmp_path / "spec.json")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "spec.json")], cwd=ROOT, env=env,
+                             stderr=subprocess.PIPE)  # fmt: skip
+    wanted = int(rng.integers(2, 8)) * 5
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        newest = checkpoints.latest(tmp_path / "ckpt")
+        if newest is not None and int(newest.stem.split("-")[1]) >= wanted:
+            break
+        assert child.poll() is None, child.stderr.read().decode()
+        time.sleep(0.005)
+    child.send_signal(sig)
+    code = child.wait(timeout=20)
+    assert code == (-9 if sig == signal.SIGKILL else 130), child.stderr.read().decode()
+    saved = checkpoints.load(tmp_path / "ckpt")
+    assert not saved.final and saved.cursor.step < 100
+    if sig == signal.SIGINT:
+        assert saved.interrupted  # the interrupt wrote one more checkpoint on its way out
+
+    resumed = run(spec, resume=tmp_path / "ckpt")
+    reference = run(image_spec(epochs=10))
+    assert resumed.resumed_from == saved.cursor.step and resumed.steps == reference.steps == 100
+    assert_same_weights(resumed.parameters, reference.parameters)
+
+
+def test_the_command_line_runs_and_resumes(tmp_path, capsys):
+    spec = image_spec(tmp_path, epochs=2)
+    save_spec(spec, tmp_path / "spec.json")
+    assert main_run([str(tmp_path / "spec.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("accuracy: 0.") and len(out[-1]) == len("accuracy: 0.0000")
+    assert "steps: 20 (epochs 2)" in out
+    assert main_run([str(tmp_path / "spec.json"), "--resume", str(tmp_path / "ckpt")]) == 0
+    assert "steps: 20 (epochs 2)" in capsys.readouterr().out
+    assert main_run([str(tmp_path / "missing.json")]) == 1
+
+
+# -- inference -------------------------------------------------------------------------------------
+
+
+async def test_streaming_inference_through_the_pipeline(tmp_path):
+    spec = image_spec(tmp_path, epochs=1)
+    trained = await trio.to_thread.run_sync(run, spec)  # run() starts its own trio loop
+    x = np.random.default_rng(0).standard_normal((37, 1, 6, 6)).astype(np.float32)
+
+    expected = predict(trained.checkpoint, x)
+    assert expected.shape == (37, 4) and np.allclose(expected.sum(axis=1), 1.0, atol=1e-5)
+    streamed = list(predict(trained.checkpoint, x, stream=True))
+    assert [len(s) for s in streamed] == [16, 16, 5]
+    assert np.array_equal(np.concatenate(streamed), expected)
+    fresh = predict(spec, x)  # untrained weights give other answers
+    assert not np.allclose(fresh, expected)
+
+    async with open_pipeline(resume=trained.checkpoint, mode="predict", backend=CpuBackend()) as p:
+        first = await p.predict(x)
+        async with trio.open_nursery() as nursery:
+
+            async def feed_all() -> None:
+                for rows in (x[:3], x[3:30], x[30:]):
+                    await p.feed(rows)
+                await p.end_input()
+
+            nursery.start_soon(feed_all)
+            outputs = [out async for out in p.results()]
+    assert np.array_equal(first, expected)
+    assert [len(o) for o in outputs] == [3, 27, 7]
+    assert np.array_equal(np.concatenate(outputs), expected)
+
+
+def test_predict_from_a_source_spec(tmp_path):
+    spec = image_spec(tmp_path, epochs=1)
+    trained = run(spec)
+    everything = predict(trained.checkpoint, spec.data.source)
+    assert everything.shape == (200, 4)
+    from loaders import open_source
+
+    source = open_source(spec.data.source)
+    x, _, _ = source.read(np.arange(200))
+    assert np.array_equal(everything, predict(trained.checkpoint, x))
+
+
+# -- devices and progress --------------------------------------------------------------------------
+
+
+def test_device_selection(caplog, monkeypatch):
+    assert isinstance(runner.open_backend(Devices("cpu")), CpuBackend)
+    with pytest.raises(LookupError):
+        runner.open_backend(Devices("no such device"))
+    # "auto" without Vulkan: the CPU, and one clear warning line.
+    monkeypatch.setattr(runner.devices_module, "open_backend", lambda *a: (CpuBackend(), "no Vulkan: x\ny"))
+    assert isinstance(runner.open_backend(Devices("auto")), CpuBackend)
+    assert [r.getMessage() for r in caplog.records] == ["vkflow: no Vulkan: x"]
+
+
+def test_progress_draws_on_a_tty_only():
+    state = ProgressState(step=30, total=120, samples_per_second=5120.4, loss=0.43214, accuracy=0.95,
+                          elapsed=10.0, done_at_start=10)  # fmt: skip
+    assert eta_seconds(state) == pytest.approx(45.0)
+    line = format_line(state)
+    assert "30/120 steps" in line and "5120 samples/s" in line and "loss 0.4321" in line
+    assert "acc 0.9500" in line and "ETA 00:45" in line and line.startswith("[######")
+
+    quiet = io.StringIO()
+    Progress(quiet).update(state, force=True)
+    assert quiet.getvalue() == ""  # StringIO is not a TTY
+    loud = io.StringIO()
+    bar = Progress(loud, enabled=True)
+    bar.update(state, force=True)
+    bar.update(state)  # within the interval: not drawn again
+    bar.close()
+    assert loud.getvalue().count("30/120 steps") == 1 and loud.getvalue().endswith("\n")
+
+
+# -- one actor on its own --------------------------------------------------------------------------
+
+
+async def test_the_device_actor_reports_in_order_and_sums_evaluations(autojump_clock):
+    spec = image_spec()
+    device_plan = plan(spec).devices[0]
+    engine = Engine(device_plan, FakeDevice())
+    engine.initialise("he", 0)
+    reference = Engine(device_plan, CpuBackend())
+    reference.initialise("he", 0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 1, 6, 6)).astype(np.float32)
+    y = rng.integers(0, 4, 40).astype(np.int32)
+
+    inbox_send, inbox = trio.open_memory_channel(engine.slots)
+    outbox, reports = trio.open_memory_channel(100)
+    actor = DeviceActor(Meter("device", inbox, [outbox]), engine, inline=True)
+
+    def batch(seq, rows, step, split="train", last=False):
+        return Batch(seq, 0, seq, np.arange(rows.start, rows.stop), x[rows], y[rows], split=split, step=step,
+                     last=last)  # fmt: skip
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.run)
+        async with inbox_send:
+            await inbox_send.send(batch(0, slice(0, 16), 0))
+            await inbox_send.send(batch(1, slice(16, 16), 1))  # every sample skipped as bad: no update
+            await inbox_send.send(batch(2, slice(16, 32), 2))
+            await inbox_send.send(batch(3, slice(32, 37), 3, "val"))
+            await inbox_send.send(batch(4, slice(37, 40), 3, "val", last=True))
+            await inbox_send.send(CheckpointMark(Cursor(3, 0, 3)))
+    messages = [m async for m in reports]
+
+    first, empty, third, evaluation, snapshot = messages
+    assert (first.step, empty.step, third.step) == (0, 1, 2) and empty.rows == 0 and np.isnan(empty.loss)
+    assert first.loss == reference.train_step(x[:16], y[:16], 0).loss
+    assert third.loss == reference.train_step(x[16:32], y[16:32], 2).loss
+    expected = reference.evaluate(x[32:40], y[32:40])
+    assert evaluation.samples == 8 and evaluation.accuracy == expected.correct / 8
+    assert evaluation.loss == pytest.approx(expected.loss, rel=1e-6)
+    assert snapshot.cursor == Cursor(3, 0, 3)
+    assert snapshot.state["params:all"].tobytes() == reference.state()["params:all"].tobytes()
