@@ -68,8 +68,29 @@ def gemm(arrays: list[np.ndarray], p: Params) -> None:
     m, n, k = int(p["M"]), int(p["N"]), int(p["K"])
     op_a = a[: m * k].reshape(k, m).T if p.get("trans_a") else a[: m * k].reshape(m, k)
     op_b = b[: k * n].reshape(n, k).T if p.get("trans_b") else b[: k * n].reshape(k, n)
+    splits = int(p.get("k_splits", 1))
+    if splits > 1:
+        # Split-K: raw partial sums per K slice into C viewed as [splits, M, N]; splitk_epilogue
+        # finishes them. (The GPU slices K in multiples of its tile depth; sums agree to rounding.)
+        chunk = -(-k // splits)
+        partial = c[: splits * m * n].reshape(splits, m, n)
+        for s in range(splits):
+            partial[s] = op_a[:, s * chunk : (s + 1) * chunk] @ op_b[s * chunk : (s + 1) * chunk]
+        return
     out = c[: m * n].reshape(m, n)
     result = (op_a @ op_b) * out.dtype.type(p.get("alpha", 1.0))
+    if p.get("accumulate"):
+        result = result + out
+    if p.get("has_bias"):
+        result = result + bias[:n]
+    out[...] = activate(result.astype(out.dtype, copy=False), int(p.get("act", 0)), p.get("slope", 0.0))
+
+
+def splitk_epilogue(arrays: list[np.ndarray], p: Params) -> None:
+    w, bias, c = arrays
+    m, n, splits = int(p["M"]), int(p["N"]), int(p["splits"])
+    out = c[: m * n].reshape(m, n)
+    result = w[: splits * m * n].reshape(splits, m, n).sum(axis=0) * out.dtype.type(p.get("alpha", 1.0))
     if p.get("accumulate"):
         result = result + out
     if p.get("has_bias"):
@@ -325,6 +346,7 @@ def argmax(arrays: list[np.ndarray], p: Params) -> None:
 
 KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "gemm": gemm,
+    "splitk_epilogue": splitk_epilogue,
     "unary": unary,
     "unary_backward": unary_backward,
     "binary": binary,

@@ -190,6 +190,23 @@ def parameters(model: Model) -> list[ParamDecl]:
     return params
 
 
+def k_splits(m: int, n: int, k: int) -> int:
+    """How many slices to split a GEMM's K into: more when its M x N output has few 32 x 32
+    tiles and K is long (a classifier's logits: 256 x 10 x 1024), so the GPU has enough
+    workgroups; 1 when the output alone fills the GPU or K is short.
+
+    Args:
+        m, n, k: the GEMM's shape.
+
+    Returns:
+        The number of K slices, 1 to 16.
+    """
+    tiles = math.ceil(m / 32) * math.ceil(n / 32)
+    if k < 256 or tiles >= 64:
+        return 1
+    return max(1, min(math.ceil(k / 128), math.ceil(128 / tiles), 16))
+
+
 def label_shape(model: Model, batch: int) -> tuple[tuple[int, ...], DType]:
     """Shape and dtype of a batch of labels: class ids for CrossEntropy, targets for MSE."""
     out_shape = infer_shapes(model)[-1] if model.layers else tuple(model.input_shape)
@@ -226,19 +243,17 @@ class _Builder:
         if isinstance(layer, Linear):
             w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
             k, n = stage.in_shape[0], layer.units
-            g.emit(
-                launch(
-                    "gemm",
-                    (h, w, bias if layer.bias else h, target),
-                    M=b,
-                    N=n,
-                    K=k,
-                    has_bias=int(layer.bias),
-                    act=epilogue,
-                    alpha=1.0,
-                    slope=slope,
-                )
+            main, finish = self._gemm(
+                (h, w, bias if layer.bias else h, target),
+                M=b,
+                N=n,
+                K=k,
+                has_bias=int(layer.bias),
+                act=epilogue,
+                slope=slope,
             )
+            g.emit(main)
+            g.emit(finish)
         elif isinstance(layer, Conv2d):
             w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
             g.emit(
@@ -274,6 +289,34 @@ class _Builder:
             saved["pre"] = target
         self.saved[position] = saved
         return out
+
+    def _gemm(self, args: tuple[str, str, str, str], **params: int | float) -> tuple[Launch, Launch | None]:
+        """A GEMM launch, split over K when its output has too few tiles to fill a GPU.
+
+        Returns:
+            (launch, finish): ``finish`` adds the K slices and applies the epilogue; it must run in
+            a later group. None when the GEMM is not split.
+        """
+        a, b, bias, c = args
+        m, n, k = int(params["M"]), int(params["N"]), int(params["K"])
+        splits = k_splits(m, n, k)
+        if splits == 1:
+            return launch("gemm", args, alpha=1.0, **params), None
+        workspace = self.g.add(f"splitk:{c}", (splits, m, n))
+        partial = {key: value for key, value in params.items() if key not in ("has_bias", "act", "slope")}
+        main = launch("gemm", (a, b, a, workspace), alpha=1.0, k_splits=splits, **partial)
+        finish = launch(
+            "splitk_epilogue",
+            (workspace, bias, c),
+            M=m,
+            N=n,
+            splits=splits,
+            has_bias=int(params.get("has_bias", 0)),
+            act=int(params.get("act", 0)),
+            alpha=1.0,
+            slope=float(params.get("slope", 0.0)),
+        )
+        return main, finish
 
     def _conv_params(self, stage: Stage, layer: Conv2d) -> dict[str, int]:
         c, h, w = stage.in_shape
@@ -385,8 +428,9 @@ class _Builder:
             dw, db = f"grad:{w}", f"grad:{bias}"
             if isinstance(layer, Linear):
                 k, n = stage.in_shape[0], layer.units
+                weight_grad, finish = self._gemm((h, dz, h, dw), M=k, N=n, K=b, trans_a=1)
                 g.emit(
-                    launch("gemm", (h, dz, h, dw), M=k, N=n, K=b, trans_a=1, alpha=1.0),
+                    weight_grad,
                     launch("reduce", (dz, db), rows=b, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
                     if layer.bias
                     else None,
@@ -394,6 +438,7 @@ class _Builder:
                     if in_grad
                     else None,
                 )
+                g.emit(finish)
             else:
                 params = self._conv_params(stage, layer)
                 g.emit(

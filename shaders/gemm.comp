@@ -32,6 +32,7 @@ layout(push_constant) uniform Push {
     uint accumulate;
     float alpha;
     float slope;
+    uint k_splits;
 } p;
 
 #include "common_gemm_act.glsl"
@@ -70,6 +71,13 @@ void main() {
     const uint M = p.M;
     const uint N = p.N;
     const uint K = p.K;
+    // Split-K: workgroup z sums only its slice of K and writes raw partial sums into slice z of
+    // C viewed as [splits, M, N]; a splitk_epilogue launch then adds the slices and applies the
+    // epilogue. It keeps a GPU busy when M x N has too few tiles (e.g. the logits of a classifier).
+    const uint splits = max(p.k_splits, 1u);
+    const uint k_chunk = ((K + splits * BK - 1u) / (splits * BK)) * BK;
+    const uint k_begin = gl_WorkGroupID.z * k_chunk;
+    const uint k_end = min(K, k_begin + k_chunk);
 
     float acc[TM * TN];
     for (uint i = 0u; i < TM * TN; ++i) {
@@ -83,9 +91,9 @@ void main() {
         uint l = tid + i * NT;
         uvec2 s = a_slot(l);
         uint gm = m0 + s.x;
-        uint gk = s.y;
+        uint gk = k_begin + s.y;
         float v = 0.0;
-        if (l < A_TILE && gm < M && gk < K) {
+        if (l < A_TILE && gm < M && gk < k_end) {
             v = p.trans_a == 0u ? A[gm * K + gk] : A[gk * M + gm];
         }
         ra[i] = v;
@@ -94,15 +102,15 @@ void main() {
         uint l = tid + i * NT;
         uvec2 s = b_slot(l);
         uint gn = n0 + s.x;
-        uint gk = s.y;
+        uint gk = k_begin + s.y;
         float v = 0.0;
-        if (l < B_TILE && gn < N && gk < K) {
+        if (l < B_TILE && gn < N && gk < k_end) {
             v = p.trans_b == 0u ? B[gk * N + gn] : B[gn * K + gk];
         }
         rb[i] = v;
     }
 
-    for (uint k0 = 0u; k0 < K; k0 += BK) {
+    for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         for (uint i = 0u; i < A_LOADS; ++i) {
             uint l = tid + i * NT;
             if (l < A_TILE) {
@@ -120,14 +128,14 @@ void main() {
         barrier();
 
         uint k1 = k0 + BK;
-        if (k1 < K) {
+        if (k1 < k_end) {
             for (uint i = 0u; i < A_LOADS; ++i) {
                 uint l = tid + i * NT;
                 uvec2 s = a_slot(l);
                 uint gm = m0 + s.x;
                 uint gk = k1 + s.y;
                 float v = 0.0;
-                if (l < A_TILE && gm < M && gk < K) {
+                if (l < A_TILE && gm < M && gk < k_end) {
                     v = p.trans_a == 0u ? A[gm * K + gk] : A[gk * M + gm];
                 }
                 ra[i] = v;
@@ -138,7 +146,7 @@ void main() {
                 uint gn = n0 + s.x;
                 uint gk = k1 + s.y;
                 float v = 0.0;
-                if (l < B_TILE && gn < N && gk < K) {
+                if (l < B_TILE && gn < N && gk < k_end) {
                     v = p.trans_b == 0u ? B[gk * N + gn] : B[gn * K + gk];
                 }
                 rb[i] = v;
@@ -174,6 +182,10 @@ void main() {
                 continue;
             }
             // Same order as cpu_ops.gemm: scale, then the old C, then the bias, then act.
+            if (splits > 1u) {
+                C[(gl_WorkGroupID.z * M + m) * N + n] = acc[i * TN + j];
+                continue;
+            }
             float v = acc[i * TN + j] * p.alpha;
             if (p.accumulate != 0u) {
                 v += C[m * N + n];

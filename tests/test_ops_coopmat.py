@@ -72,11 +72,11 @@ def check(got, expected16, expected32):
 
 
 def test_registry_matches_gemm():
-    """Same launch interface as gemm, so a plan can swap one for the other."""
+    """Same launch interface as gemm (less gemm's split-K), so a plan can swap one for the other."""
     coop_def, gemm_def = op("gemm_coopmat"), op("gemm")
     assert coop_def.bindings == gemm_def.bindings
-    assert coop_def.push == gemm_def.push
-    assert coop_def.defaults == gemm_def.defaults
+    assert gemm_def.push == (*coop_def.push, ("k_splits", "u"))
+    assert dict(gemm_def.defaults) == {**dict(coop_def.defaults), "k_splits": 1}
     assert coop_def.outputs == gemm_def.outputs
     assert "cooperative_matrix" in coop_def.features
     spec = coop_def.spec_values()

@@ -128,8 +128,22 @@ def test_gemm_bias_activation_alpha(backend, rng, act, shape, trans):
     bias = normal(rng, n)
     # Scaled towards the activations' curved region, so a wrong saturation would show.
     alpha, slope = 0.37, 0.13
-    got = run_gemm(backend, a, b, bias, normal(rng, m, n), M=m, N=n, K=k, trans_a=trans[0], trans_b=trans[1],
-                   has_bias=1, act=ACTIVATIONS[act], alpha=alpha, slope=slope)  # fmt: skip
+    got = run_gemm(
+        backend,
+        a,
+        b,
+        bias,
+        normal(rng, m, n),
+        M=m,
+        N=n,
+        K=k,
+        trans_a=trans[0],
+        trans_b=trans[1],
+        has_bias=1,
+        act=ACTIVATIONS[act],
+        alpha=alpha,
+        slope=slope,
+    )
     expected = act_oracle(alpha * (op_a @ op_b) + as64(bias), act, slope)
     assert relative_error(got, expected) <= TOL
     if torch is not None:
@@ -144,8 +158,22 @@ def test_gemm_accumulate(backend, rng, m, n, k, trans_a, trans_b, act):
     bias = normal(rng, n)
     c_old = normal(rng, m, n)
     alpha = -1.3
-    got = run_gemm(backend, a, b, bias, c_old, M=m, N=n, K=k, trans_a=trans_a, trans_b=trans_b,
-                   has_bias=1, act=ACTIVATIONS[act], accumulate=1, alpha=alpha)  # fmt: skip
+    got = run_gemm(
+        backend,
+        a,
+        b,
+        bias,
+        c_old,
+        M=m,
+        N=n,
+        K=k,
+        trans_a=trans_a,
+        trans_b=trans_b,
+        has_bias=1,
+        act=ACTIVATIONS[act],
+        accumulate=1,
+        alpha=alpha,
+    )
     # The old C joins before the bias and the activation.
     expected = act_oracle(alpha * (op_a @ op_b) + as64(c_old) + as64(bias), act, 0.0)
     assert relative_error(got, expected) <= TOL
@@ -156,10 +184,20 @@ def test_gemm_backward_matches_autograd(backend, rng):
     batch, fan_in, fan_out = 37, 23, 19
     x, w, dy = normal(rng, batch, fan_in), normal(rng, fan_in, fan_out), normal(rng, batch, fan_out)
     unused = normal(rng, max(fan_in, fan_out))
-    dx = run_gemm(backend, dy, w, unused, np.zeros((batch, fan_in), np.float32),
-                  M=batch, N=fan_in, K=fan_out, trans_b=1)  # fmt: skip
-    dw = run_gemm(backend, x, dy, unused, np.zeros((fan_in, fan_out), np.float32),
-                  M=fan_in, N=fan_out, K=batch, trans_a=1)  # fmt: skip
+    dx = run_gemm(
+        backend, dy, w, unused, np.zeros((batch, fan_in), np.float32), M=batch, N=fan_in, K=fan_out, trans_b=1
+    )
+    dw = run_gemm(
+        backend,
+        x,
+        dy,
+        unused,
+        np.zeros((fan_in, fan_out), np.float32),
+        M=fan_in,
+        N=fan_out,
+        K=batch,
+        trans_a=1,
+    )
     assert relative_error(dx, as64(dy) @ as64(w).T) <= TOL
     assert relative_error(dw, as64(x).T @ as64(dy)) <= TOL
     if torch is not None:
@@ -253,8 +291,20 @@ def conv_backward_weight_oracle(x, dy, w_shape, stride, pad):
 
 
 def conv_params(n, c, h, w, k, r, stride, pad, **extra):
-    return dict(N=n, C=c, H=h, W=w, K=k, R=r, S=r, stride=stride, pad=pad,
-                OH=conv_out(h, r, stride, pad), OW=conv_out(w, r, stride, pad), **extra)  # fmt: skip
+    return dict(
+        N=n,
+        C=c,
+        H=h,
+        W=w,
+        K=k,
+        R=r,
+        S=r,
+        stride=stride,
+        pad=pad,
+        OH=conv_out(h, r, stride, pad),
+        OW=conv_out(w, r, stride, pad),
+        **extra,
+    )
 
 
 # (N, C, H, W, K, kernel, stride, pad, activation)
@@ -398,8 +448,16 @@ def maxpool_backward_oracle(dy, idx, shape):
 
 
 def pool_params(n, c, h, w, kernel, stride):
-    return dict(N=n, C=c, H=h, W=w, OH=(h - kernel) // stride + 1, OW=(w - kernel) // stride + 1,
-                kernel=kernel, stride=stride)  # fmt: skip
+    return dict(
+        N=n,
+        C=c,
+        H=h,
+        W=w,
+        OH=(h - kernel) // stride + 1,
+        OW=(w - kernel) // stride + 1,
+        kernel=kernel,
+        stride=stride,
+    )
 
 
 # (N, C, H, W, kernel, stride); stride < kernel overlaps windows, so one pixel can win several.
@@ -417,17 +475,23 @@ def test_maxpool2d_forward_and_backward(backend, rng, n, c, h, w, kernel, stride
     x = normal(rng, n, c, h, w)  # continuous draws: no ties
     params = pool_params(n, c, h, w, kernel, stride)
     out_shape = (n, c, params["OH"], params["OW"])
-    forward = run_op(backend, "maxpool2d",
-                     {"X": x, "Y": np.zeros(out_shape, np.float32), "idx": np.zeros(out_shape, np.int32)},
-                     **params)  # fmt: skip
+    forward = run_op(
+        backend,
+        "maxpool2d",
+        {"X": x, "Y": np.zeros(out_shape, np.float32), "idx": np.zeros(out_shape, np.int32)},
+        **params,
+    )
     y_ref, idx_ref = maxpool_oracle(x, kernel, stride)
     np.testing.assert_array_equal(forward["Y"], y_ref)
     np.testing.assert_array_equal(forward["idx"], idx_ref)
 
     dy = normal(rng, *out_shape)
-    dx = run_op(backend, "maxpool2d_backward",
-                {"dY": dy, "idx": forward["idx"], "dX": np.zeros((n, c, h, w), np.float32)},
-                **params)["dX"]  # fmt: skip
+    dx = run_op(
+        backend,
+        "maxpool2d_backward",
+        {"dY": dy, "idx": forward["idx"], "dX": np.zeros((n, c, h, w), np.float32)},
+        **params,
+    )["dX"]
     assert relative_error(dx, maxpool_backward_oracle(as64(dy), idx_ref, (n, c, h, w))) <= 1e-6
 
     if torch is not None:
@@ -443,8 +507,48 @@ def test_maxpool2d_first_maximum_wins_ties(backend):
     """With ties, the first maximum in row-major window order is recorded (strict '>')."""
     x = np.array([[[[1.0, 3.0, 3.0], [3.0, 0.0, 3.0], [-1.0, 3.0, 2.0]]]], np.float32)
     params = pool_params(1, 1, 3, 3, 2, 1)
-    out = run_op(backend, "maxpool2d",
-                 {"X": x, "Y": np.zeros((1, 1, 2, 2), np.float32), "idx": np.zeros((1, 1, 2, 2), np.int32)},
-                 **params)  # fmt: skip
+    out = run_op(
+        backend,
+        "maxpool2d",
+        {"X": x, "Y": np.zeros((1, 1, 2, 2), np.float32), "idx": np.zeros((1, 1, 2, 2), np.int32)},
+        **params,
+    )
     np.testing.assert_array_equal(out["Y"].ravel(), [3.0, 3.0, 3.0, 3.0])
     np.testing.assert_array_equal(out["idx"].ravel(), [1, 1, 3, 5])
+
+
+@pytest.mark.parametrize(
+    "m,n,k,splits", [(1, 1, 300, 3), (7, 5, 257, 4), (33, 10, 1024, 8), (64, 3, 100, 16)]
+)
+def test_split_k_gemm_then_epilogue_matches_numpy(backend, rng, m, n, k, splits):
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k)).astype(np.float32)  # trans_b: stored [N, K]
+    bias = rng.standard_normal(n).astype(np.float32)
+    old = rng.standard_normal((m, n)).astype(np.float32)
+    workspace = rng.standard_normal((splits, m, n)).astype(np.float32)  # garbage to be overwritten
+    partial = run_op(
+        backend,
+        "gemm",
+        {"A": a, "B": b, "bias": bias, "C": workspace},
+        M=m,
+        N=n,
+        K=k,
+        trans_b=1,
+        alpha=1.0,
+        k_splits=splits,
+    )["C"]
+    assert relative_error(partial.sum(axis=0), a.astype(np.float64) @ b.T.astype(np.float64)) <= 1e-5
+    out = run_op(
+        backend,
+        "splitk_epilogue",
+        {"W": partial, "bias": bias, "C": old},
+        M=m,
+        N=n,
+        splits=splits,
+        has_bias=1,
+        act=4,
+        accumulate=1,
+        alpha=0.5,
+    )["C"]
+    expected = np.tanh(0.5 * partial.astype(np.float64).sum(axis=0) + old + bias)
+    assert relative_error(out, expected) <= 1e-5

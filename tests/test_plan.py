@@ -66,6 +66,8 @@ CNN = Model(
     ),
     loss=CrossEntropy(),
 )
+# Long K with narrow outputs: the planner splits these GEMMs over K (forward and weight gradients).
+SPLIT_K = Model(input_shape=(300,), layers=(Linear(6, activation="tanh"), Linear(4)), loss=CrossEntropy())
 REGRESSION = Model(input_shape=(5,), layers=(Linear(8), ReLU(), Linear(3, activation="sigmoid")), loss=MSE())
 
 
@@ -95,16 +97,17 @@ def _loss(device, backend, params, x, y) -> float:
     return float(backend.read("loss")[0])
 
 
-@pytest.mark.parametrize("model", [MLP, CNN, REGRESSION], ids=["mlp", "cnn", "mse"])
+@pytest.mark.parametrize("model", [MLP, CNN, REGRESSION, SPLIT_K], ids=["mlp", "cnn", "mse", "split_k"])
 def test_whole_model_gradients_match_finite_differences(model, rng):
-    device = plan(_spec(model, batch=5)).devices[0]
+    rows = 260 if model is SPLIT_K else 5
+    device = plan(_spec(model, batch=rows)).devices[0]
     backend = CpuBackend(precision="float64")
     backend.open_layout(device.layout)
     params = {
         k: v.astype(np.float64) + 0.05 * rng.standard_normal(v.shape)
         for k, v in init_parameters(device, "xavier", int(rng.integers(1 << 30))).items()
     }
-    x, y = _batch(model, 5, rng)
+    x, y = _batch(model, rows, rng)
     grads, _ = _gradients_and_loss(device, backend, params, x, y)
     eps = 1e-6
     checked = 0
@@ -232,16 +235,26 @@ def test_cli_check_lists_every_problem(tmp_path):
 # -- the Vulkan backend against the CPU backend, on the same programs --------------------------------------
 
 
-@pytest.mark.parametrize("model", [MLP, CNN, REGRESSION], ids=["mlp", "cnn", "mse"])
+def test_narrow_long_gemms_are_split_over_k():
+    program = plan(_spec(SPLIT_K, batch=260)).devices[0].program("train")
+    splits = [
+        step for step in program.launches if step.op == "gemm" and step.param_dict.get("k_splits", 1) > 1
+    ]
+    assert len(splits) == 3  # the first forward GEMM and both weight gradients
+    assert sum(step.op == "splitk_epilogue" for step in program.launches) == 3
+
+
+@pytest.mark.parametrize("model", [MLP, CNN, REGRESSION, SPLIT_K], ids=["mlp", "cnn", "mse", "split_k"])
 def test_vulkan_matches_cpu_over_training_steps(model, vulkan_backend, rng):
     optimiser = Adam(lr=0.01) if model is not MLP else SGD(lr=0.05, momentum=0.9, nesterov=True)
-    device = plan(_spec(model, batch=6, optimiser=optimiser)).devices[0]
+    rows = 260 if model is SPLIT_K else 6
+    device = plan(_spec(model, batch=rows, optimiser=optimiser)).devices[0]
     seed = int(rng.integers(1 << 30))
     cpu, gpu = Engine(device, CpuBackend()), Engine(device, vulkan_backend)
     cpu.initialise("he", seed)
     gpu.initialise("he", seed)
     for step in range(4):
-        x, y = _batch(model, 6 if step < 3 else 5, rng)  # the last batch is partial
+        x, y = _batch(model, rows if step < 3 else rows - 1, rng)  # the last batch is partial
         x = x.astype(np.float32)
         y = y.astype(np.float32) if isinstance(model.loss, MSE) else y
         a, b = cpu.train_step(x, y, step), gpu.train_step(x, y, step)
