@@ -32,7 +32,8 @@ def cpu_facts(memory_bytes: int = 8 * 2**30) -> DeviceFacts:
         api_version="-",
         driver_version=np.__version__,
         heaps=(MemoryHeap(index=0, size=memory_bytes, device_local=True),),
-        features=("timeline_semaphore",),
+        # Tensor-core GEMMs are emulated (inputs rounded to float16), so mixed-precision plans run here too.
+        features=("timeline_semaphore", "cooperative_matrix"),
     )
 
 

@@ -86,6 +86,13 @@ def gemm(arrays: list[np.ndarray], p: Params) -> None:
     out[...] = activate(result.astype(out.dtype, copy=False), int(p.get("act", 0)), p.get("slope", 0.0))
 
 
+def gemm_coopmat(arrays: list[np.ndarray], p: Params) -> None:
+    """gemm with A and B rounded to float16 first, as the tensor-core shader does."""
+    a, b, bias, c = arrays
+    rounded = [a.astype(np.float16).astype(a.dtype), b.astype(np.float16).astype(b.dtype)]
+    gemm([*rounded, bias, c], {**p, "k_splits": 1})
+
+
 def splitk_epilogue(arrays: list[np.ndarray], p: Params) -> None:
     w, bias, c = arrays
     m, n, splits = int(p["M"]), int(p["N"]), int(p["splits"])
@@ -347,6 +354,7 @@ def argmax(arrays: list[np.ndarray], p: Params) -> None:
 KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "gemm": gemm,
     "splitk_epilogue": splitk_epilogue,
+    "gemm_coopmat": gemm_coopmat,
     "unary": unary,
     "unary_backward": unary_backward,
     "binary": binary,

@@ -218,8 +218,9 @@ def label_shape(model: Model, batch: int) -> tuple[tuple[int, ...], DType]:
 class _Builder:
     """Walks the stages once forward and once backward, emitting launches into a Graph."""
 
-    def __init__(self, model: Model, batch: int, graph: Graph) -> None:
+    def __init__(self, model: Model, batch: int, graph: Graph, precision: str = "float32") -> None:
         self.model, self.b, self.g = model, batch, graph
+        self.mixed = precision == "mixed"
         self.stages = stages(model)
         self.saved: dict[int, dict[str, str]] = {}  # stage position -> names of tensors backward needs
 
@@ -297,6 +298,9 @@ class _Builder:
             (launch, finish): ``finish`` adds the K slices and applies the epilogue; it must run in
             a later group. None when the GEMM is not split.
         """
+        if self.mixed:
+            # Tensor cores: no split-K there, their tiles already keep many subgroups busy.
+            return launch("gemm_coopmat", args, alpha=1.0, **params), None
         a, b, bias, c = args
         m, n, k = int(params["M"]), int(params["N"]), int(params["K"])
         splits = k_splits(m, n, k)
@@ -428,17 +432,18 @@ class _Builder:
             dw, db = f"grad:{w}", f"grad:{bias}"
             if isinstance(layer, Linear):
                 k, n = stage.in_shape[0], layer.units
-                weight_grad, finish = self._gemm((h, dz, h, dw), M=k, N=n, K=b, trans_a=1)
+                weight_grad, finish_weight = self._gemm((h, dz, h, dw), M=k, N=n, K=b, trans_a=1)
+                input_grad, finish_input = (
+                    self._gemm((dz, w, dz, in_grad), M=b, N=k, K=n, trans_b=1) if in_grad else (None, None)
+                )
                 g.emit(
                     weight_grad,
                     launch("reduce", (dz, db), rows=b, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
                     if layer.bias
                     else None,
-                    launch("gemm", (dz, w, dz, in_grad), M=b, N=k, K=n, trans_b=1, alpha=1.0)
-                    if in_grad
-                    else None,
+                    input_grad,
                 )
-                g.emit(finish)
+                g.emit(finish_weight, finish_input)
             else:
                 params = self._conv_params(stage, layer)
                 g.emit(
@@ -527,7 +532,12 @@ def update_launch(optimiser: Optimiser, total: int) -> Launch:
 
 
 def build_graph(
-    model: Model, optimiser: Optimiser | None, batch: int, program: str, total_params: int
+    model: Model,
+    optimiser: Optimiser | None,
+    batch: int,
+    program: str,
+    total_params: int,
+    precision: str = "float32",
 ) -> Graph:
     """The launches of one program for one batch size.
 
@@ -538,13 +548,15 @@ def build_graph(
         program: ``train`` (forward, loss, backward, update), ``eval`` (forward, loss, accuracy) or
             ``predict`` (forward, then probabilities for CrossEntropy models).
         total_params: floats in the flat parameter arena (padding included).
+        precision: ``float32``, or ``mixed`` for GEMMs on tensor cores (float16 inputs, float32
+            accumulation).
 
     Returns:
         The graph: tensor declarations (work tensors only; the planner adds the rest) and groups.
     """
     graph = Graph()
     graph.add("x", (batch, *model.input_shape), role="io")
-    builder = _Builder(model, batch, graph)
+    builder = _Builder(model, batch, graph, precision)
     out = builder.forward("x")
     if program == "predict":
         cols = math.prod(graph.tensors[out].shape[1:]) if out != "x" else math.prod(model.input_shape)

@@ -78,6 +78,7 @@ class DevicePlan:
     state_names: tuple[str, ...]
     memory: MemoryReport
     stages: tuple[str, ...]
+    precision: str = "float32"
     _programs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def program(self, kind: str, batch: int | None = None) -> Program:
@@ -90,7 +91,7 @@ class DevicePlan:
             raise ValueError(f"batch must be in 1..{self.batch_size}, got {batch}")
         key = (kind, batch)
         if key not in self._programs:
-            graph = build_graph(self.model, self.optimiser, batch, kind, self.total_params)
+            graph = build_graph(self.model, self.optimiser, batch, kind, self.total_params, self.precision)
             self._programs[key] = Program(name=f"{kind}[{batch}]", steps=with_barriers(graph.groups))
         return self._programs[key]
 
@@ -225,13 +226,16 @@ def _io_tensors(model: Model, batch: int) -> list[TensorDecl]:
     ]
 
 
-def plan_device(spec: Spec, device: str, budget: int | None = None) -> DevicePlan:
+def plan_device(
+    spec: Spec, device: str, budget: int | None = None, features: tuple[str, ...] | None = None
+) -> DevicePlan:
     """Plan one device that runs the whole model (data parallel replicas get one each).
 
     Args:
         spec: a valid spec.
         device: the device it runs on (as the spec names it).
         budget: bytes available on that device; None skips the check.
+        features: the device's features (DeviceFacts.features); None skips feature checks.
 
     Returns:
         The device plan.
@@ -271,7 +275,21 @@ def plan_device(spec: Spec, device: str, budget: int | None = None) -> DevicePla
 
     # work: the train graph holds every work tensor eval and predict use, with lifetimes that
     # contain theirs (same forward order, more readers), so one placement serves all three.
-    graphs = {kind: build_graph(model, spec.optimiser, batch, kind, total_params) for kind in PROGRAM_KINDS}
+    precision = spec.run.precision
+    if precision == "mixed" and features is not None and "cooperative_matrix" not in features:
+        raise PlanError(
+            [
+                Problem(
+                    "run.precision",
+                    f"'mixed' runs GEMMs on cooperative matrices, which device {device} does not have; "
+                    "use 'float32'",
+                )
+            ]
+        )
+    graphs = {
+        kind: build_graph(model, spec.optimiser, batch, kind, total_params, precision)
+        for kind in PROGRAM_KINDS
+    }
     declared: dict[str, TensorDecl] = {}
     for graph in graphs.values():
         declared.update(graph.tensors)
@@ -326,6 +344,7 @@ def plan_device(spec: Spec, device: str, budget: int | None = None) -> DevicePla
         state_names,
         memory,
         names,
+        precision,
     )
 
 
@@ -341,12 +360,13 @@ def _check_bindings(layout: Layout, graphs: dict[str, Graph]) -> None:
                     layout.tensor(name)
 
 
-def plan(spec: Spec, budget: int | None = None) -> Plan:
+def plan(spec: Spec, budget: int | None = None, features: tuple[str, ...] | None = None) -> Plan:
     """Turn a valid spec into a plan, before any device work.
 
     Args:
         spec: the spec (validated here).
         budget: the device memory budget in bytes, when known.
+        features: the device's features, when known (checked against ``run.precision``).
 
     Returns:
         The plan.
@@ -357,7 +377,7 @@ def plan(spec: Spec, budget: int | None = None) -> Plan:
     """
     check(spec)
     device = str(spec.devices.select)
-    device_plan = plan_device(spec, device, budget)
+    device_plan = plan_device(spec, device, budget, features)
     pipeline = spec.pipeline or default_pipeline(spec)
     placement = tuple((node.name, node.device or 0) for node in pipeline.nodes if node.kind == "device")
     channels = tuple((e.src, e.dst, e.capacity) for e in pipeline.edges)

@@ -262,7 +262,7 @@ class _Runtime:
             self.backend = await trio.to_thread.run_sync(open_backend, spec.devices)
         self.inline = bool(getattr(self.backend, "runs_inline", False))
         budget = memory_budget(self.backend.facts, spec.devices.memory_fraction)
-        device_plan = plan(spec, budget=budget).devices[0]
+        device_plan = plan(spec, budget=budget, features=self.backend.facts.features).devices[0]
         self.engine = await self._blocking(Engine, device_plan, self.backend)
         saved = self.saved
         self.start_cursor = optim.start(

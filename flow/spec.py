@@ -353,6 +353,9 @@ class RunSettings(_Record):
     checkpoint_every: int | None = None  # in steps
     metrics_file: str | None = None
     in_flight: int = 2  # training steps submitted ahead of the one being waited on
+    # "mixed": GEMMs round their inputs to float16 and run on tensor cores (cooperative matrices)
+    # with float32 accumulation; weights, gradients and optimiser state stay float32.
+    precision: Literal["float32", "mixed"] = "float32"
 
 
 @dataclass(frozen=True, kw_only=True)

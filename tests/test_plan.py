@@ -293,3 +293,34 @@ def test_recorded_once_replayed_100_times_matches_100_fresh_recordings(vulkan_ba
     assert replayed_losses[-1] < replayed_losses[0]
     for name in replayed:
         np.testing.assert_array_equal(replayed[name], fresh[name])
+
+
+def _mixed(spec: Spec) -> Spec:
+    from dataclasses import replace
+
+    return replace(spec, run=replace(spec.run, precision="mixed"))
+
+
+def test_mixed_precision_runs_every_gemm_on_tensor_cores_and_needs_them():
+    spec = _mixed(_spec(SPLIT_K, batch=260))
+    ops = {step.op for step in plan(spec).devices[0].program("train").launches}
+    assert "gemm_coopmat" in ops and "gemm" not in ops and "splitk_epilogue" not in ops
+    with pytest.raises(PlanError) as error:
+        plan(spec, features=("timeline_semaphore",))
+    assert "run.precision" in str(error.value)
+
+
+def test_mixed_precision_on_vulkan_matches_the_cpu_emulation(vulkan_backend, rng):
+    if "cooperative_matrix" not in vulkan_backend.facts.features:
+        pytest.skip(f"{vulkan_backend.facts.name} has no cooperative matrices")
+    device = plan(_mixed(_spec(MLP, batch=37, optimiser=Adam(lr=0.01)))).devices[0]
+    seed = int(rng.integers(1 << 30))
+    cpu, gpu = Engine(device, CpuBackend()), Engine(device, vulkan_backend)
+    cpu.initialise("he", seed)
+    gpu.initialise("he", seed)
+    for step in range(3):
+        x, y = _batch(MLP, 37, rng)
+        a, b = cpu.train_step(x.astype(np.float32), y, step), gpu.train_step(x.astype(np.float32), y, step)
+        assert b.loss == pytest.approx(a.loss, rel=1e-3), step
+    for name, value in cpu.parameters().items():
+        np.testing.assert_allclose(gpu.parameters()[name], value, rtol=1e-2, atol=1e-3, err_msg=name)
