@@ -40,8 +40,6 @@ DEFAULT_TILES = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
 TILE_CONFIGS = (
     DEFAULT_TILES,
     {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8},
-    {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8},
-    {"BM": 128, "BN": 128, "BK": 32, "TM": 8, "TN": 8},
     {"BM": 128, "BN": 64, "BK": 16, "TM": 8, "TN": 4},
     {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8},
 )
@@ -52,6 +50,8 @@ CHECK_SHAPE = (67, 45, 33)  # odd in every dimension: exercises every bounds che
 
 
 def tile_name(tiles: dict[str, int]) -> str:
+    if "tuned" in tiles:
+        return "tuned"  # chosen per launch by the registry, as in a training step
     return f"{tiles['BM']}x{tiles['BN']}x{tiles['BK']}/{tiles['TM']}x{tiles['TN']}"
 
 
@@ -61,15 +61,10 @@ def shape_name(shape: tuple[int, int, int]) -> str:
 
 def tile_problem(backend, tiles: dict[str, int]) -> str | None:
     """Why ``tiles`` cannot run on this backend, or None when it can."""
-    from shaders.registry import op
-
-    local = op("gemm").local_size
     threads = (tiles["BM"] // tiles["TM"]) * (tiles["BN"] // tiles["TN"])
-    if threads != local[0] * local[1] * local[2]:
-        return (
-            f"needs a workgroup of {threads} threads but the backend specialises gemm's registered "
-            f"local size {local}; see bench/README.md for the backend change"
-        )
+    if threads > backend.facts.max_workgroup_invocations:
+        allowed = backend.facts.max_workgroup_invocations
+        return f"needs {threads} threads per workgroup; the device allows {allowed}"
     shared = 4 * tiles["BK"] * (tiles["BM"] + 1 + tiles["BN"] + 1)
     if shared > backend.facts.shared_memory_bytes:
         return f"needs {shared} B of shared memory; the device has {backend.facts.shared_memory_bytes}"
@@ -107,18 +102,18 @@ class VkGemm:
         backend.write("B", self.b)
         backend.write("bias", np.zeros(self.N, np.float32))
 
-    def program(self, launches: int):
+    def program(self, launches: int, op: str = "gemm"):
         from flow.program import Barrier, Program, launch
 
-        one = launch("gemm", ("A", "B", "bias", "C"), M=self.M, N=self.N, K=self.K)
+        one = launch(op, ("A", "B", "bias", "C"), M=self.M, N=self.N, K=self.K)
         steps = [one]
         for _ in range(launches - 1):
             steps += [Barrier(), one]
         return Program(name=f"gemm{shape_name((self.M, self.N, self.K))}x{launches}", steps=tuple(steps))
 
-    def check(self, tiles: dict[str, int]) -> float:
-        """Max relative error of one launch against numpy (float64)."""
-        handle = self.backend.record(self.program(1), 0, spec_overrides={"gemm": tiles})
+    def check(self, tiles: dict[str, int] | None, op: str = "gemm") -> float:
+        """Max relative error of one launch against numpy (float64); None tiles: the tuned ones."""
+        handle = self.backend.record(self.program(1, op), 0, spec_overrides={op: tiles} if tiles else None)
         self.backend.wait(self.backend.submit(handle))
         got = self.backend.read("C")
         want = self.a.astype(np.float64) @ self.b.astype(np.float64)
@@ -136,14 +131,16 @@ class VkGemm:
         return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
     def seconds_per_gemm(
-        self, tiles: dict[str, int], reps: int, target_s: float, max_launches: int
+        self, tiles: dict[str, int] | None, reps: int, target_s: float, max_launches: int, op: str = "gemm"
     ) -> tuple[float, int]:
-        """(median GPU seconds of one GEMM launch, launches per submission), from timestamps."""
+        """(median GPU seconds of one GEMM launch, launches per submission), from timestamps.
+        None tiles: the registry's per-launch tuning picks them, as in a training step."""
 
         def timed(launches: int, times: int) -> list[float]:
             pool = self.backend.timestamp_pool(launches + 1)
+            overrides = {op: tiles} if tiles else None
             handle = self.backend.record(
-                self.program(launches), 0, spec_overrides={"gemm": tiles}, timestamps=pool
+                self.program(launches, op), 0, spec_overrides=overrides, timestamps=pool
             )
             diffs: list[float] = []
             for _ in range(times):
@@ -243,6 +240,36 @@ def part_c(args, rep: Reporter, backend, vk_device: str, torch, torch_device: st
                 )
                 if result is not None:
                     found.append((tiles, result))
+        coop = None
+        if usable and gemm is not None:
+            for op_name, dtype_name in (("gemm", "fp32"), ("gemm_coopmat", "fp16")):
+                if op_name == "gemm_coopmat" and "cooperative_matrix" not in backend.facts.features:
+                    rep.missing(
+                        bench, "vkflow_coopmat", "not available", "no cooperative matrices", shape=name
+                    )
+                    continue
+                impl = "vkflow_gemm" if op_name == "gemm" else "vkflow_coopmat"
+
+                def tuned(gemm=gemm, flop=flop, op_name=op_name):
+                    error = gemm.check(None, op_name)
+                    seconds, launches = gemm.seconds_per_gemm(
+                        None, args.reps, target_s, 200 if args.quick else 500, op_name
+                    )
+                    return {
+                        "tflops": flop / seconds / 1e12,
+                        "us": seconds * 1e6,
+                        "launches": launches,
+                        "check_err": error,
+                    }
+
+                result = rep.guarded(bench, impl, tuned, shape=name, dtype=dtype_name, tiles="tuned")
+                if result is None:
+                    continue
+                if op_name == "gemm":
+                    found.append(({"tuned": 1}, result))
+                else:
+                    coop = result
+                    rep.figure(bench, impl, vk_device, shape=name, dtype=dtype_name, tiles="tuned", **result)
         best = max(found, key=lambda f: f[1]["tflops"]) if found else None
         for tiles, result in found:
             rep.figure(
@@ -263,6 +290,7 @@ def part_c(args, rep: Reporter, backend, vk_device: str, torch, torch_device: st
             dtypes += [("fp16", torch.float16), ("bf16", torch.bfloat16)]
         impl = "torch_matmul" if torch.cuda.is_available() else "torch_cpu_matmul"
         fp32 = None
+        torch_rates = {}
         for dtype_name, dtype in dtypes:
 
             def one(dtype=dtype, shape=shape, flop=flop):
@@ -272,6 +300,7 @@ def part_c(args, rep: Reporter, backend, vk_device: str, torch, torch_device: st
             result = rep.guarded(bench, impl, one, shape=name, dtype=dtype_name)
             if result is not None:
                 rep.figure(bench, impl, torch_device, shape=name, dtype=dtype_name, **result)
+                torch_rates[dtype_name] = result["tflops"]
                 if dtype_name == "fp32":
                     fp32 = result["tflops"]
         if best is not None:
@@ -284,6 +313,16 @@ def part_c(args, rep: Reporter, backend, vk_device: str, torch, torch_device: st
                 dtype="fp32",
                 tiles=tile_name(best[0]),
             )
+        if coop is not None:
+            for dtype_name in ("fp16", "bf16"):
+                if dtype_name in torch_rates:
+                    rep.ratio(
+                        bench,
+                        f"vkflow_coopmat/{impl}_{dtype_name}",
+                        coop["tflops"],
+                        torch_rates[dtype_name],
+                        shape=name,
+                    )
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

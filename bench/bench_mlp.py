@@ -20,7 +20,8 @@ What is measured (letters follow the performance issue):
 (b) Large MLP 1024-4096-4096-4096-1024, batch 8192, SGD: fp32 for both (TF32 off in torch), vkflow
     with its default GEMM tiles and with the 128x64 and 64x128 tiles that bench_gemm.py found faster
     on NVIDIA; torch bf16 autocast for reference.
-    Cooperative-matrix fp16/bf16 in vkflow is not implemented yet and is printed as such.
+    vkflow's mixed precision (run.precision="mixed": fp16 inputs on cooperative matrices, fp32
+    accumulation and master weights) runs where the device has cooperative matrices.
 (e) GPU idle fraction of the small-MLP vkflow step loop in steady state, from timestamp queries:
     each slot's program is recorded with a timestamp pool; for consecutive steps i, i+1 the gap is
     (first timestamp of i+1) - (last timestamp of i), and idle = sum(gaps) / (span of all steps).
@@ -109,7 +110,7 @@ def host_data(sizes: tuple[int, ...], batch: int, count: int, seed: int = 0) -> 
 # -- vkflow ----------------------------------------------------------------------------------------
 
 
-def vk_spec(sizes: tuple[int, ...], batch: int, opt: str, in_flight: int):
+def vk_spec(sizes: tuple[int, ...], batch: int, opt: str, in_flight: int, precision: str = "float32"):
     from flow.spec import SGD, Adam, CrossEntropy, Data, Linear, Model, RunSettings, Spec, Synthetic
 
     layers = tuple(Linear(units, activation="relu") for units in sizes[1:-1]) + (Linear(sizes[-1]),)
@@ -120,7 +121,7 @@ def vk_spec(sizes: tuple[int, ...], batch: int, opt: str, in_flight: int):
         model=model,
         optimiser=optimiser,
         data=Data(source, batch_size=batch),
-        run=RunSettings(in_flight=in_flight),
+        run=RunSettings(in_flight=in_flight, precision=precision),
     )
 
 
@@ -142,12 +143,13 @@ class VkTrainer:
         host_batches: int,
         tiles: dict[str, int] | None = None,
         timestamps: bool = False,
+        precision: str = "float32",
     ) -> None:
         from actors.engine import Engine, step_values
         from flow.plan import plan
 
         self.backend, self.batch, self.slots = backend, batch, in_flight
-        self.plan = plan(vk_spec(sizes, batch, opt, in_flight)).devices[0]
+        self.plan = plan(vk_spec(sizes, batch, opt, in_flight, precision)).devices[0]
         self.engine = Engine(self.plan, backend)
         self.engine.initialise("he", 0)
         self.xs, self.ys = host_data(sizes, batch, host_batches)
@@ -483,14 +485,22 @@ def part_b(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, to
                     **result,
                 )
                 vk_rate = max(vk_rate or 0.0, result["samples_per_s"])
-    rep.missing(
-        bench,
-        "vkflow_coopmat",
-        "not implemented",
-        "no cooperative-matrix fp16/bf16 mode in vkflow yet",
-        shape=shape,
-        dtype="bf16",
-    )
+    coop_rate = None
+    if backend is not None and "cooperative_matrix" in backend.facts.features:
+
+        def mixed():
+            trainer = VkTrainer(backend, sizes.large, batch, opt, 2, 2, precision="mixed")
+            value, steps = measure(trainer, args.reps, sizes.large_target_s, batch, start=1)
+            return {"samples_per_s": value, "steps": steps, "loss": trainer.loss}
+
+        result = rep.guarded(bench, "vkflow_coopmat", mixed, shape=shape, dtype="fp16")
+        if result is not None:
+            rep.figure(bench, "vkflow_coopmat", vk_device, shape=shape, dtype="fp16", in_flight=2, **result)
+            coop_rate = result["samples_per_s"]
+    else:
+        rep.missing(
+            bench, "vkflow_coopmat", "not available", "device has no cooperative matrices", shape=shape
+        )
     if torch is None:
         rep.missing(bench, "torch", "not available", "torch is not installed", shape=shape)
         return
@@ -514,6 +524,8 @@ def part_b(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, to
         rep.ratio(bench, f"vkflow_raw/{rates['fp32'][0]}", vk_rate, rates["fp32"][1], dtype="fp32")
     if vk_rate and "bf16" in rates:
         rep.ratio(bench, f"vkflow_raw_fp32/{rates['bf16'][0]}", vk_rate, rates["bf16"][1])
+    if coop_rate and "bf16" in rates:
+        rep.ratio(bench, f"vkflow_coopmat/{rates['bf16'][0]}", coop_rate, rates["bf16"][1])
 
 
 def part_e(args, rep: Reporter, sizes: Sizes, backend, vk_device: str) -> None:
