@@ -8,6 +8,9 @@
 // prefetched into registers while the current one is multiplied, hiding global latency.
 #version 450
 #extension GL_GOOGLE_include_directive : require
+// [[unroll]]: the register tiles must stay in registers; a loop the driver leaves rolled indexes
+// them dynamically and spills them to local memory (3x slower in the cooperative-matrix GEMM).
+#extension GL_EXT_control_flow_attributes : require
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 layout(constant_id = 3) const uint BM = 64;
@@ -80,14 +83,14 @@ void main() {
     const uint k_end = min(K, k_begin + k_chunk);
 
     float acc[TM * TN];
-    for (uint i = 0u; i < TM * TN; ++i) {
+    [[unroll]] for (uint i = 0u; i < TM * TN; ++i) {
         acc[i] = 0.0;
     }
     float ra[A_LOADS];
     float rb[B_LOADS];
 
     // Prefetch the first K tile.
-    for (uint i = 0u; i < A_LOADS; ++i) {
+    [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
         uint l = tid + i * NT;
         uvec2 s = a_slot(l);
         uint gm = m0 + s.x;
@@ -98,7 +101,7 @@ void main() {
         }
         ra[i] = v;
     }
-    for (uint i = 0u; i < B_LOADS; ++i) {
+    [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
         uint l = tid + i * NT;
         uvec2 s = b_slot(l);
         uint gn = n0 + s.x;
@@ -111,14 +114,14 @@ void main() {
     }
 
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
-        for (uint i = 0u; i < A_LOADS; ++i) {
+        [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
             uint l = tid + i * NT;
             if (l < A_TILE) {
                 uvec2 s = a_slot(l);
                 As[s.y * SA + s.x] = ra[i];
             }
         }
-        for (uint i = 0u; i < B_LOADS; ++i) {
+        [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
             uint l = tid + i * NT;
             if (l < B_TILE) {
                 uvec2 s = b_slot(l);
@@ -129,7 +132,7 @@ void main() {
 
         uint k1 = k0 + BK;
         if (k1 < k_end) {
-            for (uint i = 0u; i < A_LOADS; ++i) {
+            [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
                 uint l = tid + i * NT;
                 uvec2 s = a_slot(l);
                 uint gm = m0 + s.x;
@@ -140,7 +143,7 @@ void main() {
                 }
                 ra[i] = v;
             }
-            for (uint i = 0u; i < B_LOADS; ++i) {
+            [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
                 uint l = tid + i * NT;
                 uvec2 s = b_slot(l);
                 uint gn = n0 + s.x;
@@ -153,17 +156,17 @@ void main() {
             }
         }
 
-        for (uint kk = 0u; kk < BK; ++kk) {
+        [[unroll]] for (uint kk = 0u; kk < BK; ++kk) {
             float a[TM];
             float b[TN];
-            for (uint i = 0u; i < TM; ++i) {
+            [[unroll]] for (uint i = 0u; i < TM; ++i) {
                 a[i] = As[kk * SA + ty + i * WM];
             }
-            for (uint j = 0u; j < TN; ++j) {
+            [[unroll]] for (uint j = 0u; j < TN; ++j) {
                 b[j] = Bs[kk * SB + tx + j * WN];
             }
-            for (uint i = 0u; i < TM; ++i) {
-                for (uint j = 0u; j < TN; ++j) {
+            [[unroll]] for (uint i = 0u; i < TM; ++i) {
+                [[unroll]] for (uint j = 0u; j < TN; ++j) {
                     acc[i * TN + j] = fma(a[i], b[j], acc[i * TN + j]);
                 }
             }
@@ -171,12 +174,12 @@ void main() {
         barrier();
     }
 
-    for (uint i = 0u; i < TM; ++i) {
+    [[unroll]] for (uint i = 0u; i < TM; ++i) {
         uint m = m0 + ty + i * WM;
         if (m >= M) {
             continue;
         }
-        for (uint j = 0u; j < TN; ++j) {
+        [[unroll]] for (uint j = 0u; j < TN; ++j) {
             uint n = n0 + tx + j * WN;
             if (n >= N) {
                 continue;
