@@ -6,7 +6,8 @@ when there is one, else on the CPU backend, writes checkpoints and metrics under
 (relative to the project root) and prints a short summary whose last line is the accuracy on the
 validation split, e.g. ``accuracy: 0.9777``.
 
-Run it from the project root: ``python examples/digits.py``.
+Run it from the project root: ``python examples/digits.py``; pass another spec to train it
+instead, e.g. the small CNN: ``python examples/digits.py examples/digits_cnn.json``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from flow.codec import load  # noqa: E402
 from flow.runner import run, summary  # noqa: E402
 
 
-def main() -> int:
-    spec = load(ROOT / "examples" / "digits.json")
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = load(Path(args[0]) if args else ROOT / "examples" / "digits.json")
     settings = spec.run
     # The spec's paths are relative; anchor them at the project root so the demo writes to the same
     # place from wherever it is started.
