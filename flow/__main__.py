@@ -50,19 +50,24 @@ def _devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(file: str, work):
+    """Run ``work()``; print every problem (or the file error) and return None when it fails."""
+    try:
+        return work()
+    except FlowError as error:
+        print(f"{file}: {len(error.problems)} problem(s)")
+        for problem in error.problems:
+            print(f"  {problem}")
+    except OSError as error:
+        print(f"{file}: {error}")
+    return None
+
+
 def _check(args: argparse.Namespace) -> int:
     from flow.validate import check, summarize
 
-    try:
-        spec = load(args.file)
-        check(spec)
-    except FlowError as error:
-        print(f"{args.file}: {len(error.problems)} problem(s)")
-        for problem in error.problems:
-            print(f"  {problem}")
-        return 1
-    except OSError as error:
-        print(f"{args.file}: {error}")
+    spec = _report(args.file, lambda: load(args.file))
+    if spec is None or _report(args.file, lambda: check(spec) or True) is None:
         return 1
     print(summarize(spec))
     return 0
@@ -71,15 +76,8 @@ def _check(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from flow.plan import plan
 
-    try:
-        the_plan = plan(load(args.file), budget=args.budget)
-    except FlowError as error:
-        print(f"{args.file}: {len(error.problems)} problem(s)")
-        for problem in error.problems:
-            print(f"  {problem}")
-        return 1
-    except OSError as error:
-        print(f"{args.file}: {error}")
+    the_plan = _report(args.file, lambda: plan(load(args.file), budget=args.budget))
+    if the_plan is None:
         return 1
     if args.json:
         print(json.dumps(the_plan.as_dict(), indent=1))

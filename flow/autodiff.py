@@ -418,16 +418,7 @@ class _Builder:
             if stage.activation is not None:
                 dz = g.add(f"grad:pre[{stage.index}]", (b, *stage.out_shape))
                 keep = saved["pre"] if stage.activation == "gelu" else saved["output"]
-                g.emit(
-                    launch(
-                        "unary_backward",
-                        (grad, keep, dz),
-                        n=count,
-                        fn=ACTIVATIONS[stage.activation],
-                        a=slope,
-                        b=0.0,
-                    )
-                )
+                g.emit(_activation_backward(stage.activation, grad, keep, dz, count, slope))
             w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
             dw, db = f"grad:{w}", f"grad:{bias}"
             if isinstance(layer, Linear):
@@ -474,16 +465,7 @@ class _Builder:
         elif stage.activation is not None:
             if in_grad:
                 keep = h if stage.activation == "gelu" else saved["output"]
-                g.emit(
-                    launch(
-                        "unary_backward",
-                        (grad, keep, in_grad),
-                        n=count,
-                        fn=ACTIVATIONS[stage.activation],
-                        a=slope,
-                        b=0.0,
-                    )
-                )
+                g.emit(_activation_backward(stage.activation, grad, keep, in_grad, count, slope))
         else:
             raise PlanError(
                 [
@@ -495,6 +477,13 @@ class _Builder:
                 ]
             )
         return in_grad or ""
+
+
+def _activation_backward(
+    activation: str, grad: str, saved: str, out: str, count: int, slope: float
+) -> Launch:
+    """d(input) = grad * f'(saved): ``saved`` is the forward output, or the input for GELU."""
+    return launch("unary_backward", (grad, saved, out), n=count, fn=ACTIVATIONS[activation], a=slope, b=0.0)
 
 
 def optimiser_state_names(optimiser: Optimiser) -> tuple[str, ...]:

@@ -219,25 +219,27 @@ def _pool_in_groups(params, local, spec) -> Groups:
     return capped_groups(total, local[0])
 
 
+# The push constants gemm and gemm_coopmat share (gemm adds k_splits).
+_GEMM_PUSH = (
+    ("M", "u"),
+    ("N", "u"),
+    ("K", "u"),
+    ("trans_a", "u"),
+    ("trans_b", "u"),
+    ("has_bias", "u"),
+    ("act", "u"),
+    ("accumulate", "u"),
+    ("alpha", "f"),
+    ("slope", "f"),
+)
+
 _OPS: tuple[OpDef, ...] = (
     # C[M,N] = act(alpha * op(A) @ op(B) + bias[N] + (accumulate ? C : 0))
     OpDef(
         "gemm",
         "gemm.comp",
         ("A", "B", "bias", "C"),
-        (
-            ("M", "u"),
-            ("N", "u"),
-            ("K", "u"),
-            ("trans_a", "u"),
-            ("trans_b", "u"),
-            ("has_bias", "u"),
-            ("act", "u"),
-            ("accumulate", "u"),
-            ("alpha", "f"),
-            ("slope", "f"),
-            ("k_splits", "u"),
-        ),
+        (*_GEMM_PUSH, ("k_splits", "u")),
         _gemm_groups,
         local_size=(256, 1, 1),
         spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4)),
@@ -367,18 +369,7 @@ _OPS: tuple[OpDef, ...] = (
         "gemm_coopmat",
         "gemm_coopmat.comp",
         ("A", "B", "bias", "C"),
-        (
-            ("M", "u"),
-            ("N", "u"),
-            ("K", "u"),
-            ("trans_a", "u"),
-            ("trans_b", "u"),
-            ("has_bias", "u"),
-            ("act", "u"),
-            ("accumulate", "u"),
-            ("alpha", "f"),
-            ("slope", "f"),
-        ),
+        _GEMM_PUSH,
         _gemm_groups,
         local_size=(128, 1, 1),
         spec=(("BM", 128), ("BN", 128), ("BK", 32), ("WM", 64), ("WN", 64), ("SG", 32), ("GM", 8)),
