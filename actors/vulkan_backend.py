@@ -12,6 +12,7 @@ call returns: the cffi binding frees temporaries early and the driver then reads
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +69,8 @@ _COMPONENT_TYPES = {
 }
 _TIMEOUT_NS = 2**64 - 1
 _DIRECT_READ_BYTES = 1 << 20
+_PARALLEL_WRITE_BYTES = 8 << 20
+_WRITE_THREADS = 4
 
 
 def _check(result: int, what: str) -> None:
@@ -381,6 +384,7 @@ class VulkanBackend:
         self._descriptor_pools: list[object] = []
         self._recorded: list[_Recorded] = []
         self._query_pools: list[TimestampPool] = []
+        self._writers: ThreadPoolExecutor | None = None  # for large host writes, made on first use
         self.tuning = True  # per-launch specialisation (tiles) from the registry's tune functions
         self._create_device()
 
@@ -625,10 +629,29 @@ class VulkanBackend:
             )
         # A shorter write fills a prefix: a partial final batch uses only its first rows.
         target = self._arena_for(spec, slot)
-        if target.mapped is not None:
+        if target.mapped is None:
+            self._staged_copy(target, spec.offset, array.nbytes, upload=array)
+        elif array.nbytes < _PARALLEL_WRITE_BYTES:
             ffi.memmove(target.mapped + spec.offset, ffi.from_buffer(array), array.nbytes)
         else:
-            self._staged_copy(target, spec.offset, array.nbytes, upload=array)
+            self._parallel_write(target.mapped + spec.offset, array)
+
+    def _parallel_write(self, pointer, array: np.ndarray) -> None:
+        """Copy a large array into mapped device memory from several threads. One core's writes
+        across PCIe into write-combined VRAM stall on the bus; numpy's copy releases the GIL, so a
+        few threads keep more writes in flight."""
+        if self._writers is None:
+            self._writers = ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="vkflow-write")
+        flat = array.reshape(-1).view(np.uint8)
+        destination = np.frombuffer(ffi.buffer(pointer, flat.nbytes), dtype=np.uint8)
+        bounds = np.linspace(0, flat.nbytes, _WRITE_THREADS + 1).astype(np.int64) // 64 * 64
+        bounds[-1] = flat.nbytes
+        jobs = [
+            self._writers.submit(np.copyto, destination[start:end], flat[start:end])
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        for job in jobs:
+            job.result()
 
     def read(self, tensor: str, slot: int = 0) -> np.ndarray:
         assert self._layout is not None, "open_layout first"
@@ -1135,6 +1158,8 @@ class VulkanBackend:
         if self._closed:
             return
         self._closed = True
+        if self._writers is not None:
+            self._writers.shutdown(wait=True)
         lib.vkDeviceWaitIdle(self.device)
         self._release_layout()
         for pool in self.__dict__.get("_query_pools", []):

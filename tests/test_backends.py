@@ -150,3 +150,20 @@ def test_compiled_shaders_are_cached_by_content_outside_the_tree(tmp_path, monke
     compiler.compile_shader("fill.comp", {"UNUSED_DEFINE": "1"})
     assert len(list((tmp_path / "cache" / "spirv").glob("fill-*.spv"))) == 2  # a new key per variant
     assert not list((ROOT / "shaders").glob("**/*.spv"))
+
+
+def test_large_writes_split_across_threads_land_exactly(vulkan_backend, rng):
+    count = 3_000_001  # > 8 MiB, odd: the chunks do not divide it evenly
+    layout = Layout(
+        arenas=(Arena("io", count * 4 + 256, host_visible=True),),
+        tensors=(Tensor("t", (count,), "float32", "io", 0),),
+    )
+    vulkan_backend.open_layout(layout)
+    values = rng.standard_normal(count).astype(np.float32)
+    vulkan_backend.write("t", values)
+    np.testing.assert_array_equal(vulkan_backend.read("t"), values)
+    prefix = rng.standard_normal(2_500_000).astype(np.float32)
+    vulkan_backend.write("t", prefix)
+    back = vulkan_backend.read("t")
+    np.testing.assert_array_equal(back[: prefix.size], prefix)
+    np.testing.assert_array_equal(back[prefix.size :], values[prefix.size :])
