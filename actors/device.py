@@ -5,10 +5,16 @@ inbox. Two tasks share the work so the queue never stalls on a result:
 
 - the *feeder* takes each message from the inbox, writes a batch into a free slot and submits the
   slot's pre-recorded program (train, eval or predict; submitting never blocks), then hands the
-  ticket to the completer;
-- the *completer* waits for tickets in submission order (in a worker thread under the device's
-  own CapacityLimiter, since a fence wait blocks), reads the small results (loss, correct count,
-  or the predictions), frees the slot and reports downstream, in order.
+  ticket to the completer. When every slot is busy it leaves the batch to the completer, which
+  writes and submits it on the slot it frees the moment that slot's step is done, before it
+  reports the step: trio runs ready tasks in random order, and the queue must not wait for the
+  other actors' turns (with K = 2 on a fast GPU it would run dry);
+- the *completer* waits for tickets in submission order, reads the small results (loss, correct
+  count, or the predictions), frees the slot and reports downstream, in order. A fence wait
+  blocks, and a hop to a worker thread costs ~50-100 µs, a third of a small step on a fast GPU.
+  So while other actors have work for the event loop the completer polls (a check costs ~1 µs)
+  between their turns, and it waits in a worker thread (under the device's own CapacityLimiter)
+  only when the loop would otherwise sit idle.
 
 A :class:`CheckpointMark` is a barrier: the feeder stops submitting until the completer has
 reported everything before it and taken a :class:`Snapshot` of the weights, which are then exactly
@@ -45,6 +51,16 @@ class _InFlight:
     ticket: int | None  # None: an empty batch, nothing submitted
     batch: Batch
     lr: float = 0.0
+
+
+@dataclass
+class _Handoff:
+    """A batch the feeder holds while every slot is busy; the completer submits it."""
+
+    batch: Batch
+    done: trio.Event = field(default_factory=trio.Event)
+    slot: int = -1
+    ticket: int = 0
 
 
 @dataclass
@@ -92,13 +108,19 @@ class DeviceActor:
         self.applied = start or Cursor()  # the cursor of the last training batch submitted
         self.outstanding: deque[int] = deque()  # tickets submitted and not yet waited for
         self._eval = _EvalSums()
+        self._free: deque[int] = deque(range(engine.slots))  # slots with no step in flight
+        self._handoff: _Handoff | None = None  # the batch waiting for a slot, if any
 
     # -- the feeder ------------------------------------------------------------------------------
-    async def _feed(self, pending: trio.MemorySendChannel, free: trio.MemoryReceiveChannel) -> None:
+    async def _feed(self, pending: trio.MemorySendChannel) -> None:
         async with pending:
             async for item in self.meter:
                 if isinstance(item, Batch):
-                    await pending.send(await self._submit(item, free))
+                    job = await self._submit(item)
+                    try:
+                        pending.send_nowait(job)  # usually room: it holds one job per slot
+                    except trio.WouldBlock:
+                        await pending.send(job)
                 elif isinstance(item, CheckpointMark):
                     barrier = _Barrier(item)
                     await pending.send(barrier)
@@ -106,15 +128,25 @@ class DeviceActor:
                 else:
                     await pending.send(_Forward(item))
 
-    async def _submit(self, batch: Batch, free: trio.MemoryReceiveChannel) -> _InFlight:
+    async def _submit(self, batch: Batch) -> _InFlight:
         if batch.rows == 0:  # every sample was skipped as bad: the step still counts, with no update
             if batch.split == "train":
                 self.applied = batch.after()
             return _InFlight(-1, None, batch, math.nan)
-        with self.meter.blocked():
-            slot = await free.receive()
-        with self.meter.busy():
-            ticket = self._submit_now(slot, batch)
+        if self._free:
+            slot = self._free.popleft()
+            with self.meter.busy():
+                ticket = self._submit_now(slot, batch)
+        else:  # the completer submits it on the next slot it frees
+            handoff = _Handoff(batch)
+            self._handoff = handoff
+            try:
+                with self.meter.blocked():
+                    await handoff.done.wait()
+            finally:
+                if self._handoff is handoff:  # cancelled before a slot came
+                    self._handoff = None
+            slot, ticket = handoff.slot, handoff.ticket
         kind = _PROGRAMS[batch.split]
         return _InFlight(
             slot, ticket, batch, optim.lr(self.optimiser, batch.step) if kind == "train" else 0.0
@@ -136,10 +168,13 @@ class DeviceActor:
     # -- the completer ---------------------------------------------------------------------------
     async def _wait(self, ticket: int) -> None:
         backend = self.engine.backend
-        if self.inline or backend.is_done(ticket):
-            backend.wait(ticket)
+        while not (self.inline or backend.is_done(ticket)):
+            if trio.lowlevel.current_statistics().tasks_runnable == 0:
+                await trio.to_thread.run_sync(backend.wait, ticket, limiter=self.limiter)
+                break
+            await trio.lowlevel.checkpoint()  # let the others run, then look again
         else:
-            await trio.to_thread.run_sync(backend.wait, ticket, limiter=self.limiter)
+            backend.wait(ticket)  # done: only the bookkeeping (a fence to release)
         if self.outstanding and self.outstanding[0] == ticket:
             self.outstanding.popleft()
 
@@ -173,7 +208,16 @@ class DeviceActor:
         await self.meter.send(Snapshot(barrier.mark.cursor, state, final=barrier.mark.final))
         barrier.done.set()
 
-    async def _complete(self, pending: trio.MemoryReceiveChannel, free: trio.MemorySendChannel) -> None:
+    def _release(self, slot: int) -> None:
+        """A slot's step is done and its results read: submit the waiting batch there, or free it."""
+        handoff, self._handoff = self._handoff, None
+        if handoff is None:
+            self._free.append(slot)
+            return
+        handoff.slot, handoff.ticket = slot, self._submit_now(slot, handoff.batch)
+        handoff.done.set()
+
+    async def _complete(self, pending: trio.MemoryReceiveChannel) -> None:
         async with pending:
             async for job in pending:
                 if isinstance(job, _Barrier):
@@ -186,22 +230,18 @@ class DeviceActor:
                 with self.meter.busy():  # waiting for the device counts: the device is working
                     if job.ticket is not None:
                         await self._wait(job.ticket)
-                    message = self._report(job)
-                if job.ticket is not None:
-                    free.send_nowait(job.slot)  # capacity K: never full
+                    message = self._report(job)  # reads the slot's results before it is reused
+                    if job.ticket is not None:
+                        self._release(job.slot)
                 if message is not None:
                     await self.meter.send(message)
 
     async def run(self) -> None:
         """Run until the inbox ends and every submitted step is reported; then close the outboxes."""
-        slots = self.engine.slots
-        free_send, free_receive = trio.open_memory_channel(slots)
-        for slot in range(slots):
-            free_send.send_nowait(slot)
-        pending_send, pending_receive = trio.open_memory_channel(slots)
-        async with self.meter, free_send, free_receive, trio.open_nursery() as nursery:
-            nursery.start_soon(self._complete, pending_receive, free_send)
-            await self._feed(pending_send, free_receive)
+        pending_send, pending_receive = trio.open_memory_channel(self.engine.slots)
+        async with self.meter, trio.open_nursery() as nursery:
+            nursery.start_soon(self._complete, pending_receive)
+            await self._feed(pending_send)
 
     # -- outside the run -------------------------------------------------------------------------
     def snapshot_now(self) -> Snapshot:

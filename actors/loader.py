@@ -10,12 +10,16 @@ draining or reordering anything.
 
 Reads run in worker threads under the loader's own CapacityLimiter (``workers`` at once, so a
 slow disk overlaps with the device); results leave in stream order whatever order they finish in.
+A read measured to cost less than a hop to a thread (a gather from an in-memory source) runs on
+the event loop instead (:class:`actors.statistics.InlinePolicy`).
 A run resumes from a :class:`Cursor`: the sampler is stateless given (seed, epoch), so the loader
 simply starts there.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,7 +27,7 @@ import numpy as np
 import trio
 
 from actors.messages import Batch, CheckpointMark, Cursor
-from actors.statistics import Meter
+from actors.statistics import InlinePolicy, Meter
 from loaders import Sampler, SamplerState
 
 
@@ -193,6 +197,7 @@ class Loader:
         self.jobs = jobs
         self.workers = max(1, int(workers))
         self.inline = inline
+        self.policy = InlinePolicy(forced=True if inline else None)
         self.limiter = trio.CapacityLimiter(self.workers)
 
     def read(self, job: Read) -> Batch:
@@ -217,33 +222,50 @@ class Loader:
             last=job.last,
         )
 
+    def _read_in_thread(self, job: Read) -> Batch:
+        start = time.thread_time()
+        batch = self.read(job)
+        self.policy.note_thread(time.thread_time() - start)
+        return batch
+
     async def _read_into(self, job: Read, pending: _Pending) -> None:
         with self.meter.busy():
-            pending.set(await trio.to_thread.run_sync(self.read, job, limiter=self.limiter))
+            pending.set(await trio.to_thread.run_sync(self._read_in_thread, job, limiter=self.limiter))
 
-    async def _produce(self, nursery: trio.Nursery, order: trio.MemorySendChannel) -> None:
-        async with order:
-            for job in self.jobs:
-                pending = _Pending()
-                if isinstance(job, CheckpointMark):
-                    pending.set(job)
-                elif self.inline:
-                    with self.meter.busy():
-                        pending.set(self.read(job))
-                else:
-                    nursery.start_soon(self._read_into, job, pending)
-                # Blocks once ``workers`` reads wait to be sent: that bounds the reads in flight.
-                await order.send(pending)
+    def _start(self, job: Job, nursery: trio.Nursery) -> _Pending:
+        """Begin a job: a mark is ready at once, a cheap read is done inline, others go to a thread."""
+        pending = _Pending()
+        if isinstance(job, CheckpointMark):
+            pending.set(job)
+        elif self.policy.inline():
+            with self.meter.busy():
+                start = time.perf_counter()
+                pending.set(self.read(job))
+                self.policy.note_inline(time.perf_counter() - start)
+        else:
+            nursery.start_soon(self._read_into, job, pending)
+        return pending
+
+    async def _send(self, pending: _Pending) -> None:
+        await pending.done.wait()
+        await self.meter.send(pending.item)
 
     async def run(self) -> None:
-        """Produce the whole stream, then close the outboxes."""
+        """Produce the whole stream, then close the outboxes.
+
+        One task starts the jobs in order and sends their results in the same order: what is ready
+        at the head of the window leaves at once, and once ``workers`` reads are in flight it waits
+        for the oldest. So at most ``workers`` reads are in flight, and while a send waits for space
+        downstream the reads behind it go on.
+        """
         async with self.meter, trio.open_nursery() as nursery:
-            order_send, order_receive = trio.open_memory_channel(self.workers - 1)
-            nursery.start_soon(self._produce, nursery, order_send)
-            async with order_receive:
-                async for pending in order_receive:
-                    await pending.done.wait()
-                    await self.meter.send(pending.item)
+            window: deque[_Pending] = deque()
+            for job in self.jobs:
+                window.append(self._start(job, nursery))
+                while window and (window[0].done.is_set() or len(window) > self.workers):
+                    await self._send(window.popleft())
+            while window:
+                await self._send(window.popleft())
 
     def statistics(self):
         return self.meter.statistics()

@@ -4,11 +4,14 @@
 The random ones draw from ``batch_rng(seed, epoch, position)``, a pure function of where the batch
 sits in the run, so a resumed run augments exactly as an uninterrupted one. The work itself is
 :func:`transform_batch` (pure); the actor runs it in a worker thread under its own limiter so the
-event loop stays free, and passes every other message through in order.
+event loop stays free, or inline when it has measured it to be cheaper than the hop to a thread
+(:class:`actors.statistics.InlinePolicy`). A batch no transform applies to, already float32 and of
+the model's shape, passes through untouched, as does every other message, in order.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -17,7 +20,7 @@ import numpy as np
 import trio
 
 from actors.messages import Batch
-from actors.statistics import Meter
+from actors.statistics import InlinePolicy, Meter
 from loaders import apply_transforms, batch_rng
 
 
@@ -82,19 +85,41 @@ class Preprocess:
         self.seed = seed
         self.input_shape = input_shape
         self.inline = inline
+        self.policy = InlinePolicy(forced=True if inline else None)
         self.limiter = trio.CapacityLimiter(1)
+
+    def _untouched(self, batch: Batch) -> bool:
+        """Whether no transform applies and the batch already is what the device takes."""
+        if self.preprocess or (self.augment and batch.split == "train"):
+            return False
+        x = batch.x
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+            return False
+        return self.input_shape is None or tuple(x.shape[1:]) == tuple(self.input_shape)
+
+    def _transform(self, batch: Batch) -> Batch:
+        return transform_batch(batch, self.preprocess, self.augment, self.seed, self.input_shape)
+
+    def _transform_in_thread(self, batch: Batch) -> Batch:
+        start = time.thread_time()
+        out = self._transform(batch)
+        self.policy.note_thread(time.thread_time() - start)
+        return out
 
     async def run(self) -> None:
         """Transform batches until the inbox ends, then close the outboxes."""
         async with self.meter:
             async for item in self.meter:
-                if isinstance(item, Batch):
-                    args = (item, self.preprocess, self.augment, self.seed, self.input_shape)
+                if isinstance(item, Batch) and not self._untouched(item):
                     with self.meter.busy():
-                        if self.inline or not (self.preprocess or self.augment):
-                            item = transform_batch(*args)
+                        if self.policy.inline():
+                            start = time.perf_counter()
+                            item = self._transform(item)
+                            self.policy.note_inline(time.perf_counter() - start)
                         else:
-                            item = await trio.to_thread.run_sync(transform_batch, *args, limiter=self.limiter)
+                            item = await trio.to_thread.run_sync(
+                                self._transform_in_thread, item, limiter=self.limiter
+                            )
                 await self.meter.send(item)
 
     def statistics(self):

@@ -86,7 +86,7 @@ def format_line(state: ProgressState, width: int = 24) -> str:
 
 
 class Rate:
-    """Samples per second over the last ``window`` steps.
+    """Samples per second over the last ``window`` steps (O(1) per step: a running sum).
 
     Args:
         window: steps to average over.
@@ -94,6 +94,7 @@ class Rate:
 
     def __init__(self, window: int = 20) -> None:
         self._marks: deque[tuple[float, int]] = deque(maxlen=window + 1)
+        self._samples = 0  # samples of every mark but the oldest: those that arrived within the span
 
     def add(self, when: float, samples: int) -> float:
         """Record a step.
@@ -105,12 +106,17 @@ class Rate:
         Returns:
             The rate over the window (0.0 until two steps are known).
         """
-        self._marks.append((when, samples))
-        if len(self._marks) < 2:
+        marks = self._marks
+        if len(marks) == marks.maxlen:
+            marks.popleft()
+            if marks:
+                self._samples -= marks[0][1]  # the new oldest mark opens the span: its samples leave it
+        marks.append((when, samples))
+        if len(marks) < 2:
             return 0.0
-        span = self._marks[-1][0] - self._marks[0][0]
-        samples_in_span = sum(s for _, s in list(self._marks)[1:])
-        return samples_in_span / span if span > 0 else 0.0
+        self._samples += samples
+        span = when - marks[0][0]
+        return self._samples / span if span > 0 else 0.0
 
 
 class Progress:
@@ -131,6 +137,17 @@ class Progress:
         self._interval = 1.0 / per_second
         self._last = -1e9
         self._drawn = False
+
+    def due(self, force: bool = False) -> bool:
+        """Whether :meth:`update` would draw now: lets a caller skip building the state.
+
+        Args:
+            force: a forced update (e.g. the last step).
+
+        Returns:
+            True when enabled and forced or an interval has passed since the last draw.
+        """
+        return self.enabled and (force or time.monotonic() - self._last >= self._interval)
 
     def update(self, state: ProgressState, force: bool = False) -> None:
         """Redraw, unless drawn less than an interval ago.

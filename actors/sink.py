@@ -2,9 +2,12 @@
 checkpoints; it computes nothing heavy.
 
 Metrics are JSON lines, one per event: ``{"event": "step", "step", "epoch", "loss", "accuracy",
-"lr", "samples_per_second", "elapsed", "statistics": {actor: {...}}}``, ``{"event": "eval", ...}``
-and ``{"event": "checkpoint", "step", "path"}``. The file is opened for appending and written line
-by line, so a resumed run continues it and a killed run loses at most the line being written.
+"lr", "samples_per_second", "elapsed"}``, ``{"event": "eval", ...}`` and ``{"event": "checkpoint",
+"step", "path"}``. Every step has its line. Each actor's statistics (``"statistics": {actor:
+{...}}``, cumulative counters) ride on the first step's line, then on one step line a second
+(``STATISTICS_EVERY_S``) and on the run's last step: gathering them costs more than a whole step on
+a fast GPU. The file is opened for appending and written line by line, so a resumed run continues
+it and a killed run loses at most the line being written.
 
 Checkpoints are written where the device's snapshots arrive: at the loader's scheduled marks
 (every ``checkpoint_every`` steps) and at the end. Writing (encode, fsync, rename) runs in a worker
@@ -28,6 +31,8 @@ from actors.progress import Progress, ProgressState, Rate
 from actors.statistics import ActorStatistics, Meter
 from flow.spec import Spec
 
+STATISTICS_EVERY_S = 1.0
+
 
 def _number(value: float | None) -> float | None:
     """JSON has no NaN: a missing measure (regression accuracy, an empty batch's loss) is null."""
@@ -35,7 +40,10 @@ def _number(value: float | None) -> float | None:
 
 
 def step_record(
-    done: StepDone, samples_per_second: float, elapsed: float, statistics: dict[str, ActorStatistics]
+    done: StepDone,
+    samples_per_second: float,
+    elapsed: float,
+    statistics: dict[str, ActorStatistics] | None = None,
 ) -> dict[str, Any]:
     """The metrics line for a training step.
 
@@ -43,13 +51,13 @@ def step_record(
         done: the step.
         samples_per_second: recent throughput.
         elapsed: seconds since this process started the run.
-        statistics: every actor's statistics now.
+        statistics: every actor's statistics now; None leaves them out of this line.
 
     Returns:
         The record.
     """
     accuracy = done.correct / done.rows if done.rows else None
-    return {
+    record = {
         "event": "step",
         "step": done.step,
         "epoch": done.epoch,
@@ -58,8 +66,10 @@ def step_record(
         "lr": done.lr,
         "samples_per_second": round(samples_per_second, 3),
         "elapsed": round(elapsed, 6),
-        "statistics": {name: s.as_dict() for name, s in statistics.items()},
     }
+    if statistics is not None:
+        record["statistics"] = {name: s.as_dict() for name, s in statistics.items()}
+    return record
 
 
 def eval_record(done: EvalDone, elapsed: float) -> dict[str, Any]:
@@ -135,6 +145,7 @@ class Sink:
         self.final: Snapshot | None = None
         self.checkpoint: Path | None = None
         self._metrics = None
+        self._next_statistics = 0.0  # monotonic time the next step line carries statistics
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._metrics is not None:
@@ -161,12 +172,20 @@ class Sink:
         )
 
     async def _handle(self, item: Any) -> None:
-        elapsed = time.monotonic() - self.started
+        now = time.monotonic()
+        elapsed = now - self.started
         if isinstance(item, StepDone):
             self.last_step = item
-            self.samples_per_second = self.rate.add(time.monotonic(), item.rows)
-            self._write(step_record(item, self.samples_per_second, elapsed, self.all_statistics()))
-            self.progress.update(self._state(), force=item.step + 1 >= self.total_steps)
+            self.samples_per_second = self.rate.add(now, item.rows)
+            last = item.step + 1 >= self.total_steps
+            if self._metrics is not None:
+                statistics = None
+                if last or now >= self._next_statistics:
+                    statistics = self.all_statistics()
+                    self._next_statistics = now + STATISTICS_EVERY_S
+                self._write(step_record(item, self.samples_per_second, elapsed, statistics))
+            if self.progress.due(force=last):  # building the state costs: only when it is drawn
+                self.progress.update(self._state(), force=last)
         elif isinstance(item, EvalDone):
             self.evals.append(item)
             self._write(eval_record(item, elapsed))

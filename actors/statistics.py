@@ -14,8 +14,7 @@ Meter without hooks pays nothing for them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +118,93 @@ def _capacity(channel: Any) -> int:
     return int(size) if size != float("inf") else -1
 
 
+class InlinePolicy:
+    """Whether to run a piece of blocking work inline on the event loop or in a worker thread.
+
+    A hop to a worker thread and back costs ~50-100 µs of event-loop time and wakeups: as much as
+    a gather from an in-memory source or a small transform, which hold the GIL anyway, and on a
+    fast GPU a third of a training step. So work is measured. While items run inline, their wall
+    time (an exponential average) must stay under ``threshold_s``, else they go back to threads.
+    In a thread, wall time also counts waiting for the GIL, so CPU time is averaged there; when it
+    is under ``threshold_s``, one item now and then runs inline as a probe of its real cost (after
+    2, 4, ... up to 1024 items while probes keep failing: a slow disk costs little CPU but must not
+    stall the event loop). Work not measured yet runs in a thread.
+
+    Args:
+        threshold_s: the most an item may cost to run inline.
+        forced: True: always inline (a thread-free fake device); False: never.
+    """
+
+    def __init__(self, threshold_s: float = 200e-6, forced: bool | None = None) -> None:
+        self.threshold_s = threshold_s
+        self.forced = forced
+        self.running_inline = False
+        self.inline_s: float | None = None  # average wall time of inline items
+        self.thread_cpu_s: float | None = None  # average CPU time of items in threads
+        self._countdown = 1
+        self._backoff = 1
+
+    def inline(self) -> bool:
+        """Whether the next item runs inline (call once per item: it counts items for probes).
+
+        Returns:
+            True to run it inline.
+        """
+        if self.forced is not None:
+            return self.forced
+        if self.running_inline:
+            return True
+        self._countdown -= 1
+        cheap = self.thread_cpu_s is not None and self.thread_cpu_s < self.threshold_s
+        if self._countdown <= 0 and cheap:
+            self._backoff = min(2 * self._backoff, 1024)
+            self._countdown = self._backoff
+            self.inline_s = None  # the probe's own cost decides
+            return True
+        return False
+
+    def note_inline(self, seconds: float) -> None:
+        """Record the wall time of an item run inline.
+
+        Args:
+            seconds: its duration.
+        """
+        average = self.inline_s
+        self.inline_s = seconds if average is None else 0.75 * average + 0.25 * seconds
+        cheap = self.inline_s < self.threshold_s
+        if cheap and not self.running_inline:
+            self._backoff = 1  # a probe succeeded
+        self.running_inline = cheap
+
+    def note_thread(self, cpu_seconds: float) -> None:
+        """Record the CPU time of an item run in a worker thread (a lost update from a race only
+        delays a decision).
+
+        Args:
+            cpu_seconds: its ``time.thread_time()`` difference.
+        """
+        average = self.thread_cpu_s
+        self.thread_cpu_s = cpu_seconds if average is None else 0.75 * average + 0.25 * cpu_seconds
+
+
+class _Timed:
+    """Adds the time spent inside a ``with`` block to one of a Meter's counters (a plain class:
+    a generator-based context manager costs three times as much, on every item)."""
+
+    __slots__ = ("meter", "counter", "start")
+
+    def __init__(self, meter: Meter, counter: str) -> None:
+        self.meter = meter
+        self.counter = counter
+
+    def __enter__(self) -> None:
+        self.start = self.meter._clock()
+
+    def __exit__(self, *exc: object) -> None:
+        meter = self.meter
+        setattr(meter, self.counter, getattr(meter, self.counter) + meter._clock() - self.start)
+
+
 class Meter:
     """An actor's ports: iterate it for inbox items, ``send`` to every outbox, ``busy()`` around
     work. Use it as an async context manager; leaving it cleanly closes the inbox and the outboxes,
@@ -158,16 +244,20 @@ class Meter:
         return self
 
     async def __anext__(self) -> Any:
-        if self.inbox is None:
+        inbox = self.inbox
+        if inbox is None:
             raise StopAsyncIteration
-        self._inbox_peak = max(self._inbox_peak, _used(self.inbox))
-        start = self._clock()
+        used = _used(inbox)
+        if used > self._inbox_peak:
+            self._inbox_peak = used
+        clock = self._clock
+        start = clock()
         try:
-            item = await self.inbox.receive()
+            item = await inbox.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
         finally:
-            self._idle += self._clock() - start
+            self._idle += clock() - start
         self._in += 1
         if self.hooks is not None:
             await self.hooks.received(self.name, item)
@@ -177,40 +267,46 @@ class Meter:
     async def send(self, item: Any) -> None:
         """Send ``item`` to every outbox, waiting for space (the time counts as blocked).
 
+        An actor with an inbox yields to the scheduler at every receive, so its sends skip trio's
+        extra schedule point when there is room (``send_nowait``); a source actor always yields.
+
         Args:
             item: the message.
         """
         if self.hooks is not None:
             await self.hooks.sending(self.name, item)
+        fast = self.inbox is not None
         for outbox in self.outboxes:
-            start = self._clock()
-            try:
-                await outbox.send(item)
-            finally:
-                self._blocked += self._clock() - start
-            self._outbox_peak = max(self._outbox_peak, _used(outbox))
+            if fast:
+                try:
+                    outbox.send_nowait(item)
+                except trio.WouldBlock:
+                    await self._send_waiting(outbox, item)
+            else:
+                await self._send_waiting(outbox, item)
+            used = _used(outbox)
+            if used > self._outbox_peak:
+                self._outbox_peak = used
         self._out += 1
         if self.hooks is not None:
             await self.hooks.sent(self.name, item)
 
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Count the time inside the block as work."""
-        start = self._clock()
+    async def _send_waiting(self, outbox: trio.MemorySendChannel, item: Any) -> None:
+        clock = self._clock
+        start = clock()
         try:
-            yield
+            await outbox.send(item)
         finally:
-            self._busy += self._clock() - start
+            self._blocked += clock() - start
 
-    @contextmanager
-    def blocked(self) -> Iterator[None]:
+    def busy(self) -> _Timed:
+        """Count the time inside the block (``with meter.busy():``) as work."""
+        return _Timed(self, "_busy")
+
+    def blocked(self) -> _Timed:
         """Count the time inside the block as waiting for capacity downstream (e.g. a free device
         slot), like a send that waits for space."""
-        start = self._clock()
-        try:
-            yield
-        finally:
-            self._blocked += self._clock() - start
+        return _Timed(self, "_blocked")
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:

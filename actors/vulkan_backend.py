@@ -384,7 +384,6 @@ class VulkanBackend:
         self._descriptor_pools: list[object] = []
         self._recorded: list[_Recorded] = []
         self._query_pools: list[TimestampPool] = []
-        self._writers: ThreadPoolExecutor | None = None  # for large host writes, made on first use
         self.tuning = True  # per-launch specialisation (tiles) from the registry's tune functions
         self._create_device()
 
@@ -640,18 +639,19 @@ class VulkanBackend:
         """Copy a large array into mapped device memory from several threads. One core's writes
         across PCIe into write-combined VRAM stall on the bus; numpy's copy releases the GIL, so a
         few threads keep more writes in flight."""
-        if self._writers is None:
-            self._writers = ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="vkflow-write")
         flat = array.reshape(-1).view(np.uint8)
         destination = np.frombuffer(ffi.buffer(pointer, flat.nbytes), dtype=np.uint8)
         bounds = np.linspace(0, flat.nbytes, _WRITE_THREADS + 1).astype(np.int64) // 64 * 64
         bounds[-1] = flat.nbytes
-        jobs = [
-            self._writers.submit(np.copyto, destination[start:end], flat[start:end])
-            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
-        ]
-        for job in jobs:
-            job.result()
+        # A pool per call (a few hundred microseconds against a copy of milliseconds) leaves no
+        # threads behind between writes.
+        with ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="vkflow-write") as writers:
+            jobs = [
+                writers.submit(np.copyto, destination[start:end], flat[start:end])
+                for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+            ]
+            for job in jobs:
+                job.result()
 
     def read(self, tensor: str, slot: int = 0) -> np.ndarray:
         assert self._layout is not None, "open_layout first"
@@ -1158,8 +1158,6 @@ class VulkanBackend:
         if self._closed:
             return
         self._closed = True
-        if self._writers is not None:
-            self._writers.shutdown(wait=True)
         lib.vkDeviceWaitIdle(self.device)
         self._release_layout()
         for pool in self.__dict__.get("_query_pools", []):

@@ -1,6 +1,7 @@
 """The actor runtime end to end: training to a target, backend agreement, failure handling,
 backpressure, exact resume (in process, and after SIGKILL / SIGINT of a subprocess), inference, the
-schedule and the progress line."""
+schedule and the progress line; and the fast paths that keep the runtime's per-step cost small
+(inline cheap work, polled device completions, the synthetic cache, sparse statistics lines)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ from actors import checkpoint as checkpoints
 from actors.cpu_backend import CpuBackend
 from actors.device import DeviceActor
 from actors.engine import Engine
-from actors.loader import Schedule, after_step, jobs, next_cursor, total_steps
+from actors.loader import Loader, Read, Schedule, after_step, jobs, next_cursor, total_steps
 from actors.messages import Batch, CheckpointMark, Cursor, StepDone
-from actors.progress import Progress, ProgressState, eta_seconds, format_line
-from actors.statistics import Hooks, Meter
+from actors.progress import Progress, ProgressState, Rate, eta_seconds, format_line
+from actors.statistics import Hooks, InlinePolicy, Meter
 from flow.codec import load as load_spec
 from flow.codec import save as save_spec
 from flow.plan import plan
@@ -53,7 +54,7 @@ from flow.spec import (
     Synthetic,
 )
 from flow.testing import ChannelProbe, FailAt, FakeDevice, Slow
-from loaders import Sampler
+from loaders import Sampler, SyntheticSource
 
 runner = importlib.import_module("flow.runner")
 ROOT = Path(__file__).resolve().parents[1]
@@ -540,3 +541,148 @@ async def test_the_device_actor_reports_in_order_and_sums_evaluations(autojump_c
     assert evaluation.loss == pytest.approx(expected.loss, rel=1e-6)
     assert snapshot.cursor == Cursor(3, 0, 3)
     assert snapshot.state["params:all"].tobytes() == reference.state()["params:all"].tobytes()
+
+
+# -- the fast paths ----------------------------------------------------------------------------------
+
+
+class LateTickets(CpuBackend):
+    """The CPU backend, but a ticket reads as done only ``delay`` seconds after its submit, like a
+    GPU still busy: the device actor has to poll for it or wait for it in a thread, and a batch that
+    finds every slot busy is submitted by the completer when one frees up.
+
+    Args:
+        delay: seconds from a submit until its ticket is done.
+        fail_wait: the ticket whose wait fails, as a lost device would.
+        fail_submit: the submission (1-based) that fails.
+    """
+
+    def __init__(self, delay: float = 0.002, fail_wait: int | None = None, fail_submit: int | None = None):
+        super().__init__()
+        self.delay = delay
+        self.fail_wait = fail_wait
+        self.fail_submit = fail_submit
+        self.ready: dict[int, float] = {}
+        self.busy_at_submit: list[int] = []  # steps still running when each submit came
+
+    def submit(self, handle: int) -> int:
+        if len(self.ready) + 1 == self.fail_submit:
+            raise RuntimeError("device lost at submit")
+        now = time.monotonic()
+        self.busy_at_submit.append(sum(now < ready for ready in self.ready.values()))
+        ticket = super().submit(handle)
+        self.ready[ticket] = now + self.delay
+        return ticket
+
+    def is_done(self, ticket: int) -> bool:
+        return time.monotonic() >= self.ready[ticket]
+
+    def wait(self, ticket: int, timeout_s: float | None = None) -> None:
+        if ticket == self.fail_wait:
+            raise RuntimeError("device lost while waiting")
+        time.sleep(max(0.0, self.ready[ticket] - time.monotonic()))
+
+
+def test_steps_still_in_flight_on_the_device_are_awaited_in_order():
+    reference = run(image_spec(epochs=1), backend=CpuBackend())
+    late = LateTickets()
+    result = run(image_spec(epochs=1), backend=late)
+    assert result.steps == reference.steps and result.loss == reference.loss
+    assert result.accuracy == reference.accuracy
+    assert_same_weights(result.parameters, reference.parameters)
+    assert max(late.busy_at_submit) == 1  # K = 2: one step runs while the next is submitted
+    for broken, message in ((LateTickets(60.0, fail_wait=1), "device lost while waiting"),
+                            (LateTickets(0.05, fail_submit=3), "device lost at submit")):  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(ActorError, match=f"actor 'device' failed: RuntimeError: {message}"):
+            run(image_spec(epochs=1), backend=broken)
+        assert time.monotonic() - started < 1.0
+    assert vkflow_threads() == []
+
+
+def test_cheap_work_runs_inline_and_costly_work_in_threads():
+    assert InlinePolicy(forced=True).inline() and not InlinePolicy(forced=False).inline()
+    cheap = InlinePolicy(threshold_s=1e-3)
+    assert not cheap.inline()  # nothing measured yet: a thread
+    cheap.note_thread(1e-5)
+    assert cheap.inline()  # cheap in a thread: a probe runs inline...
+    cheap.note_inline(2e-5)
+    assert all(cheap.inline() for _ in range(20))  # ...and it stays inline while it stays cheap
+    cheap.note_inline(0.1)
+    assert not cheap.inline()  # one slow item inline: back to threads
+    costly = InlinePolicy(threshold_s=1e-3)
+    costly.inline()
+    costly.note_thread(5e-3)
+    assert not any(costly.inline() for _ in range(1000))  # costly in CPU: never probed
+    disk = InlinePolicy(threshold_s=1e-3)  # little CPU but slow (a disk): probes back off
+    probes = []
+    for item in range(5000):
+        if disk.inline():
+            probes.append(item)
+            disk.note_inline(0.01)
+        else:
+            disk.note_thread(1e-5)
+    gaps = np.diff(probes).tolist()
+    assert gaps[:4] == [2, 4, 8, 16] and max(gaps) == 1024 and len(probes) < 15
+
+
+class CostlySource:
+    """Reads that burn ``cost`` seconds of CPU, noting whether each ran on the event loop's thread."""
+
+    def __init__(self, cost: float) -> None:
+        self.cost = cost
+        self.on_loop: list[bool] = []
+
+    def read(self, indices):
+        self.on_loop.append(threading.current_thread() is threading.main_thread())
+        end = time.thread_time() + self.cost
+        while time.thread_time() < end:
+            pass
+        return np.zeros((len(indices), 2), np.float32), np.zeros(len(indices), np.int32), 0
+
+
+@pytest.mark.parametrize("cost", [0.0, 0.003])
+async def test_the_loader_reads_cheap_batches_inline_and_costly_ones_in_threads(cost):
+    source = CostlySource(cost)
+    stream = (Read(seq, "train", seq, 0, seq, np.arange(4)) for seq in range(100))
+    send, receive = trio.open_memory_channel(100)
+    await Loader(Meter("loader", None, [send]), source, stream, workers=3).run()
+    assert [batch.seq async for batch in receive] == list(range(100))  # in order either way
+    assert source.on_loop[0] is False  # not measured yet: a thread
+    assert all(source.on_loop[-20:]) if cost == 0.0 else not any(source.on_loop)
+
+
+def test_the_synthetic_cache_gives_exactly_the_generated_samples(rng):
+    for task in ("classification", "regression"):
+        cached = SyntheticSource(task, 300, (2, 3), classes=4, seed=7)
+        generated = SyntheticSource(task, 300, (2, 3), classes=4, seed=7, cache_bytes=0)
+        for _ in range(4):
+            indices = rng.integers(0, 300, 64)
+            (xa, ya, _), (xb, yb, _) = cached.read(indices), generated.read(indices)
+            assert xa.tobytes() == xb.tobytes() and ya.tobytes() == yb.tobytes()
+        xa[:] = 0  # the caller owns what it read: the cache is not touched
+        assert cached.read(indices)[0].tobytes() == xb.tobytes()
+
+
+def test_every_step_has_a_metrics_line_and_statistics_ride_on_some(tmp_path):
+    spec = image_spec(tmp_path, epochs=2)
+    result = run(spec)
+    lines = [json.loads(line) for line in Path(spec.run.metrics_file).read_text().splitlines()]
+    steps = [r for r in lines if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(result.steps))
+    actors = {"loader", "preprocess", "device", "optimiser", "sink"}
+    assert set(steps[0]["statistics"]) == set(steps[-1]["statistics"]) == actors
+    assert steps[-1]["statistics"]["sink"]["items_in"] >= result.steps
+
+
+def test_the_rate_is_the_samples_in_its_window_over_its_span(rng):
+    for window in (0, 1, 3, 20):
+        rate, marks, when = Rate(window), [], 0.0
+        for _ in range(100):
+            when += float(rng.uniform(0.001, 0.01))
+            samples = int(rng.integers(0, 64))
+            marks.append((when, samples))
+            kept = marks[-(window + 1) :]
+            span = kept[-1][0] - kept[0][0]
+            expected = sum(s for _, s in kept[1:]) / span if len(kept) > 1 and span > 0 else 0.0
+            assert rate.add(when, samples) == pytest.approx(expected, rel=1e-9)
