@@ -150,7 +150,11 @@ WRITER = textwrap.dedent(
 
 
 def test_sigkill_during_writes_never_leaves_a_partial_checkpoint(tmp_path, rng):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Keep the caller's path too: packages may be installed off sys.path's defaults (PYTHONPATH).
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     mid_write = 0
     for attempt in range(1, 5):
         first = attempt * 10_000  # each writer numbers its checkpoints above the last one's

@@ -386,7 +386,11 @@ SCRIPT = textwrap.dedent(
 def test_resume_after_the_process_is_killed_is_bit_exact(tmp_path, sig, rng):
     spec = image_spec(tmp_path, epochs=10, checkpoint_every=5)
     save_spec(spec, tmp_path / "spec.json")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Keep the caller's path too: packages may be installed off sys.path's defaults (PYTHONPATH).
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     child = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "spec.json")], cwd=ROOT, env=env,
                              stderr=subprocess.PIPE)  # fmt: skip
     wanted = int(rng.integers(2, 8)) * 5
