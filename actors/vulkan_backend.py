@@ -956,8 +956,11 @@ class VulkanBackend:
                     f"{len(definition.bindings)} {definition.bindings}"
                 )
             overrides = (spec_overrides or {}).get(step.op)
-            if overrides is None and definition.tune is not None and self.tuning:
-                overrides = definition.tune(step.param_dict, self.facts)
+            if definition.tune is not None:
+                # tune also sets what the launch itself needs (gemm's TA/TB/VEC), so it runs even
+                # when overrides replace its tiles or tuning is off (no facts: default tiles).
+                tuned = definition.tune(step.param_dict, self.facts if self.tuning else None)
+                overrides = {**tuned, **(overrides or {})}
             pipeline, pipeline_layout, spec = self.pipeline(definition, overrides)
             descriptor_set = self._descriptor_set(len(definition.bindings))
             infos = ffi.new("VkDescriptorBufferInfo[]", len(step.args))

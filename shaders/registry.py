@@ -125,6 +125,10 @@ def _rows_groups(params, local, spec) -> Groups:
 GEMM_TILES: tuple[tuple[int, int, int, int, int], ...] = (
     (128, 64, 16, 8, 4),  # 128x128 with 8x8 per thread spills registers on NVIDIA (10x slower)
     (64, 64, 16, 4, 4),
+    # 2048 outputs per workgroup: 256x1024 (the small MLP) still gets 128 workgroups, with twice
+    # the work per thread of 32x32; 32x64 first, its 4 columns per thread take vec4 reads/stores.
+    (32, 64, 16, 2, 4),
+    (64, 32, 16, 4, 2),
     (32, 32, 16, 2, 2),
 )
 # Enough workgroups to fill a big GPU (an H100 has 132 multiprocessors).
@@ -132,27 +136,34 @@ GEMM_MIN_WORKGROUPS = 128
 
 
 def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
-    """Pick GEMM tiles for one launch: the largest tile that still yields enough workgroups to
-    keep every multiprocessor busy, since at MLP sizes a big tile leaves most of a GPU idle. On a
-    CPU driver (lavapipe) the middle tile is best: its threads are few and wide.
+    """Specialise gemm for one launch. Tiles: the largest that still yields enough workgroups to
+    keep every multiprocessor busy, since at MLP sizes a big tile leaves most of a GPU idle; on a
+    CPU driver (lavapipe), or with no facts, the middle tile is best: its threads are few and
+    wide. TA/TB: the launch's trans_a/trans_b (the shader compiles one load path per pair, so
+    these are required for a correct result, whatever the tiles). VEC: which operands take vec4
+    global access (bit 0 A, bit 1 B, bit 2 C): those whose contiguous dimension is a multiple of
+    4 (tensor offsets are 256-byte aligned, so their rows then start 16-byte aligned).
 
     Args:
-        params: the launch's parameters (M, N).
-        facts: the device (only ``kind`` and ``shared_memory_bytes`` are read).
+        params: the launch's parameters (M, N, K, trans_a, trans_b).
+        facts: the device (only ``kind`` and ``shared_memory_bytes`` are read), or None.
 
     Returns:
-        Specialisation constants BM, BN, BK, TM, TN.
+        Specialisation constants BM, BN, BK, TM, TN, TA, TB, VEC.
     """
-    choice = GEMM_TILES[1]
+    choice = (64, 64, 16, 4, 4)
+    m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
     if getattr(facts, "kind", "cpu") != "cpu":
-        m, n = int(params["M"]), int(params["N"])
         shared = getattr(facts, "shared_memory_bytes", 0)
-        fitting = [t for t in GEMM_TILES if (t[0] + t[1] + 2) * t[2] * 4 <= shared]
+        # The shader's shared tiles: BK rows of BM + 4 and of BN + 4 floats.
+        fitting = [t for t in GEMM_TILES if (t[0] + t[1] + 8) * t[2] * 4 <= shared]
         for tile in fitting:
             choice = tile
             if ceil_div(m, tile[0]) * ceil_div(n, tile[1]) >= GEMM_MIN_WORKGROUPS:
                 break
-    return dict(zip(("BM", "BN", "BK", "TM", "TN"), choice, strict=True))
+    ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))
+    vec = int((m if ta else k) % 4 == 0) | int((k if tb else n) % 4 == 0) << 1 | int(n % 4 == 0) << 2
+    return {**dict(zip(("BM", "BN", "BK", "TM", "TN"), choice, strict=True)), "TA": ta, "TB": tb, "VEC": vec}
 
 
 def _gemm_groups(params, local, spec) -> Groups:
@@ -242,7 +253,8 @@ _OPS: tuple[OpDef, ...] = (
         (*_GEMM_PUSH, ("k_splits", "u")),
         _gemm_groups,
         local_size=(256, 1, 1),
-        spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4)),
+        # TA/TB: transposition flags (from trans_a/trans_b via tune_gemm); VEC: vec4 access mask.
+        spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4), ("TA", 0), ("TB", 0), ("VEC", 0)),
         local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]), 1, 1),
         tune=tune_gemm,
     ),

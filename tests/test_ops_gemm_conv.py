@@ -17,7 +17,7 @@ from conftest import relative_error
 
 from actors.single_op import run_op, single_op_layout
 from flow.program import Program, launch
-from shaders.registry import ACTIVATIONS, op
+from shaders.registry import ACTIVATIONS, GEMM_MIN_WORKGROUPS, GEMM_TILES, op, tune_gemm
 
 try:
     import torch
@@ -552,3 +552,57 @@ def test_split_k_gemm_then_epilogue_matches_numpy(backend, rng, m, n, k, splits)
     )["C"]
     expected = np.tanh(0.5 * partial.astype(np.float64).sum(axis=0) + old + bias)
     assert relative_error(out, expected) <= 1e-5
+
+
+# Odd sizes take the scalar loads (VEC 0); multiples of 4 take vec4 loads of A and B and vec4
+# stores of C (VEC 7); the mixed shape vectorises some operands and not others per flags.
+GEMM_VEC_SHAPES = [(67, 37, 41), (68, 36, 40), (36, 68, 41), (37, 40, 44)]
+
+
+@pytest.mark.parametrize("tile", GEMM_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("m,n,k", GEMM_VEC_SHAPES)
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+def test_gemm_every_tile_transpose_and_vec(vulkan_backend, rng, tile, m, n, k, trans_a, trans_b):
+    """Each tile in GEMM_TILES, forced by spec_overrides (tiles only: TA/TB/VEC still come from
+    the launch through tune_gemm), for every transposition pair, aligned and odd sizes."""
+    spec = dict(zip(("BM", "BN", "BK", "TM", "TN"), tile, strict=True))
+    a, b, op_a, op_b = gemm_case(rng, m, n, k, trans_a, trans_b)
+    bias, c_old = normal(rng, n), normal(rng, m, n)
+    arrays = {"A": a, "B": b, "bias": bias, "C": c_old}
+    vulkan_backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        vulkan_backend.write(name, array)
+    params = {
+        "M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b, "has_bias": 1,
+        "act": ACTIVATIONS["leaky_relu"], "slope": 0.1, "alpha": 0.5, "accumulate": 1,
+    }  # fmt: skip
+    program = Program(name="gemm_tile", steps=(launch("gemm", tuple(arrays), **params),))
+    vulkan_backend.wait(vulkan_backend.submit(vulkan_backend.record(program, spec_overrides={"gemm": spec})))
+    want = act_oracle(0.5 * (op_a @ op_b) + as64(c_old) + as64(bias), "leaky_relu", 0.1)
+    assert relative_error(vulkan_backend.read("C"), want) <= TOL
+
+
+@pytest.mark.parametrize("m,n,k", GEMM_VEC_SHAPES)
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+def test_tune_gemm_sets_transpose_and_vec(m, n, k, trans_a, trans_b):
+    """TA/TB mirror the launch; VEC bit 0/1/2 = A/B/C's contiguous dimension is a multiple of 4."""
+    spec = tune_gemm({"M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b}, None)
+    assert (spec["TA"], spec["TB"]) == (trans_a, trans_b)
+    a_row, b_row = (m if trans_a else k), (k if trans_b else n)
+    assert spec["VEC"] == (a_row % 4 == 0) | (b_row % 4 == 0) << 1 | (n % 4 == 0) << 2
+
+
+def test_gemm_tiles_fit_shared_memory():
+    """Every tile fits lavapipe's 32 KiB of shared memory (the shader pads rows by 4 floats) and
+    keeps 256 threads; tune_gemm never picks a tile that exceeds the device's limit."""
+
+    class Facts:
+        kind = "gpu"
+        shared_memory_bytes = 48 * 1024
+
+    for bm, bn, bk, tm, tn in GEMM_TILES:
+        assert (bm + bn + 8) * bk * 4 <= 32 * 1024
+        assert (bm // tm) * (bn // tn) == 256
+    spec = tune_gemm({"M": 256, "N": 1024, "K": 784}, Facts())
+    assert spec["BM"] * spec["BN"] >= 32 * 64
+    assert math.ceil(256 / spec["BM"]) * math.ceil(1024 / spec["BN"]) >= GEMM_MIN_WORKGROUPS
