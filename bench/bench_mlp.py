@@ -626,11 +626,7 @@ def main() -> None:
 
             bench_gemm.run_parts(args, rep, backend, vk_device, torch, torch_device)
     finally:
-        print(f"\n== summary ({time.perf_counter() - started:.1f} s)")
-        print(rep.table())
-        rep.close()
-        if backend is not None:
-            backend.close()
+        common.finish(rep, backend, started)
 
 
 if __name__ == "__main__":

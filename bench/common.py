@@ -255,3 +255,12 @@ class Reporter:
 
 def section(title: str) -> None:
     print(f"\n== {title}", flush=True)
+
+
+def finish(rep: Reporter, backend, started: float) -> None:
+    """End a benchmark run: the summary table, the JSON file, and the Vulkan device released."""
+    print(f"\n== summary ({time.perf_counter() - started:.1f} s)")
+    print(rep.table())
+    rep.close()
+    if backend is not None:
+        backend.close()

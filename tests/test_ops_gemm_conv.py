@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import oracles
 import pytest
 from conftest import relative_error
 
@@ -28,8 +29,6 @@ except ImportError:  # torch is an optional second oracle
 # for every K used here (at most 129).
 TOL = 1e-5
 
-_erf = np.vectorize(math.erf, otypes=[np.float64])
-
 
 def normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
@@ -37,19 +36,7 @@ def normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
 
 def act_oracle(x: np.ndarray, name: str | None, slope: float) -> np.ndarray:
     """Activations in float64, by name."""
-    if name is None:
-        return x
-    if name == "relu":
-        return np.maximum(x, 0.0)
-    if name == "leaky_relu":
-        return np.where(x > 0, x, slope * x)
-    if name == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-x))
-    if name == "tanh":
-        return np.tanh(x)
-    if name == "gelu":
-        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
-    raise ValueError(name)
+    return oracles.activation(x, name, slope)
 
 
 def act_torch(x, name: str | None, slope: float):
