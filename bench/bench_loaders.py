@@ -1,21 +1,29 @@
 """Benchmark: vkflow's image-folder source against torch's DataLoader on the same decode.
 
-Writes a few thousand 64x64 RGB images (half JPEG, half PNG) to a temporary folder, then reads
-whole shuffled epochs in batches of 64 through
+For each image size (default 64 and 256 pixels square) it writes a few thousand RGB images (half
+JPEG, half PNG, in 10 class folders) to a temporary folder, then reads whole shuffled epochs in
+batches of 64 through
 
 - vkflow: ``Sampler`` + ``ImageFolderSource.read`` (decode threads), and
-- torch: ``torch.utils.data.DataLoader`` over a ``Dataset`` whose ``__getitem__`` calls the very
-  same decode function (``loaders.decode.decode_image``), with the same number of workers
-  (worker processes there, threads here).
+- torch: ``torch.utils.data.DataLoader`` over a ``Dataset`` whose ``__getitem__`` calls
+  ``loaders.decode.decode_image`` on the file's bytes (``loaders.decode.read_file``): the same
+  Pillow decode and colour conversion, giving a float32 CHW sample in [0, 1] per item (what
+  torchvision's ``ToTensor`` gives, up to rounding), collated by torch. Same number of workers:
+  worker processes there, threads here; 0 means decoding in the calling thread on both sides.
 
-The first epoch of each warms the page cache and starts the workers; the figure is the best of the
-epochs after it. Prints a table and one JSON line per figure, e.g.
-``{"bench": "loader", "impl": "vkflow", "workers": 2, "images_per_s": ...}``.
+Both sides return bit-identical batches (vkflow converts each worker's run of 8-bit pixels to
+float32 in one pass; torch converts each sample; the arithmetic is the same). Any speed-up of the
+shared decode (``loaders.decode``) speeds up both sides alike. Epochs of the two
+alternate, so that a machine shared with other work slows both alike. The first epoch of each
+warms the page cache and starts the workers; the figures are the best and the median of the
+epochs after it, and the ratio uses the best. Prints the machine (CPUs usable, CPU model), a
+table, and one JSON line per figure, e.g. ``{"bench": "loader", "impl": "vkflow", "size": 64,
+"workers": 2, "images_per_s": ..., "median_images_per_s": ..., "cpus": 2, "cpu": "..."}``.
 
 torch is not a vkflow dependency. To compare, install it into the bench environment:
 ``pip install torch==2.13.0``. Without it, only vkflow's figures are printed.
 
-Run: ``python bench/bench_loaders.py [--images 3000] [--size 64] [--workers N] [--epochs 3]``
+Run: ``python bench/bench_loaders.py [--sizes 64,256] [--images 3000] [--workers N] [--epochs 5]``
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,43 +76,44 @@ def make_images(root: Path, count: int, size: int, seed: int = 0) -> None:
             img.save(cls / f"{i:05d}.jpg", quality=90)
 
 
-def time_vkflow(root: Path, workers: int, epochs: int) -> tuple[float, int]:
-    """Best images/s over the epochs after the first, reading through Sampler + read.
+def vkflow_epochs(root: Path, workers: int) -> Iterator[Callable[[], int]]:
+    """Epoch runners for vkflow: each call reads one shuffled epoch through Sampler + read.
 
     Args:
         root: the image folder.
         workers: decode threads.
-        epochs: epochs to run (the first is warm-up).
 
-    Returns:
-        (images per second, images per epoch).
+    Yields:
+        A function that runs the next epoch and returns the number of images read.
     """
     src = ImageFolderSource(root, mode="RGB", layout="CHW", workers=workers)
     sampler = Sampler(np.arange(len(src)), BATCH, shuffle=True, seed=0, drop_last=False)
-    best = 0.0
-    for epoch in range(epochs):
-        t0 = time.perf_counter()
-        seen = 0
-        for _, batch in sampler.batches(SamplerState(epoch, 0)):
-            x, y, _ = src.read(batch)
-            seen += len(x)
-        rate = seen / (time.perf_counter() - t0)
-        if epoch > 0 or epochs == 1:
-            best = max(best, rate)
-    src.close()
-    return best, len(src)
+    epoch = 0
+    try:
+        while True:
+
+            def run(epoch: int = epoch) -> int:
+                seen = 0
+                for _, batch in sampler.batches(SamplerState(epoch, 0)):
+                    x, _, _ = src.read(batch)
+                    seen += len(x)
+                return seen
+
+            yield run
+            epoch += 1
+    finally:
+        src.close()
 
 
-def time_torch(root: Path, workers: int, epochs: int) -> float:
-    """Best images/s of a torch DataLoader doing the same decode.
+def torch_epochs(root: Path, workers: int) -> Iterator[Callable[[], int]]:
+    """Epoch runners for a torch DataLoader doing the same decode.
 
     Args:
         root: the image folder.
         workers: DataLoader worker processes (0 = in the main process).
-        epochs: epochs to run (the first is warm-up).
 
-    Returns:
-        Images per second.
+    Yields:
+        A function that runs the next epoch and returns the number of images read.
     """
     import torch
     from torch.utils.data import DataLoader, Dataset
@@ -127,16 +138,39 @@ def time_torch(root: Path, workers: int, epochs: int) -> float:
         persistent_workers=workers > 0,
         generator=torch.Generator().manual_seed(0),
     )
-    best = 0.0
-    for epoch in range(epochs):
-        t0 = time.perf_counter()
+
+    def run() -> int:
         seen = 0
         for x, _ in loader:
             seen += len(x)
-        rate = seen / (time.perf_counter() - t0)
-        if epoch > 0 or epochs == 1:
-            best = max(best, rate)
-    return best
+        return seen
+
+    while True:
+        yield run
+
+
+def rates(runners: dict[str, Iterator[Callable[[], int]]], epochs: int) -> dict[str, list[float]]:
+    """Images/s of each epoch after the first, running the epochs of all runners in turn.
+
+    Args:
+        runners: name -> epoch runners.
+        epochs: epochs of each (the first is warm-up and not counted, unless it is the only one).
+
+    Returns:
+        name -> images/s per counted epoch.
+    """
+    out: dict[str, list[float]] = {name: [] for name in runners}
+    for epoch in range(epochs):
+        # Alternate who goes first, so that neither always follows the other's warm caches.
+        order = list(runners) if epoch % 2 == 0 else list(reversed(runners))
+        for name in order:
+            run = next(runners[name])
+            t0 = time.perf_counter()
+            seen = run()
+            rate = seen / (time.perf_counter() - t0)
+            if epoch > 0 or epochs == 1:
+                out[name].append(rate)
+    return out
 
 
 def cpu_model() -> str:
@@ -154,6 +188,18 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity), else the machine's count.
+
+    Returns:
+        The count.
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def main() -> int:
     """Run the benchmark.
 
@@ -161,61 +207,72 @@ def main() -> int:
         The exit code.
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="64,256", help="comma-separated image sizes (pixels square)")
+    parser.add_argument("--size", type=int, default=None, help="one image size (overrides --sizes)")
     parser.add_argument("--images", type=int, default=3000)
-    parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=usable_cpus())
+    parser.add_argument("--epochs", type=int, default=5)
     args = parser.parse_args()
+    sizes = [args.size] if args.size else [int(s) for s in args.sizes.split(",") if s.strip()]
     try:
         import torch
     except ImportError:
         torch = None
         print(TORCH_HINT)
-    with tempfile.TemporaryDirectory(prefix="vkflow-bench-") as tmp:
-        # Keep the manifest of this throwaway folder out of the user's real cache.
-        os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
-        root = Path(tmp) / "images"
-        t0 = time.perf_counter()
-        make_images(root, args.images, args.size)
-        print(
-            f"{args.images} images {args.size}x{args.size} RGB (half JPEG, half PNG) written in "
-            f"{time.perf_counter() - t0:.1f} s; batch {BATCH}; best of epochs 2..{args.epochs}; "
-            f"{os.cpu_count()} CPUs ({cpu_model()})"
-            + (f"; torch {torch.__version__}" if torch is not None else "")
-        )
-        rows = []
-        for workers in sorted({0, args.workers}):
-            vk, _ = time_vkflow(root, workers, args.epochs)
-            th = time_torch(root, workers, args.epochs) if torch is not None else None
-            rows.append((workers, vk, th))
-    print(f"\n{'workers':>7} | {'vkflow img/s':>12} | {'torch img/s':>11} | {'vkflow/torch':>12}")
-    print("-" * 53)
-    for workers, vk, th in rows:
-        ratio = f"{vk / th:12.2f}" if th else f"{'-':>12}"
-        print(f"{workers:>7} | {vk:12.0f} | {(f'{th:11.0f}' if th else '-'):>11} | {ratio}")
+    machine = {"cpus": usable_cpus(), "cpu": cpu_model()}
+    print(
+        f"{machine['cpus']} CPUs ({machine['cpu']}); python {platform.python_version()}"
+        + (f"; torch {torch.__version__}" if torch is not None else "")
+        + f"; batch {BATCH}; best and median of epochs 2..{args.epochs}, vkflow and torch alternating"
+    )
+    rows = []
+    for size in sizes:
+        with tempfile.TemporaryDirectory(prefix="vkflow-bench-") as tmp:
+            # Keep the manifest of this throwaway folder out of the user's real cache.
+            os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
+            root = Path(tmp) / "images"
+            t0 = time.perf_counter()
+            make_images(root, args.images, size)
+            print(
+                f"{args.images} images {size}x{size} RGB (half JPEG, half PNG) written in "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
+            for workers in sorted({0, args.workers}):
+                runners = {"vkflow": vkflow_epochs(root, workers)}
+                if torch is not None:
+                    runners["torch"] = torch_epochs(root, workers)
+                got = rates(runners, args.epochs)
+                for gen in runners.values():
+                    gen.close()
+                rows.append((size, workers, got["vkflow"], got.get("torch")))
+    print(
+        f"\n{'size':>4} | {'workers':>7} | {'vkflow img/s':>12} | {'torch img/s':>11} | "
+        f"{'vkflow/torch':>12} | median vkflow, torch"
+    )
+    print("-" * 84)
+    for size, workers, vk, th in rows:
+        ratio = f"{max(vk) / max(th):12.2f}" if th else f"{'-':>12}"
+        th_best = f"{max(th):11.0f}" if th else f"{'-':>11}"
+        medians = f"{statistics.median(vk):.0f}, " + (f"{statistics.median(th):.0f}" if th else "-")
+        print(f"{size:>4} | {workers:>7} | {max(vk):12.0f} | {th_best} | {ratio} | {medians}")
     print()
-    for workers, vk, th in rows:
-        print(
-            json.dumps(
-                {"bench": "loader", "impl": "vkflow", "workers": workers, "images_per_s": round(vk, 1)}
-            )
-        )
+    for size, workers, vk, th in rows:
+        for impl, got in (("vkflow", vk), ("torch", th)):
+            if got:
+                line = {
+                    "bench": "loader",
+                    "impl": impl,
+                    "size": size,
+                    "workers": workers,
+                    "images_per_s": round(max(got), 1),
+                    "median_images_per_s": round(statistics.median(got), 1),
+                    **machine,
+                }
+                print(json.dumps(line))
         if th:
-            print(
-                json.dumps(
-                    {"bench": "loader", "impl": "torch", "workers": workers, "images_per_s": round(th, 1)}
-                )
-            )
-            print(
-                json.dumps(
-                    {
-                        "bench": "loader",
-                        "impl": "ratio",
-                        "workers": workers,
-                        "vkflow_over_torch": round(vk / th, 3),
-                    }
-                )
-            )
+            ratio = {"bench": "loader", "impl": "ratio", "size": size, "workers": workers}
+            ratio["vkflow_over_torch"] = round(max(vk) / max(th), 3)
+            print(json.dumps({**ratio, **machine}))
     return 0
 
 

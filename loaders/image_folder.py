@@ -2,7 +2,15 @@
 
 Class names are the sorted sub-directory names and become label ids 0..k-1 in that order. The
 listing comes from the cached manifest (:mod:`loaders.cache`); files are decoded by
-:mod:`loaders.decode` in a thread pool, each worker filling its own slice of the batch array.
+:mod:`loaders.decode` in a thread pool: each worker takes short contiguous runs of the batch
+until none are left.
+
+Small images are cheap to decode, so the Python work per image (which holds the GIL and so does
+not run in parallel) decides the speed there. A worker therefore keeps it to the minimum: read
+the bytes (plain ``os`` calls, sized from the manifest), let Pillow decode them (the fast path of
+:mod:`loaders.decode` for plain JPEGs and PNGs), copy the 8-bit pixels into the batch's uint8
+staging array; then it converts the whole run to float32 in one vectorised numpy pass (which
+releases the GIL), instead of one small float array per image.
 """
 
 from __future__ import annotations
@@ -13,23 +21,26 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 
 from loaders.cache import load_manifest
 from loaders.decode import (
+    CHANNELS,
     IMAGE_EXTENSIONS,
     LAYOUTS,
     MODES,
     DecodeSpec,
-    decode_image,
+    decode_pixels,
     probe_size,
     read_file,
 )
 from loaders.errors import ErrorPolicy, LoaderError, logger
 from loaders.source import SourceStatistics, StatsRecorder, check_indices, readonly
+
+# A batch is cut into about this many runs per decode worker (see ImageFolderSource.read).
+_RUNS_PER_WORKER = 8
 
 
 def _norm_size(size: int | Sequence[int] | None) -> tuple[int, int] | None:
@@ -77,6 +88,67 @@ def _class_ids(names: list[str]) -> tuple[list[str], np.ndarray]:
         raise ValueError("negative class label")
     k = int(ids.max()) + 1 if ids.size else 0
     return [str(i) for i in range(k)], ids.astype(np.int32)
+
+
+class _Batch:
+    """One ``read``: the indices, the float32 output and the uint8 staging the workers share.
+
+    Workers take runs of positions from :meth:`take` and write only those, so the arrays need no
+    lock.
+    """
+
+    __slots__ = (
+        "deep",
+        "flat",
+        "ids",
+        "lock",
+        "next",
+        "ok",
+        "out",
+        "per",
+        "planar",
+        "run",
+        "size",
+        "sizes",
+        "staging",
+        "transpose",
+    )
+
+    def __init__(self, source: ImageFolderSource, idx: np.ndarray, out: np.ndarray, run: int) -> None:
+        spec, shape = source._decode, source.sample_shape
+        h, w = (shape[1], shape[2]) if spec.layout == "CHW" else (shape[0], shape[1])
+        c = CHANNELS[spec.mode]
+        self.size = int(idx.size)
+        self.ids: list[int] = idx.tolist()
+        self.sizes: list[int] = source._sizes[idx].tolist()
+        self.out = out
+        self.run, self.next, self.lock = run, 0, threading.Lock()
+        self.ok = np.zeros(self.size, dtype=bool)
+        self.deep: list[tuple[int, np.ndarray]] = []  # >8-bit images, float32 already
+        self.per = h * w * c
+        # Pillow gives pixels as (H, W, C) bytes; (C, H, W) output with C > 1 needs a transpose,
+        # done as a uint8 copy into ``planar`` so that the float cast runs on contiguous memory.
+        self.staging = np.empty((self.size, h, w, c), dtype=np.uint8)
+        self.flat = memoryview(self.staging.reshape(-1))  # bytes go in by slice assignment
+        self.transpose = spec.layout == "CHW" and c > 1
+        self.planar = (
+            np.empty(out.shape, dtype=np.uint8) if self.transpose else self.staging.reshape(out.shape)
+        )
+
+    def take(self) -> tuple[int, int] | None:
+        """The next run of positions ``(lo, hi)`` to decode, or None when all are taken."""
+        with self.lock:
+            lo = self.next
+            if lo >= self.size:
+                return None
+            self.next = hi = min(lo + self.run, self.size)
+        return lo, hi
+
+    def to_float(self, lo: int, hi: int) -> None:
+        """Convert positions ``[lo, hi)`` to float32 in [0, 1] (numpy releases the GIL)."""
+        if self.transpose:
+            np.copyto(self.planar[lo:hi], self.staging[lo:hi].transpose(0, 3, 1, 2))
+        np.multiply(self.planar[lo:hi], np.float32(1.0 / 255.0), out=self.out[lo:hi], casting="unsafe")
 
 
 class ImageFolderSource:
@@ -132,6 +204,11 @@ class ImageFolderSource:
         if not files:
             raise LoaderError(str(self.root), f"no image files ({', '.join(sorted(IMAGE_EXTENSIONS))})")
         self.files: tuple[str, ...] = tuple(files)
+        # Per-image lookups done once: the OS path prefix, and each file's listed size (the first
+        # read is sized from it; a file changed since the listing is still read whole).
+        self._prefix = str(self.root) + os.sep
+        listed_size = dict(zip(manifest.files, manifest.sizes, strict=True))
+        self._sizes = np.array([listed_size[f] for f in files], dtype=np.int64)
         self.labels = readonly(labels)
         self.label_dtype = np.dtype(np.int32)
         self.num_classes: int | None = len(self.classes)
@@ -184,10 +261,10 @@ class ImageFolderSource:
 
     def _probe_first_size(self) -> tuple[int, int]:
         last: LoaderError | None = None
-        for rel in self.files:
-            path = self.root / rel
+        for i in range(len(self.files)):
+            path = self._path(i)
             try:
-                return probe_size(read_file(path), str(path))
+                return probe_size(read_file(path), path)
             except LoaderError as exc:
                 last = exc  # a bad first file is reported when read; its neighbour sets the size
         raise LoaderError(str(self.root), f"no readable image to take the size from (last: {last})")
@@ -216,26 +293,45 @@ class ImageFolderSource:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def _decode_into(self, i: int, out: np.ndarray) -> int:
-        """Decode sample ``i`` into ``out``; returns the bytes read."""
-        path = self.root / self.files[i]
-        data = read_file(path)
-        decode_image(data, self._decode, str(path), expect=self.sample_shape, out=out)
-        return len(data)
+    def _path(self, i: int) -> str:
+        """The OS path of sample ``i`` (as ``str(self.root / self.files[i])``)."""
+        rel = self.files[i]
+        return self._prefix + (rel if os.sep == "/" else rel.replace("/", os.sep))
 
-    def _fill(
-        self, idx: np.ndarray, out: np.ndarray, ok: np.ndarray, lo: int, hi: int
-    ) -> dict[int, LoaderError]:
-        """Decode ``idx[lo:hi]`` into ``out``; errors are returned by position, never raised here."""
+    def _fill(self, batch: _Batch, lo: int, hi: int, errors: dict[int, LoaderError]) -> int:
+        """Decode batch positions ``[lo, hi)`` and convert them to float32; returns bytes read.
+
+        Each image's 8-bit pixels go into the batch's uint8 staging array; the run is converted
+        to float32 in one pass at the end. A bad item goes into ``errors`` by position, never
+        raised here; its slot holds whatever and ``read`` drops it.
+        """
+        spec, expect, per = self._decode, self.sample_shape, batch.per
+        flat, ids, sizes, ok = batch.flat, batch.ids, batch.sizes, batch.ok
+        nbytes = 0
+        for pos in range(lo, hi):
+            path = self._path(ids[pos])
+            try:
+                data = read_file(path, sizes[pos])
+                pixels = decode_pixels(data, spec, path, expect)
+            except LoaderError as exc:
+                errors[pos] = exc
+                continue
+            if type(pixels) is bytes:
+                flat[pos * per : (pos + 1) * per] = pixels
+            else:
+                batch.deep.append((pos, pixels))  # >8-bit: float32 already, placed by read
+            nbytes += len(data)
+            ok[pos] = True
+        batch.to_float(lo, hi)
+        return nbytes
+
+    def _fill_runs(self, batch: _Batch) -> dict[int, LoaderError]:
+        """Decode runs of the batch until none are left; bad items are returned by position."""
         errors: dict[int, LoaderError] = {}
         nbytes = 0
         t0 = time.perf_counter()
-        for pos in range(lo, hi):
-            try:
-                nbytes += self._decode_into(int(idx[pos]), out[pos])
-                ok[pos] = True
-            except LoaderError as exc:
-                errors[pos] = exc
+        while (todo := batch.take()) is not None:
+            nbytes += self._fill(batch, *todo, errors)
         self._stats.add(bytes_read=nbytes, seconds=time.perf_counter() - t0)
         return errors
 
@@ -254,24 +350,31 @@ class ImageFolderSource:
         """
         idx = check_indices(indices, len(self), str(self.root))
         out = np.empty((idx.size, *self.sample_shape), dtype=np.float32)
-        ok = np.zeros(idx.size, dtype=bool)
         errors: dict[int, LoaderError] = {}
         if self.workers <= 1 or idx.size <= 1:
-            errors = self._fill(idx, out, ok, 0, idx.size)
+            batch = _Batch(self, idx, out, run=max(1, idx.size))
+            errors = self._fill_runs(batch)
         else:
             with self._pool_lock:  # two threads reading at once must not start two pools
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="vkflow-decode")
                 pool = self._pool
-            # One contiguous slice per worker: far fewer futures than one per image.
-            bounds = np.linspace(0, idx.size, min(self.workers, idx.size) + 1).astype(int)
-            futures = [pool.submit(self._fill, idx, out, ok, lo, hi) for lo, hi in pairwise(bounds.tolist())]
+            # One task per worker, each taking short contiguous runs of the batch until none are
+            # left: few futures, and no worker idles while another still has a run of slow images
+            # (a PNG decodes several times slower than a JPEG of the same size).
+            run = max(1, idx.size // (self.workers * _RUNS_PER_WORKER))
+            batch = _Batch(self, idx, out, run)
+            futures = [
+                pool.submit(self._fill_runs, batch) for _ in range(min(self.workers, -(-idx.size // run)))
+            ]
             for fut in futures:
                 errors.update(fut.result())
+        for pos, pixels in batch.deep:
+            out[pos] = pixels
         for pos in sorted(errors):
             self._policy.handle(errors[pos])
         skipped = len(errors)
         if skipped:
-            out, idx = out[ok], idx[ok]
+            out, idx = out[batch.ok], idx[batch.ok]
         self._stats.add(samples=int(idx.size))
         return out, self.labels[idx], skipped

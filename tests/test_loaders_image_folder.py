@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import pytest
 from PIL import Image
 
 from loaders import ImageFolderSource, LoaderError, manifest_path
+from loaders.decode import DecodeSpec, _decode_plain, decode_image, read_file
 
 RNG = np.random.default_rng(1234)
 
@@ -305,3 +307,175 @@ def test_statistics_are_a_frozen_snapshot(tmp_path: Path) -> None:
     assert before.samples_read == 0 and src.statistics().samples_read == 2
     with pytest.raises(AttributeError):
         before.samples_read = 5  # type: ignore[misc]
+
+
+# --- the fast path and the batched float conversion ----------------------------------------------
+
+
+def _encoded(img: Image.Image, fmt: str, **kw: object) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _pillow_reader(data: bytes) -> Image.Image:
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img
+
+
+def _plain_files() -> dict[str, bytes]:
+    """JPEGs and PNGs of the kinds the fast path takes."""
+    rgb = Image.fromarray(RNG.integers(0, 256, (23, 37, 3), dtype=np.uint8))
+    big = Image.fromarray(RNG.integers(0, 256, (260, 300, 3), dtype=np.uint8))  # several IDATs
+    files = {
+        "png-L": _encoded(rgb.convert("L"), "PNG"),
+        "png-RGB": _encoded(rgb, "PNG"),
+        "png-RGBA": _encoded(rgb.convert("RGBA"), "PNG"),
+        "png-LA": _encoded(rgb.convert("LA"), "PNG"),
+        "png-big": _encoded(big, "PNG"),
+        "jpg-L": _encoded(rgb.convert("L"), "JPEG", quality=90),
+        "jpg-RGB": _encoded(rgb, "JPEG", quality=90),
+        "jpg-progressive": _encoded(rgb, "JPEG", progressive=True),
+        "jpg-444": _encoded(rgb, "JPEG", subsampling=0),
+        "jpg-restarts": _encoded(rgb, "JPEG", restart_marker_blocks=1),
+        "jpg-exif": _encoded(big, "JPEG", exif=Image.Exif()),
+    }
+    assert files["png-big"].count(b"IDAT") > 1
+    return files
+
+
+@pytest.mark.parametrize("name", sorted(_plain_files()))
+def test_fast_path_decodes_exactly_like_pillows_reader(name: str) -> None:
+    data = _plain_files()[name]
+    fast = _decode_plain(data, None)
+    assert fast is not None, "the fast path should take this file"
+    ref = _pillow_reader(data)
+    assert (fast.mode, fast.size) == (ref.mode, ref.size)
+    assert fast.tobytes() == ref.tobytes()
+
+
+@pytest.mark.parametrize("name", sorted(_plain_files()))
+def test_fast_path_never_accepts_a_cut_file_pillow_would_read_otherwise(name: str) -> None:
+    data = _plain_files()[name]
+    cuts = sorted({*range(0, len(data), max(1, len(data) // 150)), *range(len(data) - 24, len(data))})
+    for cut in cuts:
+        fast = _decode_plain(data[:cut], None)
+        if fast is None:
+            continue  # Pillow's reader decides, as before
+        ref = _pillow_reader(data[:cut])  # must not raise when the fast path did not
+        assert fast.tobytes() == ref.tobytes(), cut
+
+
+def test_fast_path_leaves_unusual_files_to_pillows_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    rgb = Image.fromarray(RNG.integers(0, 256, (12, 10, 3), dtype=np.uint8))
+    png = _encoded(rgb, "PNG")
+    interlaced = bytearray(png)
+    interlaced[28] = 1  # the IHDR interlace byte
+    bad_crc = bytearray(png)
+    bad_crc[29] ^= 0xFF  # IHDR checksum
+    others = {
+        "cmyk jpeg": _encoded(rgb.convert("CMYK"), "JPEG"),
+        "palette png": _encoded(rgb.convert("P"), "PNG"),
+        "transparent colour": _encoded(rgb, "PNG", transparency=(1, 2, 3)),
+        "16-bit png": _encoded(Image.fromarray(np.full((4, 4), 40000, np.uint16)), "PNG"),
+        "interlaced": bytes(interlaced),
+        "bad checksum": bytes(bad_crc),
+        "bmp": _encoded(rgb, "BMP"),
+    }
+    for name, data in others.items():
+        assert _decode_plain(data, None) is None, name
+    # A JPEG that Image.draft can decode at a reduced scale goes to Pillow's reader too.
+    jpg = _encoded(rgb, "JPEG")
+    assert _decode_plain(jpg, (6, 5)) is None and _decode_plain(jpg, (7, 5)) is not None
+    # So does anything past Pillow's decompression-bomb limit, which Pillow then enforces.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)
+    assert _decode_plain(jpg, None) is None and _decode_plain(png, None) is None
+
+
+def _mixed_folder(root: Path, count: int = 40) -> None:
+    """root/<class>/ with JPEGs and PNGs of one size in several modes."""
+    for i in range(count):
+        cls = root / f"c{i % 3}"
+        cls.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(RNG.integers(0, 256, (9, 11, 3), dtype=np.uint8))
+        img = img.convert(("RGB", "L", "RGBA", "P")[i % 4])
+        if i % 2 and img.mode != "RGBA":
+            img.convert("RGB").save(cls / f"{i:03d}.jpg", quality=90)
+        else:
+            img.save(cls / f"{i:03d}.png")
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
+@pytest.mark.parametrize("layout", ["CHW", "HWC"])
+def test_threaded_batches_equal_the_per_image_float_decode(tmp_path: Path, mode: str, layout: str) -> None:
+    _mixed_folder(tmp_path / "d")
+    order = [int(i) for i in RNG.permutation(40)] + [3, 3, 17]  # repeats allowed
+    serial = ImageFolderSource(tmp_path / "d", mode=mode, layout=layout, workers=0)
+    threaded = ImageFolderSource(tmp_path / "d", mode=mode, layout=layout, workers=3)
+    x0, y0, _ = serial.read(order)
+    x3, y3, _ = threaded.read(order)
+    spec = DecodeSpec(mode, None, layout)
+    one_by_one = [decode_image(read_file(serial.root / serial.files[i]), spec, "f") for i in order]
+    np.testing.assert_array_equal(x0, np.stack(one_by_one))
+    np.testing.assert_array_equal(x3, x0)
+    np.testing.assert_array_equal(y3, y0)
+    empty, labels, skipped = threaded.read([])
+    assert empty.shape == (0, *threaded.sample_shape) and labels.shape == (0,) and skipped == 0
+    threaded.close()
+
+
+def test_threaded_bad_items_keep_order_and_the_first_one_is_raised(tmp_path: Path) -> None:
+    _mixed_folder(tmp_path / "d", count=30)
+    cls = tmp_path / "d" / "c0"
+    (cls / "zz_bad1.png").write_bytes(b"not a png at all")
+    (cls / "zz_bad2.jpg").write_bytes(b"\xff\xd8\xff\xe0 broken")
+    good = ImageFolderSource(tmp_path / "d", mode="RGB", workers=0, on_error="skip")
+    bad = [good.files.index("c0/zz_bad1.png"), good.files.index("c0/zz_bad2.jpg")]
+    order = [int(i) for i in RNG.permutation(len(good))]
+    x, y, skipped = ImageFolderSource(tmp_path / "d", mode="RGB", workers=4, on_error="skip").read(order)
+    kept = [i for i in order if i not in bad]
+    assert skipped == 2 and len(x) == len(kept)
+    np.testing.assert_array_equal(x, good.read(kept)[0])
+    np.testing.assert_array_equal(y, good.labels[kept])
+    first = min(bad, key=order.index)
+    raising = ImageFolderSource(tmp_path / "d", mode="RGB", workers=4)
+    with pytest.raises(LoaderError) as info:
+        raising.read(order)
+    assert info.value.where == raising._path(first)
+
+
+def test_high_depth_images_keep_precision_in_a_threaded_batch(tmp_path: Path) -> None:
+    (tmp_path / "d" / "a").mkdir(parents=True)
+    deep = np.array([[0, 1000, 40000, 65535]] * 4, dtype=np.uint16)
+    for i in range(6):
+        if i % 3 == 1:
+            Image.fromarray(deep).save(tmp_path / "d" / "a" / f"{i}.png")
+        else:
+            Image.fromarray(np.full((4, 4), 10 * i, np.uint8)).save(tmp_path / "d" / "a" / f"{i}.png")
+    x, _, _ = ImageFolderSource(tmp_path / "d", mode="L", workers=2).read(range(6))
+    for i in range(6):
+        want = deep / 65535.0 if i % 3 == 1 else np.full((4, 4), 10 * i / 255)
+        np.testing.assert_allclose(x[i, 0], want, atol=1e-6)
+
+
+def test_read_file_reads_the_whole_file_whatever_the_size_hint(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    data = bytes(RNG.integers(0, 256, 200_000, dtype=np.uint8))
+    path.write_bytes(data)
+    for hint in (None, 0, 1, 1000, len(data) - 1, len(data), len(data) + 1, 10**6):
+        assert read_file(path, hint) == data
+    (tmp_path / "empty").write_bytes(b"")
+    assert read_file(tmp_path / "empty", 0) == b"" and read_file(tmp_path / "empty") == b""
+
+
+def test_a_file_rewritten_after_listing_is_read_whole(tmp_path: Path) -> None:
+    (tmp_path / "d" / "a").mkdir(parents=True)
+    small = Image.fromarray(np.full((8, 8, 3), 7, np.uint8))
+    small.save(tmp_path / "d" / "a" / "0.png")
+    small.save(tmp_path / "d" / "a" / "1.png")
+    src = ImageFolderSource(tmp_path / "d", mode="RGB", workers=2)
+    noisy = RNG.integers(0, 256, (8, 8, 3), dtype=np.uint8)  # compresses worse: a larger file
+    Image.fromarray(noisy).save(tmp_path / "d" / "a" / "1.png")
+    x, _, _ = src.read([0, 1])
+    np.testing.assert_allclose(x[1], noisy.transpose(2, 0, 1) / 255.0, atol=1e-6)
