@@ -107,8 +107,14 @@ class InterruptAt(Hooks):
             raise KeyboardInterrupt
 
 
-def vkflow_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("vkflow")]
+def vkflow_threads(existing: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    """vkflow's worker threads alive now, except those in ``existing`` (a snapshot taken when the
+    test began: sources other tests left to the garbage collector are not this run's leak)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("vkflow") and t not in existing]
+
+
+def thread_snapshot() -> frozenset[threading.Thread]:
+    return frozenset(threading.enumerate())
 
 
 def assert_same_weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float = 0.0) -> None:
@@ -193,6 +199,7 @@ class BrokenDevice(CpuBackend):
 
 @pytest.mark.parametrize("actor", ["loader", "preprocess", "device", "optimiser", "sink"])
 async def test_a_failing_actor_ends_the_run_fast_with_its_name(actor):
+    existing = thread_snapshot()
     injected = FailAt(actor, item=5, error=ValueError(f"boom in {actor}"))
     spec = digits_spec(epochs=20)  # far longer than the failure point; its image folder decodes in threads
     with trio.fail_after(10):
@@ -204,7 +211,7 @@ async def test_a_failing_actor_ends_the_run_fast_with_its_name(actor):
     assert error.actor == actor and f"actor '{actor}' failed" in str(error)
     assert error.__cause__ is injected.error
     assert stopped - injected.raised_at < 1.0
-    assert vkflow_threads() == []
+    assert vkflow_threads(existing) == []
 
 
 async def test_a_real_failure_names_its_actor():
@@ -222,6 +229,7 @@ def test_a_bad_transform_fails_in_preprocess():
 
 
 def test_the_backend_the_runner_opens_is_closed_after_a_failure(monkeypatch):
+    existing = thread_snapshot()
     opened = []
 
     class Tracked(CpuBackend):
@@ -239,7 +247,7 @@ def test_the_backend_the_runner_opens_is_closed_after_a_failure(monkeypatch):
     with pytest.raises(ActorError):
         run(image_spec(), hooks=[FailAt("sink", 3)])
     assert len(opened) == 1 and opened[0].closed
-    assert vkflow_threads() == []
+    assert vkflow_threads(existing) == []
 
 
 # -- backpressure ----------------------------------------------------------------------------------
@@ -588,6 +596,7 @@ class LateTickets(CpuBackend):
 
 
 def test_steps_still_in_flight_on_the_device_are_awaited_in_order():
+    existing = thread_snapshot()
     reference = run(image_spec(epochs=1), backend=CpuBackend())
     late = LateTickets()
     result = run(image_spec(epochs=1), backend=late)
@@ -601,7 +610,7 @@ def test_steps_still_in_flight_on_the_device_are_awaited_in_order():
         with pytest.raises(ActorError, match=f"actor 'device' failed: RuntimeError: {message}"):
             run(image_spec(epochs=1), backend=broken)
         assert time.monotonic() - started < 1.0
-    assert vkflow_threads() == []
+    assert vkflow_threads(existing) == []
 
 
 def test_cheap_work_runs_inline_and_costly_work_in_threads():
