@@ -46,8 +46,10 @@ from actors.progress import Progress
 from actors.sink import Sink
 from actors.statistics import ActorStatistics, HookList, Hooks, Meter
 from flow.codec import load as load_spec
+from flow.errors import SpecError
 from flow.plan import plan
 from flow.spec import Devices, Pipeline, Spec, default_pipeline
+from flow.validate import data_problems
 
 logger = logging.getLogger("vkflow")
 
@@ -258,6 +260,14 @@ class _Runtime:
 
     async def open(self) -> None:
         spec = self.spec
+        if self.mode == "train":
+            # The data must fit the model before any device is touched.
+            from loaders import open_source
+
+            self.source = await self._blocking(open_source, spec.data.source)
+            problems = data_problems(spec, tuple(self.source.sample_shape), self.source.num_classes)
+            if problems:
+                raise SpecError(problems)
         if self.backend is None:
             self.backend = await trio.to_thread.run_sync(open_backend, spec.devices)
         self.inline = bool(getattr(self.backend, "runs_inline", False))
@@ -281,7 +291,8 @@ class _Runtime:
         from loaders import Sampler, open_source, split_indices
 
         spec, data = self.spec, self.spec.data
-        self.source = await self._blocking(open_source, data.source)
+        if self.source is None:
+            self.source = await self._blocking(open_source, data.source)
         split = data.split
         parts = split_indices(
             len(self.source),

@@ -94,6 +94,45 @@ def check(spec: Spec) -> None:
         raise SpecError(problems)
 
 
+def data_problems(spec: Spec, sample_shape: tuple[int, ...], num_classes: int | None) -> list[Problem]:
+    """What is wrong between an opened source and the model, found before any device work.
+
+    Args:
+        spec: a valid spec.
+        sample_shape: the source's decoded sample shape.
+        num_classes: how many classes its labels hold (None for regression targets).
+
+    Returns:
+        Every problem: a sample shape the model cannot take (checked when no transform resizes or
+        crops), and class labels beyond the last layer's units for CrossEntropy.
+    """
+    problems = []
+    transforms = (*spec.data.preprocess, *spec.data.augment)
+    reshaping = any(type(t).__name__ in ("Resize", "RandomCrop") for t in transforms)
+    if not reshaping and tuple(sample_shape) != tuple(spec.model.input_shape):
+        problems.append(
+            Problem(
+                "model.input_shape",
+                f"the source gives samples of shape {tuple(sample_shape)}, "
+                f"but the model takes {tuple(spec.model.input_shape)}",
+            )
+        )
+    shapes = infer_shapes(spec.model)
+    outputs = shapes[-1] if shapes else tuple(spec.model.input_shape)
+    if (
+        type(spec.model.loss).__name__ == "CrossEntropy"
+        and num_classes is not None
+        and num_classes > outputs[-1]
+    ):
+        problems.append(
+            Problem(
+                f"model.layers[{len(spec.model.layers) - 1}]",
+                f"the source has {num_classes} classes, but the model ends in {outputs[-1]} outputs",
+            )
+        )
+    return problems
+
+
 def summarize(spec: Spec) -> str:
     """A few lines for people: each layer with its output shape and parameters, and the totals.
 

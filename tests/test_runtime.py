@@ -699,3 +699,23 @@ def test_the_rate_is_the_samples_in_its_window_over_its_span(rng):
             span = kept[-1][0] - kept[0][0]
             expected = sum(s for _, s in kept[1:]) / span if len(kept) > 1 and span > 0 else 0.0
             assert rate.add(when, samples) == pytest.approx(expected, rel=1e-9)
+
+
+def test_data_that_does_not_fit_the_model_is_refused_before_any_device_work(monkeypatch):
+    from flow.errors import SpecError
+
+    existing = thread_snapshot()
+    opened = []
+    monkeypatch.setattr(runner, "open_backend", lambda devices: opened.append(devices) or CpuBackend())
+    spec = digits_spec(epochs=1, checkpoint_dir=None, metrics_file=None)
+    wrong = dataclasses.replace(
+        spec,
+        model=Model(input_shape=(1, 10, 10), layers=(Flatten(), Linear(16), Linear(7)), loss=CrossEntropy()),
+    )
+    with pytest.raises(SpecError) as caught:
+        run(wrong)
+    message = str(caught.value)
+    assert "model.input_shape" in message and "(1, 8, 8)" in message and "(1, 10, 10)" in message
+    assert "10 classes" in message and "7 outputs" in message
+    assert opened == []  # no device was opened
+    assert vkflow_threads(existing) == []
