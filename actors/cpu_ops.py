@@ -168,6 +168,18 @@ def softmax(arrays: list[np.ndarray], p: Params) -> None:
     y[: rows * cols] = (log_probs if p.get("log") else np.exp(log_probs)).reshape(-1)
 
 
+def softmax_backward(arrays: list[np.ndarray], p: Params) -> None:
+    y, dy, dx = arrays
+    rows, cols = int(p["rows"]), int(p["cols"])
+    out = y[: rows * cols].reshape(rows, cols)
+    grad = dy[: rows * cols].reshape(rows, cols)
+    if p.get("log"):
+        result = grad - np.exp(out) * grad.sum(axis=1, keepdims=True)
+    else:
+        result = out * (grad - (grad * out).sum(axis=1, keepdims=True))
+    dx[: rows * cols] = result.reshape(-1)
+
+
 def softmax_xent(arrays: list[np.ndarray], p: Params) -> None:
     logits, labels, loss_rows, correct_rows, dlogits = arrays
     rows, cols = int(p["rows"]), int(p["cols"])
@@ -360,6 +372,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "binary": binary,
     "reduce": reduce,
     "softmax": softmax,
+    "softmax_backward": softmax_backward,
     "softmax_xent": softmax_xent,
     "mse": mse,
     "conv2d": conv2d,

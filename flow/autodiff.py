@@ -466,13 +466,18 @@ class _Builder:
             if in_grad:
                 keep = h if stage.activation == "gelu" else saved["output"]
                 g.emit(_activation_backward(stage.activation, grad, keep, in_grad, count, slope))
+        elif isinstance(layer, Softmax):
+            if in_grad:
+                rows, cols = b * math.prod(stage.out_shape[:-1]), stage.out_shape[-1]
+                g.emit(
+                    launch("softmax_backward", (saved["output"], grad, in_grad), rows=rows, cols=cols, log=0)
+                )
         else:
             raise PlanError(
                 [
                     Problem(
                         f"model.layers[{stage.index}]",
-                        f"{type(layer).__name__} has no backward rule; it can only be used for "
-                        "inference (CrossEntropy already fuses the softmax)",
+                        f"{type(layer).__name__} has no backward rule, so a model with it cannot train",
                     )
                 ]
             )

@@ -299,6 +299,15 @@ _OPS: tuple[OpDef, ...] = (
         _rows_groups,
         local_size=(64, 1, 1),
     ),
+    # Backward of softmax / log-softmax from its output Y: dX for dY.
+    OpDef(
+        "softmax_backward",
+        "softmax_backward.comp",
+        ("Y", "dY", "dX"),
+        (("rows", "u"), ("cols", "u"), ("log", "u")),
+        _rows_groups,
+        local_size=(64, 1, 1),
+    ),
     # Fused softmax + cross-entropy on int labels: loss_rows[r], correct_rows[r] (1.0 if argmax == label),
     # and when write_grad, dlogits = scale * (softmax - onehot).
     OpDef(
@@ -415,6 +424,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "binary": ("Z",),
     "reduce": ("Y",),
     "softmax": ("Y",),
+    "softmax_backward": ("dX",),
     "softmax_xent": ("loss_rows", "correct_rows", "dlogits"),
     "mse": ("loss_rows", "dY"),
     "conv2d": ("Y",),

@@ -765,3 +765,29 @@ def test_elements_beyond_max_groups(backend, rng):
     out = run(backend, "unary", {"X": filled, "Y": x}, n=n, fn=UNARY_EXTRA["scale_shift"], a=2.0, b=0.5)["Y"]
     assert np.all(out[: n - 5] == np.float32(2 * value + 0.5)) and np.all(out[n:] == -1.0)
     check(out[n - 5 : n], filled[n - 5 : n].astype(np.float64) * 2 + 0.5, what="tail")
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (7, 3), (33, 257), (5, 1000)])
+@pytest.mark.parametrize("log", [0, 1])
+def test_softmax_backward_matches_the_jacobian(backend, rng, rows, cols, log):
+    x = rng.standard_normal((rows, cols)) * 3
+    dy = rng.standard_normal((rows, cols))
+    shifted = x - x.max(axis=1, keepdims=True)
+    probs = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    y = np.log(probs) if log else probs
+    # The oracle applies each row's full Jacobian: d softmax_i / d x_j = p_i (delta_ij - p_j);
+    # d log_softmax_i / d x_j = delta_ij - p_j. dX = J^T dY.
+    expected = np.empty_like(x)
+    for r in range(rows):
+        p = probs[r]
+        jacobian = np.eye(cols) - p[None, :] if log else np.diag(p) - np.outer(p, p)
+        expected[r] = jacobian.T @ dy[r]
+    out = run_op(
+        backend,
+        "softmax_backward",
+        {"Y": y.astype(np.float32), "dY": dy.astype(np.float32), "dX": np.zeros((rows, cols), np.float32)},
+        rows=rows,
+        cols=cols,
+        log=log,
+    )["dX"]
+    assert relative_error(out, expected) <= 1e-5

@@ -32,6 +32,7 @@ from flow.spec import (
     Model,
     ReLU,
     RunSettings,
+    Softmax,
     Spec,
     Synthetic,
     Tanh,
@@ -68,6 +69,8 @@ CNN = Model(
 )
 # Long K with narrow outputs: the planner splits these GEMMs over K (forward and weight gradients).
 SPLIT_K = Model(input_shape=(300,), layers=(Linear(6, activation="tanh"), Linear(4)), loss=CrossEntropy())
+# A softmax layer trained through MSE: its backward is its own rule (CrossEntropy fuses it instead).
+SOFTMAX_MSE = Model(input_shape=(6,), layers=(Linear(5, activation="tanh"), Linear(7), Softmax()), loss=MSE())
 REGRESSION = Model(input_shape=(5,), layers=(Linear(8), ReLU(), Linear(3, activation="sigmoid")), loss=MSE())
 
 
@@ -97,7 +100,9 @@ def _loss(device, backend, params, x, y) -> float:
     return float(backend.read("loss")[0])
 
 
-@pytest.mark.parametrize("model", [MLP, CNN, REGRESSION, SPLIT_K], ids=["mlp", "cnn", "mse", "split_k"])
+@pytest.mark.parametrize(
+    "model", [MLP, CNN, REGRESSION, SPLIT_K, SOFTMAX_MSE], ids=["mlp", "cnn", "mse", "split_k", "softmax_mse"]
+)
 def test_whole_model_gradients_match_finite_differences(model, rng):
     rows = 260 if model is SPLIT_K else 5
     device = plan(_spec(model, batch=rows)).devices[0]
@@ -244,7 +249,9 @@ def test_narrow_long_gemms_are_split_over_k():
     assert sum(step.op == "splitk_epilogue" for step in program.launches) == 3
 
 
-@pytest.mark.parametrize("model", [MLP, CNN, REGRESSION, SPLIT_K], ids=["mlp", "cnn", "mse", "split_k"])
+@pytest.mark.parametrize(
+    "model", [MLP, CNN, REGRESSION, SPLIT_K, SOFTMAX_MSE], ids=["mlp", "cnn", "mse", "split_k", "softmax_mse"]
+)
 def test_vulkan_matches_cpu_over_training_steps(model, vulkan_backend, rng):
     # SGD keeps updates proportional to gradients; Adam would turn rounding-level differences in
     # near-zero gradients into full-size steps (m / sqrt(v) ~ sign), which no tolerance can absorb.
