@@ -323,8 +323,8 @@ def adam(arrays: list[np.ndarray], p: Params) -> None:
         param[:n] *= dtype(1) - lr * decay
     else:
         g = g + decay * param[:n]
-    m[:n] = beta1 * m[:n] + (dtype(1) - beta1) * g
-    v[:n] = beta2 * v[:n] + (dtype(1) - beta2) * g * g
+    m[:n] = beta1 * m[:n] + dtype(p["one_minus_beta1"]) * g
+    v[:n] = beta2 * v[:n] + dtype(p["one_minus_beta2"]) * g * g
     denom = np.sqrt(v[:n] / bias2) + dtype(p["eps"])
     param[:n] -= lr * (m[:n] / bias1) / denom
 

@@ -521,6 +521,8 @@ def update_launch(optimiser: Optimiser, total: int) -> Launch:
             eps=float(optimiser.eps),
             weight_decay=float(optimiser.weight_decay),
             decoupled=int(isinstance(optimiser, AdamW)),
+            one_minus_beta1=1.0 - float(optimiser.betas[0]),
+            one_minus_beta2=1.0 - float(optimiser.betas[1]),
         )
     raise PlanError([Problem("optimiser", f"unknown optimiser {type(optimiser).__name__}")])
 

@@ -20,6 +20,8 @@ layout(push_constant) uniform Push {
     float eps;
     float weight_decay;
     uint decoupled;
+    float one_minus_beta1;  // 1 - beta1, computed in double on the host (PyTorch's rounding)
+    float one_minus_beta2;
 } pc;
 
 void main() {
@@ -35,8 +37,8 @@ void main() {
         } else {
             g += pc.weight_decay * p;
         }
-        float m = pc.beta1 * M[i] + (1.0 - pc.beta1) * g;
-        float v = pc.beta2 * V[i] + (1.0 - pc.beta2) * g * g;
+        float m = pc.beta1 * M[i] + pc.one_minus_beta1 * g;
+        float v = pc.beta2 * V[i] + pc.one_minus_beta2 * g * g;
         M[i] = m;
         V[i] = v;
         float denom = sqrt(v / bias2) + pc.eps;

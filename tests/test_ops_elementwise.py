@@ -479,8 +479,8 @@ ADAM_CASES = [(0.0, 0), (1e-2, 0), (1e-2, 1), (0.1, 1)]
 
 @pytest.mark.parametrize("weight_decay,decoupled", ADAM_CASES)
 def test_adam(backend, rng, weight_decay, decoupled):
-    # Push constants are float32, so the device sees float32(0.999), whose 1 - beta2 is 1.3e-5
-    # away from 0.001: the oracle and torch use the betas the device actually receives.
+    # Push constants are float32: the device sees float32(0.999) and the 1 - beta values it is
+    # given; the oracle and torch use exactly those (a plan passes 1 - beta from double, as torch).
     beta1, beta2, eps = float(np.float32(0.9)), float(np.float32(0.999)), 1e-8
     p0 = f32(rng.standard_normal(OPT_N))
     grads = [f32(rng.standard_normal(OPT_N) * 0.1) for _ in range(4)]
@@ -499,6 +499,8 @@ def test_adam(backend, rng, weight_decay, decoupled):
             eps=eps,
             weight_decay=weight_decay,
             decoupled=decoupled,
+            one_minus_beta1=1 - beta1,
+            one_minus_beta2=1 - beta2,
         )
         p, m, v = out["P"], out["M"], out["V"]
         # PyTorch's Adam / AdamW formulas, by hand in float64.
@@ -676,7 +678,8 @@ def test_capped_groups(backend, rng, monkeypatch):
         "adam",
         {"P": x, "G": y, "M": np.zeros(n, np.float32), "V": np.zeros(n, np.float32),
          "stepvals": f32([0.5, 1 - b1, 1 - b2, 1])},
-        n=n, beta1=b1, beta2=b2, eps=1e-8, weight_decay=0.0, decoupled=0,
+        n=n, beta1=b1, beta2=b2, eps=1e-8, weight_decay=0.0, decoupled=0, one_minus_beta1=1 - b1,
+        one_minus_beta2=1 - b2,
     )  # fmt: skip
     y64 = y.astype(np.float64)
     expected = x - 0.5 * y64 / (np.abs(y64) + 1e-8)  # step 1: m_hat = g, sqrt(v_hat) = |g|

@@ -333,3 +333,12 @@ def test_mixed_precision_on_vulkan_matches_the_cpu_emulation(vulkan_backend, rng
         assert b.loss == pytest.approx(a.loss, rel=1e-3), step
     for name, value in cpu.parameters().items():
         np.testing.assert_allclose(gpu.parameters()[name], value, rtol=1e-2, atol=1e-3, err_msg=name)
+
+
+def test_adam_gets_one_minus_beta_computed_in_double_precision():
+    # float32 arithmetic would give 1 - float32(0.999) = 0.00099998713..., 1.3e-5 away from 0.001.
+    device = plan(_spec(MLP, batch=4, optimiser=Adam(lr=0.01, betas=(0.9, 0.999)))).devices[0]
+    (update,) = [step for step in device.program("train").launches if step.op == "adam"]
+    assert update.param("one_minus_beta1") == 1.0 - 0.9
+    assert update.param("one_minus_beta2") == 1.0 - 0.999
+    assert abs(np.float32(update.param("one_minus_beta2")) - np.float32(0.001)) == 0.0
