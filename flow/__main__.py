@@ -103,6 +103,7 @@ def _bench(args: argparse.Namespace) -> int:
         print("bench/bench_mlp.py not found: the benchmarks ship with the source tree, not the wheel")
         return 2
     sys.argv = [str(script), *args.rest]
+    sys.path.insert(0, str(script.parent))  # the benchmark imports its sibling modules (common, bench_gemm)
     runpy.run_path(str(script), run_name="__main__")
     return 0
 
@@ -135,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmark against PyTorch (bench/bench_mlp.py)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=_bench)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # run and bench hand every later argument to their own parsers untouched (argparse's
+    # REMAINDER mis-splits options such as "--only e").
+    if argv and argv[0] in ("run", "bench"):
+        return (_run if argv[0] == "run" else _bench)(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     return args.handler(args)
 

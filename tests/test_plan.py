@@ -342,3 +342,12 @@ def test_adam_gets_one_minus_beta_computed_in_double_precision():
     assert update.param("one_minus_beta1") == 1.0 - 0.9
     assert update.param("one_minus_beta2") == 1.0 - 0.999
     assert abs(np.float32(update.param("one_minus_beta2")) - np.float32(0.001)) == 0.0
+
+
+def test_cli_hands_run_and_bench_options_through():
+    for command, expected in ((["bench", "--help"], "--quick"), (["run", "--help"], "--resume")):
+        done = subprocess.run(
+            [sys.executable, "-m", "flow", *command], capture_output=True, text=True, cwd=ROOT, check=False
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert expected in done.stdout
