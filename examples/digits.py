@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from flow.codec import load  # noqa: E402
-from flow.runner import run, summary  # noqa: E402
+from flow.run_command import summary  # noqa: E402
+from flow.runner import run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

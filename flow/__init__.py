@@ -40,7 +40,8 @@ def __getattr__(name: str):
     if name in _RUNTIME:
         import importlib
 
-        value = getattr(importlib.import_module("flow.runner"), name)
+        module = "flow.inference" if name == "predict" else "flow.runner"
+        value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'flow' has no attribute {name!r}")

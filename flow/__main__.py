@@ -89,7 +89,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flow.runner import main_run
+    from flow.run_command import main_run
 
     return main_run(args.rest)
 

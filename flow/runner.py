@@ -4,8 +4,8 @@ runs them in one trio nursery, and turns what happens into a result or one clear
 - :func:`run` trains (sync; ``trio.run`` inside) and returns a :class:`RunResult`.
 - :func:`open_pipeline` does the same inside a trio program (``async with``), and in
   ``mode="predict"`` lets the caller ``await p.feed(x)`` and read predictions as a stream.
-- :func:`predict` streams predictions from a checkpoint or a spec (sync, no trio needed).
-- :func:`main_run` is the ``python -m flow run FILE [--resume DIR]`` command.
+
+Predictions without trio live in flow.inference, the ``run`` command in flow.run_command.
 
 Shutdown is structured. At the end of the data every actor drains its inbox and closes its
 outboxes, so the end flows downstream: the loader's final mark makes the device snapshot, the sink
@@ -18,14 +18,12 @@ here are closed in ``finally``.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,12 +34,12 @@ from actors import checkpoint as checkpoints
 from actors import devices as devices_module
 from actors import optimiser as optim
 from actors.backend import Backend, memory_budget
-from actors.device import DeviceActor, predict_batches
+from actors.device import DeviceActor
 from actors.engine import Engine
 from actors.loader import Loader, Schedule, jobs, total_steps
 from actors.messages import Batch, Cursor, EvalDone, Prediction
 from actors.optimiser import OptimiserActor
-from actors.preprocess import Preprocess, transform_batch
+from actors.preprocess import Preprocess
 from actors.progress import Progress
 from actors.sink import Sink
 from actors.statistics import ActorStatistics, HookList, Hooks, Meter
@@ -692,161 +690,3 @@ def run(
         return p.result
 
     return trio.run(main)
-
-
-def _load_model(
-    model: Spec | str | Path | checkpoints.Checkpoint,
-) -> tuple[Spec, dict[str, np.ndarray] | None]:
-    if isinstance(model, Spec):
-        return model, None
-    if isinstance(model, checkpoints.Checkpoint):
-        return model.spec, model.state
-    path = Path(model)
-    if path.suffix in (".json", ".msgpack", ".mpk"):
-        return load_spec(path), None
-    saved = checkpoints.load(path)
-    return saved.spec, saved.state
-
-
-def predict(
-    model: Spec | str | Path | checkpoints.Checkpoint,
-    data: np.ndarray | Any,
-    *,
-    stream: bool = False,
-    backend: Backend | None = None,
-) -> np.ndarray | Iterator[np.ndarray]:
-    """Predictions from a trained model, through the device's predict program.
-
-    Args:
-        model: a checkpoint (file, directory or loaded), or a spec (file or record: fresh weights).
-        data: inputs [n, *input_shape], or a source spec record (e.g. ``Digits()``: every sample,
-            in index order). The spec's ``data.preprocess`` is applied either way.
-        stream: yield one array per batch instead of returning one array.
-        backend: a backend to use and keep open; None opens the one the spec selects.
-
-    Returns:
-        [n, *output_shape] (probabilities for CrossEntropy models), or a generator of such arrays.
-    """
-    spec, state = _load_model(model)
-    outputs = _predict_stream(spec, state, data, backend)
-    if stream:
-        return outputs
-    parts = list(outputs)
-    if parts:
-        return np.concatenate(parts)
-    out_shape = plan(spec).devices[0].layout.tensor("output").shape[1:]
-    return np.zeros((0, *out_shape), np.float32)
-
-
-def _predict_stream(spec: Spec, state, data, backend: Backend | None) -> Iterator[np.ndarray]:
-    owned = backend is None
-    backend = open_backend(spec.devices) if owned else backend
-    source = None
-    try:
-        engine = Engine(
-            plan(spec, budget=memory_budget(backend.facts, spec.devices.memory_fraction)).devices[0], backend
-        )
-        optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state)
-        size = spec.data.batch_size
-        if isinstance(data, np.ndarray) or isinstance(data, list):
-            array = np.asarray(data, dtype=np.float32)
-            if array.shape == tuple(spec.model.input_shape):
-                array = array[None]
-
-            def read(start: int) -> np.ndarray:
-                return array[start : start + size]
-
-            count = array.shape[0]
-        else:
-            from loaders import open_source
-
-            source = open_source(data)
-            count = len(source)
-
-            def read(start: int) -> np.ndarray:
-                return source.read(np.arange(start, min(start + size, count)))[0]
-
-        def batches() -> Iterator[np.ndarray]:
-            for position, start in enumerate(range(0, count, size)):
-                rows = read(start)
-                batch = Batch(
-                    seq=position,
-                    epoch=0,
-                    position=position,
-                    indices=np.arange(len(rows)),
-                    x=rows,
-                    y=None,
-                    split="predict",
-                )
-                yield transform_batch(
-                    batch, spec.data.preprocess, (), spec.data.seed, tuple(spec.model.input_shape)
-                ).x
-
-        yield from predict_batches(engine, batches())
-    finally:
-        if source is not None:
-            source.close()
-        if owned:
-            backend.close()
-
-
-# -- the command line ------------------------------------------------------------------------------
-
-
-def summary(result: RunResult) -> str:
-    """A short report of a run, whose last line is ``accuracy: 0.XXXX`` when there was an evaluation.
-
-    Args:
-        result: the run's result.
-
-    Returns:
-        The lines, joined.
-    """
-    lines = [f"device: {result.device}", f"steps: {result.steps} (epochs {result.epochs})"]
-    if result.loss is not None:
-        lines.append(f"final loss: {result.loss:.4f}")
-    if result.checkpoint:
-        lines.append(f"checkpoint: {result.checkpoint}")
-    lines.append(f"time: {result.seconds:.1f} s")
-    if result.accuracy is not None:
-        lines.append(f"accuracy: {result.accuracy:.4f}")
-    return "\n".join(lines)
-
-
-def main_run(argv: Sequence[str]) -> int:
-    """``python -m flow run FILE [--resume DIR] [--device SELECT]``.
-
-    Args:
-        argv: the arguments after ``run``.
-
-    Returns:
-        The exit status: 0 done, 1 failed, 130 interrupted (after writing a checkpoint).
-    """
-    parser = argparse.ArgumentParser(prog="python -m flow run", description="Train a spec.")
-    parser.add_argument("file", help="the spec (.json, .msgpack or .mpk)")
-    parser.add_argument(
-        "--resume", metavar="DIR", help="continue from the newest checkpoint in DIR (or a file)"
-    )
-    parser.add_argument(
-        "--device", metavar="SELECT", help="override devices.select: cpu, auto, an index or a name"
-    )
-    args = parser.parse_args(list(argv))
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
-        spec = load_spec(args.file)
-        if args.device is not None:
-            select: int | str = int(args.device) if args.device.isdigit() else args.device
-            spec = replace(spec, devices=replace(spec.devices, select=select))
-        result = run(spec, resume=args.resume)
-    except KeyboardInterrupt as interrupt:
-        notes = getattr(interrupt, "__notes__", [])
-        print(
-            "interrupted" + (f"; {notes[-1].removeprefix('vkflow: interrupted; ')}" if notes else ""),
-            file=sys.stderr,
-        )
-        return 130
-    except (ActorError, ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    print(summary(result))
-    return 0

@@ -32,8 +32,10 @@ from actors.progress import Progress, ProgressState, Rate, eta_seconds, format_l
 from actors.statistics import Hooks, InlinePolicy, Meter
 from flow.codec import load as load_spec
 from flow.codec import save as save_spec
+from flow.inference import predict
 from flow.plan import plan
-from flow.runner import ActorError, main_run, open_pipeline, predict, resume_conflicts, run
+from flow.run_command import main_run
+from flow.runner import ActorError, open_pipeline, resume_conflicts, run
 from flow.spec import (
     Adam,
     CrossEntropy,
