@@ -36,6 +36,8 @@ import common
 import numpy as np
 from common import Reporter, import_torch, median, open_vulkan, section, torch_target
 
+from shaders.registry import gemm_shared_bytes
+
 DEFAULT_TILES = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
 TILE_CONFIGS = (
     DEFAULT_TILES,
@@ -64,7 +66,7 @@ def tile_problem(backend, tiles: dict[str, int]) -> str | None:
     if threads > backend.facts.max_workgroup_invocations:
         allowed = backend.facts.max_workgroup_invocations
         return f"needs {threads} threads per workgroup; the device allows {allowed}"
-    shared = 4 * tiles["BK"] * (tiles["BM"] + 1 + tiles["BN"] + 1)
+    shared = gemm_shared_bytes(tiles["BM"], tiles["BN"], tiles["BK"])
     if shared > backend.facts.shared_memory_bytes:
         return f"needs {shared} B of shared memory; the device has {backend.facts.shared_memory_bytes}"
     return None

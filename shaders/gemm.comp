@@ -1,12 +1,15 @@
 // C[M,N] = act(alpha * op(A) @ op(B) + (accumulate ? C : 0) + bias[N]), fp32, row-major.
 // trans_a: A is stored [K,M]; trans_b: B is stored [N,K]. Any M, N, K (tiles are bounds-checked).
 //
-// One workgroup computes a BM x BN tile of C. Its (BM/TM)*(BN/TN) threads (local_size_x must
-// equal that) each own a contiguous TM x TN block of it, so each k step reads its TM values of
-// A and TN of B from shared memory as vec4s (a quarter of the shared loads of scalar reads;
-// threads of one row or column read the same words, a broadcast). A and B stream through
-// shared memory BK at a time, both stored k-major; the next K tile is prefetched into registers
-// while the current one is multiplied, hiding global latency.
+// One workgroup computes a BM x BN tile of C with (BM/TM)*(BN/TN) threads (local_size_x must
+// equal that). Each thread owns TM x TN outputs, as a grid of sub-blocks up to 4 x 4 that are
+// spread over the tile (rows g * BM/RGM + ty * SWM + r, likewise columns): so in the inner loop
+// the threads of a warp read consecutive vec4s of a shared row, which is free of bank conflicts
+// (contiguous TM x TN blocks put successive threads TN words apart: a 2-way conflict at TN = 8).
+//
+// A and B stream through shared memory BK at a time, both stored k-major, double-buffered: the
+// next K tile is loaded from global memory into registers while the current one is multiplied,
+// then stored into the other buffer, so each K step needs one barrier, not two.
 //
 // The transposition flags are the specialisation constants TA and TB (tune_gemm copies them
 // from the launch's trans_a / trans_b; the push constants are ignored here), so every load path
@@ -14,6 +17,8 @@
 // the NVIDIA compiler's scheduling (see gemm_coopmat.comp). VEC (bit 0: A, bit 1: B, bit 2: C)
 // says the contiguous dimension of that operand is a multiple of 4, so its rows start 16-byte
 // aligned and the operand is loaded (stored, for C) as vec4 granules; otherwise scalar loads.
+// GM > 1 visits the workgroups in bands of GM tile rows, so tiles running at the same time
+// share their panels of A and B in L2.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 // [[unroll]]: the register tiles must stay in registers; a loop the driver leaves rolled indexes
@@ -29,6 +34,7 @@ layout(constant_id = 7) const uint TN = 4;
 layout(constant_id = 8) const uint TA = 0;   // A stored [K,M]
 layout(constant_id = 9) const uint TB = 0;   // B stored [N,K]
 layout(constant_id = 10) const uint VEC = 0; // vec4 access: bit 0 A, bit 1 B, bit 2 C
+layout(constant_id = 11) const uint GM = 1;  // tile rows per L2 band
 
 layout(std430, set = 0, binding = 0) readonly buffer ABuf { float A[]; };
 layout(std430, set = 0, binding = 0) readonly buffer ABuf4 { vec4 A4[]; };
@@ -58,35 +64,39 @@ layout(push_constant) uniform Push {
 const uint WM = BM / TM;  // threads along m
 const uint WN = BN / TN;  // threads along n
 const uint NT = WM * WN;  // threads per workgroup
+// Sub-blocks: SWM x SWN outputs each (4 when TM, TN allow), RGM x RGN of them per thread, the
+// groups BM/RGM rows (BN/RGN columns) apart. Integer arithmetic only: glslang 13.1 emits
+// invalid SPIR-V for ?: between specialisation constants.
+const uint TM4 = uint(TM % 4u == 0u);
+const uint TN4 = uint(TN % 4u == 0u);
+const uint SWM = TM4 * 4u + (1u - TM4) * TM;
+const uint SWN = TN4 * 4u + (1u - TN4) * TN;
+const uint RGM = TM / SWM;
+const uint RGN = TN / SWN;
+const uint GSM = BM / RGM;  // row distance between a thread's sub-blocks
+const uint GSN = BN / RGN;
 // Contiguous tile extent of each operand in global memory, and its granule width (4 when the
-// rows are 16-byte aligned and the tile extent takes whole vec4s, else 1). Integer arithmetic
-// only: glslang 13.1 emits invalid SPIR-V for ?: between specialisation constants.
+// rows are 16-byte aligned and the tile extent takes whole vec4s, else 1).
 const uint TA1 = TA & 1u;
 const uint TB1 = TB & 1u;
 const uint A_ROW = TA1 * BM + (1u - TA1) * BK;
 const uint B_ROW = TB1 * BK + (1u - TB1) * BN;
 const uint GA = 1u + 3u * ((VEC & 1u) & (1u - ((A_ROW | (A_ROW >> 1u)) & 1u)));
 const uint GB = 1u + 3u * ((VEC >> 1u) & 1u & (1u - ((B_ROW | (B_ROW >> 1u)) & 1u)));
-const bool VC = (VEC & 4u) != 0u && TN % 4u == 0u;
+const bool VC = (VEC & 4u) != 0u && SWN == 4u;
 // Shared rows (k-major), in floats: 4 words of padding keep rows 16-byte aligned for the vec4
 // reads of the inner loop and shift successive k rows across the banks for the column stores.
 const uint SA = BM + 4u;
 const uint SB = BN + 4u;
+const uint A_BUF = BK * SA / 4u;  // vec4s per buffer
+const uint B_BUF = BK * SB / 4u;
 const uint A_GRAN = BM * BK / GA;  // granules per tile
 const uint B_GRAN = BK * BN / GB;
 const uint A_LOADS = (A_GRAN + NT - 1u) / NT;
 const uint B_LOADS = (B_GRAN + NT - 1u) / NT;
 
-shared vec4 As[BK * SA / 4u];
-shared vec4 Bs[BK * SB / 4u];
-
-void store_a(uint idx, float v) {
-    As[idx >> 2u][idx & 3u] = v;
-}
-
-void store_b(uint idx, float v) {
-    Bs[idx >> 2u][idx & 3u] = v;
-}
+shared vec4 As[2u * A_BUF];
+shared vec4 Bs[2u * B_BUF];
 
 // (row along m, k) within the tile of A granule l; the granule runs along the contiguous dim.
 uvec2 a_slot(uint l) {
@@ -132,42 +142,69 @@ vec4 load_b(uint l, uint n0, uint kt, uint k_end) {
     return v;
 }
 
-void put_a(uint l, vec4 v) {
+// Store granule l into buffer `base` (in vec4s) of the k-major A tile.
+void put_a(uint base, uint l, vec4 v) {
     if (l < A_GRAN) {
         uvec2 s = a_slot(l);
+        uint w = s.y * SA + s.x;  // word offset in the buffer
         if (GA == 1u) {
-            store_a(s.y * SA + s.x, v.x);
+            As[base + (w >> 2u)][w & 3u] = v.x;
         } else if (TA != 0u) {
-            As[(s.y * SA + s.x) >> 2u] = v;  // along m: one aligned vec4
+            As[base + (w >> 2u)] = v;  // along m: one aligned vec4
         } else {
             [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-                store_a((s.y + c) * SA + s.x, v[c]);
+                uint wc = w + c * SA;
+                As[base + (wc >> 2u)][wc & 3u] = v[c];
             }
         }
     }
 }
 
-void put_b(uint l, vec4 v) {
+void put_b(uint base, uint l, vec4 v) {
     if (l < B_GRAN) {
         uvec2 s = b_slot(l);
+        uint w = s.y * SB + s.x;
         if (GB == 1u) {
-            store_b(s.y * SB + s.x, v.x);
+            Bs[base + (w >> 2u)][w & 3u] = v.x;
         } else if (TB == 0u) {
-            Bs[(s.y * SB + s.x) >> 2u] = v;  // along n: one aligned vec4
+            Bs[base + (w >> 2u)] = v;  // along n: one aligned vec4
         } else {
             [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-                store_b((s.y + c) * SB + s.x, v[c]);
+                uint wc = w + c * SB;
+                Bs[base + (wc >> 2u)][wc & 3u] = v[c];
             }
         }
     }
+}
+
+// Column (row) of C in the tile for a thread's output column j (row i).
+uint tile_col(uint tx, uint j) {
+    return (j / SWN) * GSN + tx * SWN + j % SWN;
+}
+
+uint tile_row(uint ty, uint i) {
+    return (i / SWM) * GSM + ty * SWM + i % SWM;
 }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint tx = tid % WN;
     const uint ty = tid / WN;
-    const uint m0 = gl_WorkGroupID.y * BM;
-    const uint n0 = gl_WorkGroupID.x * BN;
+    // Tile coordinates, banded for L2 reuse when GM > 1.
+    uint tile_m = gl_WorkGroupID.y;
+    uint tile_n = gl_WorkGroupID.x;
+    if (GM > 1u) {
+        uint across = gl_NumWorkGroups.x;
+        uint linear = gl_WorkGroupID.y * across + gl_WorkGroupID.x;
+        uint band = linear / (GM * across);
+        uint first = band * GM;
+        uint rows = min(gl_NumWorkGroups.y - first, GM);
+        uint inside = linear - band * GM * across;
+        tile_m = first + inside % rows;
+        tile_n = inside / rows;
+    }
+    const uint m0 = tile_m * BM;
+    const uint n0 = tile_n * BN;
     const uint M = p.M;
     const uint N = p.N;
     const uint K = p.K;
@@ -186,25 +223,20 @@ void main() {
     vec4 ra[A_LOADS];
     vec4 rb[B_LOADS];
 
-    // Prefetch the first K tile.
+    // The first K tile goes straight into buffer 0.
     [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
-        ra[i] = load_a(tid + i * NT, m0, k_begin, k_end);
+        put_a(0u, tid + i * NT, load_a(tid + i * NT, m0, k_begin, k_end));
     }
     [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
-        rb[i] = load_b(tid + i * NT, n0, k_begin, k_end);
+        put_b(0u, tid + i * NT, load_b(tid + i * NT, n0, k_begin, k_end));
     }
+    barrier();
 
+    uint stage = 0u;
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
-        [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
-            put_a(tid + i * NT, ra[i]);
-        }
-        [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
-            put_b(tid + i * NT, rb[i]);
-        }
-        barrier();
-
-        uint k1 = k0 + BK;
-        if (k1 < k_end) {
+        const uint k1 = k0 + BK;
+        const bool more = k1 < k_end;
+        if (more) {
             [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
                 ra[i] = load_a(tid + i * NT, m0, k1, k_end);
             }
@@ -213,35 +245,37 @@ void main() {
             }
         }
 
+        const uint a_base = stage * A_BUF;
+        const uint b_base = stage * B_BUF;
         [[unroll]] for (uint kk = 0u; kk < BK; ++kk) {
             float a[TM];
             float b[TN];
-            if (TM % 4u == 0u) {
-                [[unroll]] for (uint q = 0u; q < TM / 4u; ++q) {
-                    vec4 v = As[(kk * SA + ty * TM) / 4u + q];
-                    a[4u * q] = v.x;
-                    a[4u * q + 1u] = v.y;
-                    a[4u * q + 2u] = v.z;
-                    a[4u * q + 3u] = v.w;
-                }
-            } else {
-                [[unroll]] for (uint i = 0u; i < TM; ++i) {
-                    uint idx = kk * SA + ty * TM + i;
-                    a[i] = As[idx >> 2u][idx & 3u];
+            [[unroll]] for (uint g = 0u; g < RGM; ++g) {
+                uint w = kk * SA + g * GSM + ty * SWM;
+                if (SWM == 4u) {
+                    vec4 v = As[a_base + (w >> 2u)];
+                    a[4u * g] = v.x;
+                    a[4u * g + 1u] = v.y;
+                    a[4u * g + 2u] = v.z;
+                    a[4u * g + 3u] = v.w;
+                } else {
+                    [[unroll]] for (uint r = 0u; r < SWM; ++r) {
+                        a[g * SWM + r] = As[a_base + ((w + r) >> 2u)][(w + r) & 3u];
+                    }
                 }
             }
-            if (TN % 4u == 0u) {
-                [[unroll]] for (uint q = 0u; q < TN / 4u; ++q) {
-                    vec4 v = Bs[(kk * SB + tx * TN) / 4u + q];
-                    b[4u * q] = v.x;
-                    b[4u * q + 1u] = v.y;
-                    b[4u * q + 2u] = v.z;
-                    b[4u * q + 3u] = v.w;
-                }
-            } else {
-                [[unroll]] for (uint j = 0u; j < TN; ++j) {
-                    uint idx = kk * SB + tx * TN + j;
-                    b[j] = Bs[idx >> 2u][idx & 3u];
+            [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+                uint w = kk * SB + h * GSN + tx * SWN;
+                if (SWN == 4u) {
+                    vec4 v = Bs[b_base + (w >> 2u)];
+                    b[4u * h] = v.x;
+                    b[4u * h + 1u] = v.y;
+                    b[4u * h + 2u] = v.z;
+                    b[4u * h + 3u] = v.w;
+                } else {
+                    [[unroll]] for (uint c = 0u; c < SWN; ++c) {
+                        b[h * SWN + c] = Bs[b_base + ((w + c) >> 2u)][(w + c) & 3u];
+                    }
                 }
             }
             [[unroll]] for (uint i = 0u; i < TM; ++i) {
@@ -250,58 +284,66 @@ void main() {
                 }
             }
         }
+
+        if (more) {
+            // Into the other buffer: every thread finished reading it before the last barrier.
+            stage ^= 1u;
+            [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+                put_a(stage * A_BUF, tid + i * NT, ra[i]);
+            }
+            [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+                put_b(stage * B_BUF, tid + i * NT, rb[i]);
+            }
+        }
         barrier();
     }
 
-    // Same order as cpu_ops.gemm: scale, then the old C, then the bias, then act.
-    const uint nt = n0 + tx * TN;
+    // Same order as cpu_ops.gemm: scale, then the old C, then the bias, then act. No `continue`
+    // inside these unrolled loops: a loop the compiler cannot unroll indexes acc dynamically.
     [[unroll]] for (uint i = 0u; i < TM; ++i) {
-        uint m = m0 + ty * TM + i;
-        if (m >= M) {
-            continue;
-        }
-        if (VC) {
-            // N % 4 == 0 and nt % 4 == 0: each group of 4 columns is wholly in or out.
-            [[unroll]] for (uint q = 0u; q < TN / 4u; ++q) {
-                uint n = nt + 4u * q;
-                if (n >= N) {
-                    continue;
+        const uint m = m0 + tile_row(ty, i);
+        if (m < M) {
+            if (VC) {
+                // N % 4 == 0 and every sub-block starts at a multiple of 4: wholly in or out.
+                [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+                    const uint n = n0 + tile_col(tx, 4u * h);
+                    if (n < N) {
+                        vec4 v = vec4(acc[i * TN + 4u * h], acc[i * TN + 4u * h + 1u],
+                                      acc[i * TN + 4u * h + 2u], acc[i * TN + 4u * h + 3u]);
+                        if (splits > 1u) {
+                            C4[((gl_WorkGroupID.z * M + m) * N + n) >> 2u] = v;
+                        } else {
+                            uint o = (m * N + n) >> 2u;
+                            v *= p.alpha;
+                            if (p.accumulate != 0u) {
+                                v += C4[o];
+                            }
+                            if (p.has_bias != 0u) {
+                                v += bias4[n >> 2u];
+                            }
+                            C4[o] = vec4(vk_activate(v.x, p.act, p.slope), vk_activate(v.y, p.act, p.slope),
+                                         vk_activate(v.z, p.act, p.slope), vk_activate(v.w, p.act, p.slope));
+                        }
+                    }
                 }
-                vec4 v = vec4(acc[i * TN + 4u * q], acc[i * TN + 4u * q + 1u],
-                              acc[i * TN + 4u * q + 2u], acc[i * TN + 4u * q + 3u]);
-                if (splits > 1u) {
-                    C4[((gl_WorkGroupID.z * M + m) * N + n) >> 2u] = v;
-                    continue;
+            } else {
+                [[unroll]] for (uint j = 0u; j < TN; ++j) {
+                    const uint n = n0 + tile_col(tx, j);
+                    if (n < N) {
+                        if (splits > 1u) {
+                            C[(gl_WorkGroupID.z * M + m) * N + n] = acc[i * TN + j];
+                        } else {
+                            float v = acc[i * TN + j] * p.alpha;
+                            if (p.accumulate != 0u) {
+                                v += C[m * N + n];
+                            }
+                            if (p.has_bias != 0u) {
+                                v += bias[n];
+                            }
+                            C[m * N + n] = vk_activate(v, p.act, p.slope);
+                        }
+                    }
                 }
-                uint o = (m * N + n) >> 2u;
-                v *= p.alpha;
-                if (p.accumulate != 0u) {
-                    v += C4[o];
-                }
-                if (p.has_bias != 0u) {
-                    v += bias4[n >> 2u];
-                }
-                C4[o] = vec4(vk_activate(v.x, p.act, p.slope), vk_activate(v.y, p.act, p.slope),
-                             vk_activate(v.z, p.act, p.slope), vk_activate(v.w, p.act, p.slope));
-            }
-        } else {
-            [[unroll]] for (uint j = 0u; j < TN; ++j) {
-                uint n = nt + j;
-                if (n >= N) {
-                    continue;
-                }
-                if (splits > 1u) {
-                    C[(gl_WorkGroupID.z * M + m) * N + n] = acc[i * TN + j];
-                    continue;
-                }
-                float v = acc[i * TN + j] * p.alpha;
-                if (p.accumulate != 0u) {
-                    v += C[m * N + n];
-                }
-                if (p.has_bias != 0u) {
-                    v += bias[n];
-                }
-                C[m * N + n] = vk_activate(v, p.act, p.slope);
             }
         }
     }

@@ -121,6 +121,12 @@ def _rows_groups(params, local, spec) -> Groups:
     return capped_groups(int(params["rows"]), 1)
 
 
+def gemm_shared_bytes(bm: int, bn: int, bk: int) -> int:
+    """Shared memory gemm.comp needs for these tiles: two buffers of BK rows of BM + 4 and BN + 4
+    floats (the padding keeps vec4 rows aligned and spreads column stores over the banks)."""
+    return 2 * bk * (bm + 4 + bn + 4) * 4
+
+
 # GEMM tile shapes (BM, BN, BK, TM, TN), largest first; each uses 256 threads.
 GEMM_TILES: tuple[tuple[int, int, int, int, int], ...] = (
     (128, 64, 16, 8, 4),  # 128x128 with 8x8 per thread spills registers on NVIDIA (10x slower)
@@ -155,8 +161,8 @@ def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
     m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
     if getattr(facts, "kind", "cpu") != "cpu":
         shared = getattr(facts, "shared_memory_bytes", 0)
-        # The shader's shared tiles: BK rows of BM + 4 and of BN + 4 floats.
-        fitting = [t for t in GEMM_TILES if (t[0] + t[1] + 8) * t[2] * 4 <= shared]
+        # The shader's shared tiles, double-buffered: 2 x BK rows of BM + 4 and of BN + 4 floats.
+        fitting = [t for t in GEMM_TILES if gemm_shared_bytes(*t[:3]) <= shared]
         for tile in fitting:
             choice = tile
             if ceil_div(m, tile[0]) * ceil_div(n, tile[1]) >= GEMM_MIN_WORKGROUPS:
@@ -254,7 +260,17 @@ _OPS: tuple[OpDef, ...] = (
         _gemm_groups,
         local_size=(256, 1, 1),
         # TA/TB: transposition flags (from trans_a/trans_b via tune_gemm); VEC: vec4 access mask.
-        spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4), ("TA", 0), ("TB", 0), ("VEC", 0)),
+        spec=(
+            ("BM", 64),
+            ("BN", 64),
+            ("BK", 16),
+            ("TM", 4),
+            ("TN", 4),
+            ("TA", 0),
+            ("TB", 0),
+            ("VEC", 0),
+            ("GM", 1),
+        ),
         local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]), 1, 1),
         tune=tune_gemm,
     ),

@@ -1,0 +1,286 @@
+"""Sweep fp32 GEMM tile configurations over the shapes vkflow's models actually launch.
+
+For each configuration (tiles, optional split-K) the script first checks one launch against numpy
+on an odd shape with every transposition pair, then times each shape with Vulkan timestamp queries
+(median over repetitions of a program of back-to-back launches separated by barriers, as in a
+training step; split-K adds its epilogue launch to the time). torch.matmul on the same shapes and
+transpositions (TF32 off) is timed with CUDA events in the same run when CUDA is present.
+
+    python bench/sweep_gemm.py [--quick] [--out FILE]
+
+One JSON line per (config, shape); then, per shape, the configs sorted by time against cuBLAS. The
+registry's tile choice (``tune_gemm``) is timed too, under the name ``tuned``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from common import import_torch, median, open_vulkan
+
+from actors.single_op import single_op_layout
+from flow.program import Barrier, Program, launch
+from shaders.registry import gemm_shared_bytes
+
+# (M, N, K, trans_a, trans_b, what)
+SHAPES = (
+    (256, 1024, 784, 0, 0, "small fwd1"),
+    (256, 1024, 1024, 0, 0, "small fwd2"),
+    (256, 1024, 1024, 0, 1, "small dX2"),
+    (1024, 1024, 256, 1, 0, "small dW2"),
+    (784, 1024, 256, 1, 0, "small dW1"),
+    (8192, 4096, 4096, 0, 0, "large fwd"),
+    (8192, 4096, 4096, 0, 1, "large dX"),
+    (4096, 4096, 8192, 1, 0, "large dW"),
+    (4096, 4096, 4096, 0, 0, "4096^3"),
+    (4000, 4000, 4000, 0, 0, "4000^3"),
+)
+QUICK_SHAPES = ((96, 128, 80, 0, 0, "quick"), (64, 96, 64, 1, 0, "quick dW"))
+SMALL = 300  # M or N below this: also try split-K
+
+
+def config(bm, bn, bk, tm, tn, gm=1, splits=1) -> dict[str, int]:
+    return {"BM": bm, "BN": bn, "BK": bk, "TM": tm, "TN": tn, "GM": gm, "splits": splits}
+
+
+CONFIGS = (
+    config(128, 128, 8, 8, 8),
+    config(128, 128, 8, 8, 8, gm=8),
+    config(128, 128, 16, 8, 8, gm=8),
+    config(128, 64, 16, 8, 4),
+    config(128, 64, 8, 8, 4, gm=8),
+    config(64, 128, 16, 4, 8),
+    config(64, 64, 16, 4, 4),
+    config(64, 64, 8, 8, 4),
+    config(64, 64, 16, 8, 8),
+    config(64, 64, 16, 4, 4, splits=2),
+    config(64, 64, 8, 8, 8, splits=2),
+    config(32, 64, 16, 2, 4),
+    config(32, 64, 16, 4, 4),
+    config(32, 64, 32, 4, 4),
+    config(64, 32, 16, 4, 2),
+    config(32, 32, 16, 2, 2),
+    config(32, 32, 16, 4, 4),
+    config(64, 64, 16, 8, 8, splits=4),
+    config(128, 64, 16, 8, 4, splits=2),
+)
+QUICK_CONFIGS = (config(64, 64, 16, 4, 4), config(32, 64, 16, 2, 4, splits=2), config(128, 128, 8, 8, 8))
+CHECK = (67, 45, 33)
+
+
+def name(cfg: dict[str, int] | None) -> str:
+    if cfg is None:
+        return "tuned"
+    text = f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']}/{cfg['TM']}x{cfg['TN']}"
+    if cfg["GM"] > 1:
+        text += f" gm{cfg['GM']}"
+    if cfg["splits"] > 1:
+        text += f" split{cfg['splits']}"
+    return text
+
+
+class Case:
+    """One GEMM shape on the backend, operands stored as the transposition flags say."""
+
+    def __init__(self, backend, m: int, n: int, k: int, ta: int, tb: int, splits: int, seed: int = 0) -> None:
+        self.backend, self.m, self.n, self.k, self.ta, self.tb = backend, m, n, k, ta, tb
+        rng = np.random.default_rng(seed)
+        self.a = rng.uniform(-1, 1, (k, m) if ta else (m, k)).astype(np.float32)
+        self.b = rng.uniform(-1, 1, (n, k) if tb else (k, n)).astype(np.float32)
+        arrays = {
+            "A": self.a,
+            "B": self.b,
+            "bias": np.empty(n, np.float32),
+            "C": np.empty((m, n), np.float32),
+            "W": np.empty((max(splits, 1) * m, n), np.float32),
+        }
+        backend.open_layout(single_op_layout(arrays))
+        backend.write("A", self.a)
+        backend.write("B", self.b)
+        backend.write("bias", rng.uniform(-1, 1, n).astype(np.float32))
+
+    def steps(self, splits: int) -> list:
+        params = {
+            "M": self.m,
+            "N": self.n,
+            "K": self.k,
+            "trans_a": self.ta,
+            "trans_b": self.tb,
+            "has_bias": 1,
+        }
+        if splits <= 1:
+            return [launch("gemm", ("A", "B", "bias", "C"), **params)]
+        return [
+            launch("gemm", ("A", "B", "bias", "W"), **params, k_splits=splits),
+            Barrier(),
+            launch("splitk_epilogue", ("W", "bias", "C"), M=self.m, N=self.n, splits=splits, has_bias=1),
+        ]
+
+    def program(self, splits: int, repeats: int) -> Program:
+        steps: list = []
+        for index in range(repeats):
+            if index:
+                steps.append(Barrier())
+            steps += self.steps(splits)
+        return Program(name="sweep", steps=tuple(steps))
+
+    def record(self, cfg: dict[str, int] | None, repeats: int, pool=None) -> int:
+        splits = cfg["splits"] if cfg else 1
+        tiles = {key: value for key, value in (cfg or {}).items() if key != "splits"}
+        overrides = {"gemm": tiles} if tiles else None
+        return self.backend.record(
+            self.program(splits, repeats), 0, spec_overrides=overrides, timestamps=pool
+        )
+
+    def error(self, cfg: dict[str, int] | None) -> float:
+        self.backend.wait(self.backend.submit(self.record(cfg, 1)))
+        got = self.backend.read("C").astype(np.float64)
+        op_a = self.a.T if self.ta else self.a
+        op_b = self.b.T if self.tb else self.b
+        bias = self.backend.read("bias").astype(np.float64)
+        want = op_a.astype(np.float64) @ op_b.astype(np.float64) + bias
+        return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+    def seconds(self, cfg: dict[str, int] | None, target_s: float, reps: int) -> float:
+        splits = cfg["splits"] if cfg else 1
+        per = 1 if splits <= 1 else 2  # launches per GEMM
+
+        def timed(repeats: int, times: int) -> list[float]:
+            pool = self.backend.timestamp_pool(repeats * per + 1)
+            handle = self.record(cfg, repeats, pool)
+            out: list[float] = []
+            for _ in range(times):
+                self.backend.wait(self.backend.submit(handle))
+                stamps = self.backend.read_timestamps_ns(pool)
+                # per-GEMM time: timestamp after its last launch minus after the previous GEMM's
+                out.extend(np.diff(stamps[::per]).tolist())
+            return out
+
+        probe = median(timed(2, 2)) * 1e-9
+        repeats = int(min(200, max(3, round(target_s / max(probe, 1e-9)))))
+        return median(timed(repeats, reps)) * 1e-9
+
+
+def torch_seconds(torch, m, n, k, ta, tb, reps: int) -> float | None:
+    if torch is None or not torch.cuda.is_available():
+        return None
+    dev = "cuda"
+    a = torch.rand((k, m) if ta else (m, k), device=dev)
+    b = torch.rand((n, k) if tb else (k, n), device=dev)
+    op_a, op_b = (a.t() if ta else a), (b.t() if tb else b)
+    c = torch.empty((m, n), device=dev)
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            torch.matmul(op_a, op_b, out=c)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 20 * 1e-3)
+    return median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--only", default="", help="comma-separated substrings of shape names")
+    args = parser.parse_args()
+    backend, why_not = open_vulkan()
+    if backend is None:
+        print(json.dumps({"bench": "sweep_gemm", "status": "not available", "reason": why_not}))
+        return
+    torch = import_torch()
+    if torch is not None and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.only:
+        shapes = tuple(s for s in shapes if any(word in s[5] for word in args.only.split(",")))
+    configs = QUICK_CONFIGS if args.quick else CONFIGS
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
+
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+
+    usable: list[dict[str, int] | None] = [None]
+    for cfg in configs:
+        threads = (cfg["BM"] // cfg["TM"]) * (cfg["BN"] // cfg["TN"])
+        shared = gemm_shared_bytes(cfg["BM"], cfg["BN"], cfg["BK"])
+        if threads > backend.facts.max_workgroup_invocations or shared > backend.facts.shared_memory_bytes:
+            emit({"bench": "sweep_gemm", "config": name(cfg), "status": "skipped", "threads": threads,
+                  "shared": shared})  # fmt: skip
+            continue
+        worst = 0.0
+        try:
+            for ta, tb in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                case = Case(backend, *CHECK, ta, tb, cfg["splits"], seed=ta * 2 + tb)
+                worst = max(worst, case.error(cfg))
+        except Exception as error:  # noqa: BLE001 - one bad config must not end the sweep
+            emit({"bench": "sweep_gemm", "config": name(cfg), "status": "failed", "error": repr(error)[:300]})
+            continue
+        ok = worst <= 1e-5
+        emit(
+            {
+                "bench": "sweep_gemm",
+                "config": name(cfg),
+                "check_error": worst,
+                "status": "ok" if ok else "wrong",
+            }
+        )
+        if ok:
+            usable.append(cfg)
+
+    summary = []
+    for m, n, k, ta, tb, what in shapes:
+        flop = 2.0 * m * n * k
+        ref = torch_seconds(torch, m, n, k, ta, tb, args.reps)
+        rows = []
+        for cfg in usable:
+            if cfg and cfg["splits"] > 1 and min(m, n) >= SMALL * 4:
+                continue  # split-K is for shapes with few tiles
+            started = time.perf_counter()
+            try:
+                case = Case(backend, m, n, k, ta, tb, cfg["splits"] if cfg else 1)
+                seconds = case.seconds(cfg, 0.02 if min(m, n) < SMALL else 0.05, args.reps)
+            except Exception as error:  # noqa: BLE001
+                emit({"bench": "sweep_gemm", "shape": what, "config": name(cfg), "status": "failed",
+                      "error": repr(error)[:300]})  # fmt: skip
+                continue
+            record = {
+                "bench": "sweep_gemm",
+                "shape": what,
+                "mnk": [m, n, k],
+                "trans": [ta, tb],
+                "config": name(cfg),
+                "us": round(seconds * 1e6, 2),
+                "tflops": round(flop / seconds / 1e12, 2),
+                "vs_cublas": round(ref / seconds, 3) if ref else None,
+                "wall_s": round(time.perf_counter() - started, 2),
+            }
+            emit(record)
+            rows.append(record)
+        rows.sort(key=lambda r: r["us"])
+        summary.append((what, ref, rows))
+
+    print()
+    for what, ref, rows in summary:
+        cublas = f"cuBLAS {ref * 1e6:.1f} us" if ref else "no cuBLAS"
+        print(f"{what}: {cublas}")
+        for record in rows[:6]:
+            speed = f"{record['us']:>9.1f} us {record['tflops']:>7.2f} TFLOP/s"
+            print(f"   {record['config']:<28} {speed}  {record['vs_cublas']}")
+    if out:
+        out.close()
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()
