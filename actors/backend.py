@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from flow.program import Layout, Program
+from flow.program import Layout, Program, Tensor
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class QueueFamily:
     graphics: bool
     compute: bool
     transfer: bool
+    timestamp_bits: int = 0  # timestampValidBits: 0 means the family's queues cannot write timestamps
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,15 @@ class Backend(Protocol):
     def read(self, tensor: str, slot: int = 0) -> np.ndarray:
         """Copy a tensor back to the host, shaped and typed as declared."""
 
+    def staging_view(self, tensor: str, slot: int = 0) -> np.ndarray:
+        """A writable host array (pinned staging memory on a GPU) shaped and typed as ``tensor``,
+        for ``upload``. One per tensor and slot, allocated on first use and reused."""
+
+    def upload(self, tensor: str, slot: int = 0, data: np.ndarray | None = None) -> int:
+        """Queue a copy of the staging array (after copying ``data`` into it, if given) into
+        ``tensor``; returns a ticket that ``wait`` accepts. Programs submitted later that bind the
+        tensor's memory run after the copy. Never blocks on the GPU."""
+
     def record(self, program: Program, slot: int = 0) -> int:
         """Record ``program`` bound to ``slot``'s per-slot tensors; returns a handle to replay."""
 
@@ -123,6 +133,49 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Free every device object. Safe to call twice."""
+
+
+def upload_target(
+    layout: Layout | None, tensor: str, slot: int, slots: int, data: np.ndarray | None = None
+) -> Tensor:
+    """Check the arguments of ``staging_view``/``upload`` before any device work.
+
+    Args:
+        layout: the open layout (None: no layout open yet).
+        tensor: the tensor's name.
+        slot: which per-slot copy and staging buffer; must be in ``range(slots)`` for every tensor,
+            so one slot number means the same thing for inputs and weights.
+        slots: the slots the layout was opened with.
+        data: values to stage, if any: exactly the tensor's dtype (no silent casts), and its shape
+            or the flat shape ``(size,)``.
+
+    Returns:
+        The tensor's record.
+
+    Raises:
+        RuntimeError: no layout is open.
+        KeyError: no such tensor.
+        IndexError: slot out of range.
+        TypeError: data of another dtype.
+        ValueError: data of another shape.
+    """
+    if layout is None:
+        raise RuntimeError(f"upload to {tensor!r}: no layout is open (call open_layout first)")
+    try:
+        spec = layout.tensor(tensor)
+    except KeyError:
+        raise KeyError(f"upload: layout has no tensor named {tensor!r}") from None
+    if not 0 <= slot < max(slots, 1):
+        raise IndexError(f"upload to {tensor!r}: slot {slot} out of range (0..{max(slots, 1) - 1})")
+    if data is not None:
+        array = np.asarray(data)
+        if array.dtype != np.dtype(spec.dtype):
+            raise TypeError(f"upload to {tensor!r}: data is {array.dtype}, the tensor holds {spec.dtype}")
+        if array.shape not in (tuple(spec.shape), (spec.size,)):
+            raise ValueError(
+                f"upload to {tensor!r}: data has shape {array.shape}, the tensor is {tuple(spec.shape)}"
+            )
+    return spec
 
 
 def run_program(backend: Backend, program: Program, slot: int = 0) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from actors import cpu_ops
-from actors.backend import DeviceFacts, MemoryHeap
+from actors.backend import DeviceFacts, MemoryHeap, upload_target
 from flow.program import Barrier, Layout, Program, Tensor
 from shaders.registry import op as op_def
 
@@ -50,6 +50,7 @@ class CpuBackend:
         self._layout: Layout | None = None
         self._arenas: dict[tuple[str, int], np.ndarray] = {}
         self._recorded: list[tuple[Program, int]] = []
+        self._staging: dict[tuple[str, int], np.ndarray] = {}
         self._ticket = 0
         self.slots = 0
 
@@ -58,6 +59,7 @@ class CpuBackend:
         self.slots = slots
         self._arenas = {}
         self._recorded = []
+        self._staging = {}
         self.__dict__.pop("_run_program_cache", None)
         for arena in layout.arenas:
             for slot in range(slots if arena.per_slot else 1):
@@ -90,6 +92,25 @@ class CpuBackend:
         spec = self._layout.tensor(tensor)
         return self._view(spec, slot).reshape(spec.shape).copy()
 
+    def staging_view(self, tensor: str, slot: int = 0) -> np.ndarray:
+        """A host array shaped and typed as declared (not widened: it stands for pinned host
+        memory), which ``upload`` copies into the tensor."""
+        spec = upload_target(self._layout, tensor, slot, self.slots)
+        key = (tensor, slot)
+        if key not in self._staging:
+            self._staging[key] = np.zeros(spec.shape, dtype=np.dtype(spec.dtype))
+        return self._staging[key]
+
+    def upload(self, tensor: str, slot: int = 0, data: np.ndarray | None = None) -> int:
+        """Copy the staging array (after ``data``, if given) into the tensor now; the ticket is done."""
+        spec = upload_target(self._layout, tensor, slot, self.slots, data)
+        staging = self.staging_view(tensor, slot)
+        if data is not None:
+            staging.reshape(-1)[:] = np.asarray(data).reshape(-1)
+        self._view(spec, slot)[:] = staging.reshape(-1)
+        self._ticket += 1
+        return self._ticket
+
     def record(self, program: Program, slot: int = 0) -> int:
         self._recorded.append((program, slot))
         return len(self._recorded) - 1
@@ -118,3 +139,4 @@ class CpuBackend:
     def close(self) -> None:
         self._arenas = {}
         self._recorded = []
+        self._staging = {}

@@ -66,9 +66,17 @@ def activation_derivative(saved: np.ndarray, code: int, slope: float) -> np.ndar
 def gemm(arrays: list[np.ndarray], p: Params) -> None:
     a, b, bias, c = arrays
     m, n, k = int(p["M"]), int(p["N"]), int(p["K"])
-    op_a = a[: m * k].reshape(k, m).T if p.get("trans_a") else a[: m * k].reshape(m, k)
+    # ones_row: row M-1 of op(A) is all ones and A stores only M-1 rows (C's last row = the
+    # column sums of op(B): a bias gradient beside its weight gradient).
+    stored = m - min(int(p.get("ones_row", 0)), 1)
+    op_a = a[: stored * k].reshape(k, stored).T if p.get("trans_a") else a[: stored * k].reshape(stored, k)
+    if stored < m:
+        op_a = np.vstack([op_a, np.ones((1, k), op_a.dtype)])
     op_b = b[: k * n].reshape(n, k).T if p.get("trans_b") else b[: k * n].reshape(k, n)
     splits = int(p.get("k_splits", 1))
+    act_grad = int(p.get("act_grad", 0))
+    if act_grad and (splits > 1 or p.get("has_bias")):
+        raise ValueError("gemm: act_grad binds the saved activation in place of the bias, without split-K")
     if splits > 1:
         # Split-K: raw partial sums per K slice into C viewed as [splits, M, N]; splitk_epilogue
         # finishes them. (The GPU slices K in multiples of its tile depth; sums agree to rounding.)
@@ -83,6 +91,9 @@ def gemm(arrays: list[np.ndarray], p: Params) -> None:
         result = result + out
     if p.get("has_bias"):
         result = result + bias[:n]
+    if act_grad:
+        # binding 2 holds the previous layer's saved activation D[M,N]: multiply by f'(D)
+        result = result * activation_derivative(bias[: m * n].reshape(m, n), act_grad, p.get("slope", 0.0))
     out[...] = activate(result.astype(out.dtype, copy=False), int(p.get("act", 0)), p.get("slope", 0.0))
 
 
@@ -91,6 +102,22 @@ def gemm_coopmat(arrays: list[np.ndarray], p: Params) -> None:
     a, b, bias, c = arrays
     rounded = [a.astype(np.float16).astype(a.dtype), b.astype(np.float16).astype(b.dtype)]
     gemm([*rounded, bias, c], {**p, "k_splits": 1})
+
+
+def gemm_coopmat_f16(arrays: list[np.ndarray], p: Params) -> None:
+    """gemm_coopmat with float16 A and B: the shader multiplies the halves as stored (products of
+    halves are exact in fp32) and sums in fp32, so this widens them to C's type and multiplies.
+
+    Raises:
+        TypeError: A or B is not a float16 tensor (reading fp32 data as halves gives garbage on the
+            GPU, so the emulation refuses it rather than agreeing).
+    """
+    a, b, bias, c = arrays
+    # In float64 precision the backend widens float16 tensors to float32 (and float32 to float64).
+    half = np.float32 if c.dtype == np.float64 else np.float16
+    if a.dtype != half or b.dtype != half:
+        raise TypeError(f"gemm_coopmat_f16 needs float16 A and B tensors, got {a.dtype} and {b.dtype}")
+    gemm([a.astype(c.dtype), b.astype(c.dtype), bias, c], {**p, "k_splits": 1})
 
 
 def splitk_epilogue(arrays: list[np.ndarray], p: Params) -> None:
@@ -367,6 +394,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "gemm": gemm,
     "splitk_epilogue": splitk_epilogue,
     "gemm_coopmat": gemm_coopmat,
+    "gemm_coopmat_f16": gemm_coopmat_f16,
     "unary": unary,
     "unary_backward": unary_backward,
     "binary": binary,

@@ -13,8 +13,15 @@ inbox. Two tasks share the work so the queue never stalls on a result:
   count, or the predictions), frees the slot and reports downstream, in order. A fence wait
   blocks, and a hop to a worker thread costs ~50-100 µs, a third of a small step on a fast GPU.
   So while other actors have work for the event loop the completer polls (a check costs ~1 µs)
-  between their turns, and it waits in a worker thread (under the device's own CapacityLimiter)
-  only when the loop would otherwise sit idle.
+  between their turns. When the loop would otherwise sit idle it keeps polling for up to
+  ``SPIN_S``, so a small step's end is seen at once and the next one submitted; only a longer wait
+  goes to a worker thread (under the device's own CapacityLimiter). A device that is itself the
+  CPU (lavapipe) needs the cores: there the completer never spins.
+
+Which slots are free is kept by :class:`InputSlots`. Where the backend maps the slots' memory and
+the batches need no transform, the loader takes a free slot for each batch and reads the batch
+straight into it (``Batch.slot``), and the feeder only submits: the batch is copied once, from
+the source into device memory, instead of being gathered into a new array and copied again.
 
 A :class:`CheckpointMark` is a barrier: the feeder stops submitting until the completer has
 reported everything before it and taken a :class:`Snapshot` of the weights, which are then exactly
@@ -29,12 +36,14 @@ outside the (cancelled) run.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
-from trio.lowlevel import enable_ki_protection
+from trio.lowlevel import ParkingLot, enable_ki_protection
 
 from actors import optimiser as optim
 from actors.engine import Engine
@@ -44,13 +53,76 @@ from flow.spec import CrossEntropy
 
 _PROGRAMS = {"train": "train", "val": "eval", "predict": "predict"}
 
+# How long the completer polls an idle event loop before it waits in a thread. A hop to a thread
+# and back costs ~50-100 µs, a quarter of a small step on a fast GPU, and with K = 2 the next
+# submission waits for it; past 1 ms of waiting it is under a tenth of the wait.
+SPIN_S = 1e-3
 
-@dataclass
+
+class InputSlots:
+    """The device's K input slots: which are free, and where a batch can be filled in place.
+
+    A slot is free when no step in flight uses it and its results have been read. Without
+    ``views`` only the device takes free slots (it copies each batch in). With them, the one
+    producer that fills batches in place takes a slot per batch (:meth:`take`) and the device gives
+    it back once the step that used it is done (:meth:`give`); a batch is then never written into
+    a slot the device is still running, and at most K batches are filled ahead of the device.
+
+    Args:
+        count: K.
+        views: per slot, (x [batch_size, *input_shape], y flat) views of its memory; None when
+            batches are not filled in place.
+    """
+
+    def __init__(self, count: int, views: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+        self.count = count
+        self.views = list(views) if views is not None else None
+        self._free: deque[int] = deque(range(count))
+        self._waiting = ParkingLot()
+
+    @property
+    def in_place(self) -> bool:
+        """Whether a producer fills batches straight into the slots."""
+        return self.views is not None
+
+    def take_nowait(self) -> int | None:
+        """A free slot, now.
+
+        Returns:
+            The slot (it is the caller's until given back), or None when every slot is in use.
+        """
+        return self._free.popleft() if self._free else None
+
+    async def take(self) -> int:
+        """A free slot, waiting for one if need be (only one task may wait at a time).
+
+        Returns:
+            The slot.
+        """
+        while not self._free:
+            await self._waiting.park()
+        return self._free.popleft()
+
+    def give(self, slot: int) -> None:
+        """Hand a slot back: it is free (its step is done and its results read, or it was never used).
+
+        Args:
+            slot: the slot.
+        """
+        self._free.append(slot)
+        self._waiting.unpark()
+
+
 class _InFlight:
-    slot: int
-    ticket: int | None  # None: an empty batch, nothing submitted
-    batch: Batch
-    lr: float = 0.0
+    """A batch the feeder has submitted (or found empty), on its way to the completer."""
+
+    __slots__ = ("slot", "ticket", "batch", "lr")
+
+    def __init__(self, slot: int, ticket: int | None, batch: Batch, lr: float) -> None:
+        self.slot = slot
+        self.ticket = ticket  # None: an empty batch, nothing submitted
+        self.batch = batch
+        self.lr = lr
 
 
 @dataclass
@@ -94,10 +166,17 @@ class DeviceActor:
         engine: the engine, with weights already on the device.
         start: where the run stands (the first training step's cursor).
         inline: wait for the device on the event loop (a fake device: deterministic, no threads).
+        slots: the engine's input slots, shared with a producer that fills them in place; None: the
+            actor's own, and every batch is copied in.
     """
 
     def __init__(
-        self, meter: Meter, engine: Engine, start: Cursor | None = None, inline: bool = False
+        self,
+        meter: Meter,
+        engine: Engine,
+        start: Cursor | None = None,
+        inline: bool = False,
+        slots: InputSlots | None = None,
     ) -> None:
         self.meter = meter
         self.engine = engine
@@ -108,8 +187,9 @@ class DeviceActor:
         self.applied = start or Cursor()  # the cursor of the last training batch submitted
         self.outstanding: deque[int] = deque()  # tickets submitted and not yet waited for
         self._eval = _EvalSums()
-        self._free: deque[int] = deque(range(engine.slots))  # slots with no step in flight
+        self.slots = slots if slots is not None else InputSlots(engine.slots)
         self._handoff: _Handoff | None = None  # the batch waiting for a slot, if any
+        self.spin_s = 0.0 if engine.backend.facts.kind == "cpu" else SPIN_S
 
     # -- the feeder ------------------------------------------------------------------------------
     async def _feed(self, pending: trio.MemorySendChannel) -> None:
@@ -133,32 +213,39 @@ class DeviceActor:
             if batch.split == "train":
                 self.applied = batch.after()
             return _InFlight(-1, None, batch, math.nan)
-        if self._free:
-            slot = self._free.popleft()
+        slot = batch.slot
+        if slot >= 0:  # filled in place: the slot is this batch's already
             with self.meter.busy():
-                ticket = self._submit_now(slot, batch)
-        else:  # the completer submits it on the next slot it frees
-            handoff = _Handoff(batch)
-            self._handoff = handoff
-            try:
-                with self.meter.blocked():
-                    await handoff.done.wait()
-            finally:
-                if self._handoff is handoff:  # cancelled before a slot came
-                    self._handoff = None
-            slot, ticket = handoff.slot, handoff.ticket
-        kind = _PROGRAMS[batch.split]
-        return _InFlight(
-            slot, ticket, batch, optim.lr(self.optimiser, batch.step) if kind == "train" else 0.0
-        )
+                ticket = self._submit_now(slot, batch, written=True)
+        else:
+            slot = self.slots.take_nowait()
+            if slot is not None:
+                with self.meter.busy():
+                    ticket = self._submit_now(slot, batch)
+            else:  # the completer submits it on the next slot it frees
+                handoff = _Handoff(batch)
+                self._handoff = handoff
+                try:
+                    with self.meter.blocked():
+                        await handoff.done.wait()
+                finally:
+                    if self._handoff is handoff:  # cancelled before a slot came
+                        self._handoff = None
+                slot, ticket = handoff.slot, handoff.ticket
+        lr = optim.lr(self.optimiser, batch.step) if batch.split == "train" else 0.0
+        return _InFlight(slot, ticket, batch, lr)
 
     @enable_ki_protection
-    def _submit_now(self, slot: int, batch: Batch) -> int:
-        """Write, submit and record the submission as one step: a Ctrl-C cannot land between
-        the submit and the bookkeeping (it waits for the next checkpoint), so an interrupted run's
-        snapshot always knows every update the device has applied."""
+    def _submit_now(self, slot: int, batch: Batch, written: bool = False) -> int:
+        """Write (unless the batch was filled in place), submit and record the submission as one
+        step: a Ctrl-C cannot land between the submit and the bookkeeping (it waits for the next
+        checkpoint), so an interrupted run's snapshot always knows every update the device has
+        applied."""
         kind = _PROGRAMS[batch.split]
-        rows = self.engine.write_batch(slot, batch.x, batch.y if kind != "predict" else None)
+        if written:
+            rows = batch.rows
+        else:
+            rows = self.engine.write_batch(slot, batch.x, batch.y if kind != "predict" else None)
         ticket = self.engine.submit(kind, slot, rows, batch.step if kind == "train" else None)
         self.outstanding.append(ticket)
         if kind == "train":
@@ -168,10 +255,15 @@ class DeviceActor:
     # -- the completer ---------------------------------------------------------------------------
     async def _wait(self, ticket: int) -> None:
         backend = self.engine.backend
+        spin_until = None
         while not (self.inline or backend.is_done(ticket)):
             if trio.lowlevel.current_statistics().tasks_runnable == 0:
-                await trio.to_thread.run_sync(backend.wait, ticket, limiter=self.limiter)
-                break
+                now = time.perf_counter()
+                if spin_until is None:
+                    spin_until = now + self.spin_s
+                if now >= spin_until:
+                    await trio.to_thread.run_sync(backend.wait, ticket, limiter=self.limiter)
+                    break
             await trio.lowlevel.checkpoint()  # let the others run, then look again
         else:
             backend.wait(ticket)  # done: only the bookkeeping (a fence to release)
@@ -184,7 +276,7 @@ class DeviceActor:
         empty = job.ticket is None
         if batch.split == "predict":
             return Prediction(batch.seq, batch.tag, batch.last, self.engine.outputs(job.slot, batch.rows))
-        loss, correct = (math.nan, 0.0) if empty else self._result(job)
+        loss, correct = (math.nan, 0.0) if empty else self.engine.loss_and_correct(job.slot)
         if batch.split == "train":
             return StepDone(batch.step, batch.epoch, batch.position, loss, correct, batch.rows, job.lr)
         if not empty:
@@ -195,10 +287,6 @@ class DeviceActor:
         rows = max(sums.rows, 1)
         accuracy = sums.correct / rows if self.classifies else math.nan
         return EvalDone(batch.step, batch.epoch, sums.loss / rows, accuracy, sums.rows)
-
-    def _result(self, job: _InFlight) -> tuple[float, float]:
-        result = self.engine.result(job.slot, job.batch.step, job.batch.rows)
-        return result.loss, result.correct
 
     async def _snapshot(self, barrier: _Barrier) -> None:
         if self.inline:
@@ -212,29 +300,36 @@ class DeviceActor:
         """A slot's step is done and its results read: submit the waiting batch there, or free it."""
         handoff, self._handoff = self._handoff, None
         if handoff is None:
-            self._free.append(slot)
+            self.slots.give(slot)
             return
         handoff.slot, handoff.ticket = slot, self._submit_now(slot, handoff.batch)
         handoff.done.set()
 
     async def _complete(self, pending: trio.MemoryReceiveChannel) -> None:
         async with pending:
-            async for job in pending:
-                if isinstance(job, _Barrier):
+            while True:
+                try:  # a job already waiting is taken without a schedule point
+                    job = pending.receive_nowait()
+                except trio.WouldBlock:
+                    try:
+                        job = await pending.receive()
+                    except trio.EndOfChannel:
+                        return
+                except trio.EndOfChannel:
+                    return
+                if isinstance(job, _InFlight):
+                    with self.meter.busy():  # waiting for the device counts: the device is working
+                        if job.ticket is not None:
+                            await self._wait(job.ticket)
+                        message = self._report(job)  # reads the slot's results before it is reused
+                        if job.ticket is not None:
+                            self._release(job.slot)
+                    if message is not None:
+                        await self.meter.send(message)
+                elif isinstance(job, _Barrier):
                     await self._snapshot(job)
-                    continue
-                if isinstance(job, _Forward):
-                    if job.message is not None:
-                        await self.meter.send(job.message)
-                    continue
-                with self.meter.busy():  # waiting for the device counts: the device is working
-                    if job.ticket is not None:
-                        await self._wait(job.ticket)
-                    message = self._report(job)  # reads the slot's results before it is reused
-                    if job.ticket is not None:
-                        self._release(job.slot)
-                if message is not None:
-                    await self.meter.send(message)
+                elif job.message is not None:
+                    await self.meter.send(job.message)
 
     async def run(self) -> None:
         """Run until the inbox ends and every submitted step is reported; then close the outboxes."""

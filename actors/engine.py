@@ -4,6 +4,12 @@ device; programs are recorded once per (program, slot) and replayed.
 This is the synchronous core the device actor drives (the actor adds trio, channels and
 statistics). It never records per step: a step writes the batch and the step values into its
 slot's host-visible io tensors and submits the slot's pre-recorded program.
+
+Where the backend maps those io tensors into host memory (``write_into``: the Vulkan backend's
+host-visible memory), the engine keeps a numpy view of each slot's small io tensors and writes the
+step values and labels, and reads the loss and correct count, through them: an element store or
+load instead of a backend call that costs several microseconds of Python each, every step. The
+same views let a producer fill a batch in place (:meth:`Engine.input_views`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,25 @@ import numpy as np
 from actors.backend import Backend
 from flow.plan import DevicePlan, init_parameters
 from flow.spec import SGD, Adam, AdamW, CrossEntropy, learning_rate
+
+
+@dataclass(frozen=True)
+class SlotViews:
+    """Numpy views straight onto one slot's io tensors in mapped device memory.
+
+    Attributes:
+        x: the inputs, [batch_size, *input_shape].
+        y: the labels or targets, flat [batch_size * per_row].
+        stepvals: the per-step values [4].
+        loss: [1].
+        correct: [1].
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    stepvals: np.ndarray
+    loss: np.ndarray
+    correct: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,30 @@ class Engine:
         self._handles: dict[tuple[str, int, int], int] = {}
         # Only a classifier counts correct answers; for regression the count is not a number.
         self.has_accuracy = isinstance(device_plan.model.loss, CrossEntropy)
+        self._views = [self._slot_views(slot) for slot in range(self.slots)]
+
+    def _slot_views(self, slot: int) -> SlotViews | None:
+        """Views of ``slot``'s io tensors, or None where the backend maps no memory. They stay valid
+        while this engine's layout is open (a new Engine on the same backend replaces it)."""
+        write_into = getattr(self.backend, "write_into", None)
+        if write_into is None:
+            return None
+        views = {name: write_into(name, slot) for name in ("x", "y", "stepvals", "loss", "correct")}
+        if any(view is None for view in views.values()):
+            return None
+        views["y"] = views["y"].reshape(-1)
+        return SlotViews(**views)
+
+    def input_views(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Each slot's (x [batch_size, *input_shape], y flat) views in mapped device memory, for a
+        producer that fills batches in place; None where the backend maps no memory.
+
+        Returns:
+            One (x, y) pair per slot, or None.
+        """
+        if any(views is None for views in self._views):
+            return None
+        return [(views.x, views.y) for views in self._views]  # type: ignore[union-attr]
 
     # -- state ----------------------------------------------------------------------------------
     def initialise(self, scheme: str, seed: int) -> None:
@@ -98,22 +147,47 @@ class Engine:
         rows = int(x.shape[0])
         if not 1 <= rows <= self.plan.batch_size:
             raise ValueError(f"batch of {rows} rows; this plan takes 1..{self.plan.batch_size}")
-        self.backend.write("x", x, slot)
+        self.backend.write("x", x, slot)  # the backend picks how to move a large array
         if y is not None:
-            self.backend.write("y", y, slot)
+            views = self._views[slot]
+            flat = np.asarray(y).reshape(-1)
+            if views is not None and flat.size <= views.y.size:
+                views.y[: flat.size] = flat  # a shorter write fills a prefix, as backend.write does
+            else:
+                self.backend.write("y", y, slot)
         return rows
 
     def submit(self, kind: str, slot: int, rows: int, step: int | None = None) -> int:
         """Submit a recorded program on a slot whose batch is already written; returns a ticket."""
         if kind == "train":
             assert step is not None, "a train step needs its step index"
-            self.backend.write("stepvals", step_values(self.plan.optimiser, step), slot)
+            values = step_values(self.plan.optimiser, step)
+            views = self._views[slot]
+            if views is not None:
+                views.stepvals[:] = values
+            else:
+                self.backend.write("stepvals", values, slot)
         return self.backend.submit(self._handle(kind, rows, slot))
+
+    def loss_and_correct(self, slot: int) -> tuple[float, float]:
+        """The finished program's loss and correct count on ``slot`` (NaN count for regression).
+
+        Args:
+            slot: the slot whose program is done.
+
+        Returns:
+            (loss, correct).
+        """
+        views = self._views[slot]
+        if views is not None:
+            loss = float(views.loss[0])
+            return loss, float(views.correct[0]) if self.has_accuracy else float("nan")
+        loss = float(self.backend.read("loss", slot)[0])
+        return loss, float(self.backend.read("correct", slot)[0]) if self.has_accuracy else float("nan")
 
     def result(self, slot: int, step: int, rows: int) -> StepResult:
         """Loss and correct count of the finished program on ``slot``."""
-        loss = float(self.backend.read("loss", slot)[0])
-        correct = float(self.backend.read("correct", slot)[0]) if self.has_accuracy else float("nan")
+        loss, correct = self.loss_and_correct(slot)
         return StepResult(step=step, loss=loss, correct=correct, rows=rows)
 
     def outputs(self, slot: int, rows: int) -> np.ndarray:

@@ -12,6 +12,10 @@ Reads run in worker threads under the loader's own CapacityLimiter (``workers`` 
 slow disk overlaps with the device); results leave in stream order whatever order they finish in.
 A read measured to cost less than a hop to a thread (a gather from an in-memory source) runs on
 the event loop instead (:class:`actors.statistics.InlinePolicy`).
+Given the device's :class:`actors.device.InputSlots` with views (no transform between the loader
+and the device, a source with ``read_into``, device memory the host can map), the loader takes a
+free slot for each batch and reads the batch straight into it: no array of its own, and no copy
+into the device afterwards.
 A run resumes from a :class:`Cursor`: the sampler is stateless given (seed, epoch), so the loader
 simply starts there.
 """
@@ -21,7 +25,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -29,6 +34,9 @@ import trio
 from actors.messages import Batch, CheckpointMark, Cursor
 from actors.statistics import InlinePolicy, Meter
 from loaders import Sampler, SamplerState
+
+if TYPE_CHECKING:
+    from actors.device import InputSlots
 
 
 @dataclass(frozen=True)
@@ -167,15 +175,22 @@ def jobs(start: Cursor, schedule: Schedule, train: Sampler, val: Sampler | None)
 
 
 class _Pending:
-    """A job's result, in flight; the consumer waits for them in stream order."""
+    """A job's result, in flight; the consumer waits for them in stream order. A result that is
+    ready when the job starts (a mark, an inline read) needs no event."""
 
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.item: Batch | CheckpointMark | None = None
+    __slots__ = ("done", "item")
+
+    def __init__(self, item: Batch | CheckpointMark | None = None) -> None:
+        self.item = item
+        self.done: trio.Event | None = trio.Event() if item is None else None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.is_set()
 
     def set(self, item: Batch | CheckpointMark) -> None:
         self.item = item
-        self.done.set()
+        if self.done is not None:
+            self.done.set()
 
 
 class Loader:
@@ -187,10 +202,18 @@ class Loader:
         jobs: the stream to produce (see :func:`jobs`).
         workers: reads in flight at once.
         inline: read on the event loop instead of in threads (deterministic tests; no threads).
+        slots: the device's input slots (actors.device.InputSlots); when they have views, batches
+            are read straight into them with ``source.read_into``.
     """
 
     def __init__(
-        self, meter: Meter, source, jobs: Iterator[Job], workers: int = 1, inline: bool = False
+        self,
+        meter: Meter,
+        source,
+        jobs: Iterator[Job],
+        workers: int = 1,
+        inline: bool = False,
+        slots: InputSlots | None = None,
     ) -> None:
         self.meter = meter
         self.source = source
@@ -199,17 +222,24 @@ class Loader:
         self.inline = inline
         self.policy = InlinePolicy(forced=True if inline else None)
         self.limiter = trio.CapacityLimiter(self.workers)
+        self.slots = slots if slots is not None and slots.in_place else None
 
-    def read(self, job: Read) -> Batch:
+    def read(self, job: Read, slot: int = -1) -> Batch:
         """Read one batch (blocking).
 
         Args:
             job: what to read.
+            slot: the device input slot to read it into, or -1 for arrays of its own.
 
         Returns:
             The batch.
         """
-        x, y, _skipped = self.source.read(job.indices)
+        if slot < 0:
+            x, y, _skipped = self.source.read(job.indices)
+        else:
+            x_slot, y_slot = self.slots.views[slot]
+            rows, _skipped = self.source.read_into(job.indices, x_slot, y_slot)
+            x, y = x_slot[:rows], y_slot[:rows]
         return Batch(
             seq=job.seq,
             epoch=job.epoch,
@@ -220,35 +250,59 @@ class Loader:
             split=job.split,
             step=job.step,
             last=job.last,
+            slot=slot,
         )
 
-    def _read_in_thread(self, job: Read) -> Batch:
+    def _read_in_thread(self, job: Read, slot: int) -> Batch:
         start = time.thread_time()
-        batch = self.read(job)
+        batch = self.read(job, slot)
         self.policy.note_thread(time.thread_time() - start)
         return batch
 
-    async def _read_into(self, job: Read, pending: _Pending) -> None:
-        with self.meter.busy():
-            pending.set(await trio.to_thread.run_sync(self._read_in_thread, job, limiter=self.limiter))
+    def _filled(self, batch: Batch) -> Batch:
+        """A batch whose every sample was skipped holds no slot: give it back at once."""
+        if batch.slot >= 0 and batch.rows == 0:
+            self.slots.give(batch.slot)
+            return replace(batch, slot=-1)
+        return batch
 
-    def _start(self, job: Job, nursery: trio.Nursery) -> _Pending:
+    async def _read_into(self, job: Read, slot: int, pending: _Pending) -> None:
+        with self.meter.busy():
+            batch = await trio.to_thread.run_sync(self._read_in_thread, job, slot, limiter=self.limiter)
+            pending.set(self._filled(batch))
+
+    def _start(self, job: Job, slot: int, nursery: trio.Nursery) -> _Pending:
         """Begin a job: a mark is ready at once, a cheap read is done inline, others go to a thread."""
-        pending = _Pending()
         if isinstance(job, CheckpointMark):
-            pending.set(job)
-        elif self.policy.inline():
+            return _Pending(job)
+        if self.policy.inline():
             with self.meter.busy():
                 start = time.perf_counter()
-                pending.set(self.read(job))
+                pending = _Pending(self._filled(self.read(job, slot)))
                 self.policy.note_inline(time.perf_counter() - start)
-        else:
-            nursery.start_soon(self._read_into, job, pending)
+            return pending
+        pending = _Pending()
+        nursery.start_soon(self._read_into, job, slot, pending)
         return pending
 
     async def _send(self, pending: _Pending) -> None:
-        await pending.done.wait()
+        if pending.done is not None:
+            await pending.done.wait()
         await self.meter.send(pending.item)
+
+    async def _slot(self, window: deque[_Pending]) -> int:
+        """A free device slot for the next read (-1 when batches are not read in place)."""
+        if self.slots is None:
+            return -1
+        slot = self.slots.take_nowait()
+        if slot is None:
+            # Every slot is held, by batches on their way to the device or by reads in the window:
+            # send the window's first, or the device could never give a slot back.
+            while window:
+                await self._send(window.popleft())
+            with self.meter.blocked():
+                slot = await self.slots.take()
+        return slot
 
     async def run(self) -> None:
         """Produce the whole stream, then close the outboxes.
@@ -261,8 +315,9 @@ class Loader:
         async with self.meter, trio.open_nursery() as nursery:
             window: deque[_Pending] = deque()
             for job in self.jobs:
-                window.append(self._start(job, nursery))
-                while window and (window[0].done.is_set() or len(window) > self.workers):
+                slot = await self._slot(window) if isinstance(job, Read) else -1
+                window.append(self._start(job, slot, nursery))
+                while window and (window[0].ready() or len(window) > self.workers):
                     await self._send(window.popleft())
             while window:
                 await self._send(window.popleft())

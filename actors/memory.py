@@ -64,6 +64,38 @@ def choose_memory_type(
     raise MemoryError(f"no memory type fits (host_visible={host_visible}, allowed bits {allowed_bits:#x})")
 
 
+def choose_staging_type(types: Sequence[MemoryType], allowed_bits: int) -> MemoryType:
+    """Pick the memory type of a pinned host staging buffer, the source of DMA uploads.
+
+    System memory (not device-local) that is host-visible and coherent, cached where offered:
+    what CUDA's pinned host memory is, so the CPU fills it at full speed and the copy engine reads
+    it across the bus. Devices whose memory is all one kind (integrated GPUs, lavapipe) fall back to
+    any host-visible coherent type.
+
+    Args:
+        types: the device's memory types.
+        allowed_bits: VkMemoryRequirements.memoryTypeBits of the buffer.
+
+    Returns:
+        The chosen type.
+
+    Raises:
+        MemoryError: when no allowed type is host-visible and coherent.
+    """
+    allowed = [t for t in types if allowed_bits & (1 << t.index)]
+    coherent = {"host_visible", "host_coherent"}
+    ranked = (
+        [t for t in allowed if coherent | {"host_cached"} <= set(t.flags) and "device_local" not in t.flags],
+        [t for t in allowed if coherent <= set(t.flags) and "device_local" not in t.flags],
+        [t for t in allowed if coherent | {"host_cached"} <= set(t.flags)],
+        [t for t in allowed if coherent <= set(t.flags)],
+    )
+    for candidates in ranked:
+        if candidates:
+            return candidates[0]
+    raise MemoryError(f"no host-visible coherent memory type for staging (allowed bits {allowed_bits:#x})")
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where one buffer lives: block ``block`` of memory type ``memory_type``, at ``offset``."""

@@ -6,6 +6,9 @@ read-only by convention and make new ones). Order on a channel is the order of t
 emits the whole schedule (training batches, evaluation batches, checkpoint marks) and every actor
 keeps that order, so the device needs no reordering and a checkpoint mark is consistent by
 construction.
+
+A batch the loader filled in place (``Batch.slot`` >= 0) holds views of a device input slot: its
+arrays are valid until the device has run that step, after which the slot is filled again.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class Batch:
         step: for "train", the step it is; for "val", the steps done when the evaluation runs.
         last: the last batch of its evaluation round, or of its fed array.
         tag: for "predict", which fed array it belongs to.
+        slot: the device input slot ``x`` and ``y`` were read straight into (views of its memory),
+            or -1 for arrays of their own that the device copies in.
     """
 
     seq: int
@@ -60,6 +65,7 @@ class Batch:
     step: int = 0
     last: bool = False
     tag: int = 0
+    slot: int = -1
 
     @property
     def rows(self) -> int:

@@ -33,6 +33,9 @@ from flow.spec import Spec
 
 STATISTICS_EVERY_S = 1.0
 
+# One encoder for every line: json.dumps with an option builds a new encoder on each call.
+_encode = json.JSONEncoder(allow_nan=False).encode
+
 
 def _number(value: float | None) -> float | None:
     """JSON has no NaN: a missing measure (regression accuracy, an empty batch's loss) is null."""
@@ -63,7 +66,7 @@ def step_record(
         "epoch": done.epoch,
         "loss": _number(done.loss),
         "accuracy": _number(accuracy),
-        "lr": done.lr,
+        "lr": _number(done.lr),  # NaN for a batch with no sample left: no update
         "samples_per_second": round(samples_per_second, 3),
         "elapsed": round(elapsed, 6),
     }
@@ -149,7 +152,7 @@ class Sink:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._metrics is not None:
-            self._metrics.write(json.dumps(record, allow_nan=False) + "\n")
+            self._metrics.write(_encode(record) + "\n")
 
     def _state(self) -> ProgressState:
         step = self.last_step.step + 1 if self.last_step else self.first_step
@@ -171,21 +174,26 @@ class Sink:
             checkpoints.save, self.checkpoint_dir, checkpoint, self.keep, limiter=self.limiter
         )
 
-    async def _handle(self, item: Any) -> None:
+    def _step(self, item: StepDone) -> None:
+        self.last_step = item
+        if self._metrics is None and not self.progress.enabled:
+            return  # nothing listens: the result needs only the last step
         now = time.monotonic()
-        elapsed = now - self.started
+        self.samples_per_second = self.rate.add(now, item.rows)
+        last = item.step + 1 >= self.total_steps
+        if self._metrics is not None:
+            statistics = None
+            if last or now >= self._next_statistics:
+                statistics = self.all_statistics()
+                self._next_statistics = now + STATISTICS_EVERY_S
+            self._write(step_record(item, self.samples_per_second, now - self.started, statistics))
+        if self.progress.due(force=last):  # building the state costs: only when it is drawn
+            self.progress.update(self._state(), force=last)
+
+    async def _handle(self, item: Any) -> None:
+        elapsed = time.monotonic() - self.started
         if isinstance(item, StepDone):
-            self.last_step = item
-            self.samples_per_second = self.rate.add(now, item.rows)
-            last = item.step + 1 >= self.total_steps
-            if self._metrics is not None:
-                statistics = None
-                if last or now >= self._next_statistics:
-                    statistics = self.all_statistics()
-                    self._next_statistics = now + STATISTICS_EVERY_S
-                self._write(step_record(item, self.samples_per_second, elapsed, statistics))
-            if self.progress.due(force=last):  # building the state costs: only when it is drawn
-                self.progress.update(self._state(), force=last)
+            self._step(item)
         elif isinstance(item, EvalDone):
             self.evals.append(item)
             self._write(eval_record(item, elapsed))
@@ -216,7 +224,10 @@ class Sink:
             async with self.meter:
                 async for item in self.meter:
                     with self.meter.busy():
-                        await self._handle(item)
+                        if isinstance(item, StepDone):  # every step: no coroutine for it
+                            self._step(item)
+                        else:
+                            await self._handle(item)
                     if self.meter.outboxes:
                         await self.meter.send(item)
         finally:

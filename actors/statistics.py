@@ -112,6 +112,14 @@ def _used(channel: Any) -> int:
     return int(stats().current_buffer_used) if stats else 0
 
 
+def _peak(channel: Any) -> int | None:
+    """The most items ``channel`` ever held, as the channel itself counts it (trio >= 0.24); None
+    when it does not, and the meter has to sample the depth on every item instead."""
+    stats = getattr(channel, "statistics", None)
+    peak = getattr(stats(), "peak_buffer_used", None) if stats else 0
+    return None if peak is None else int(peak)
+
+
 def _capacity(channel: Any) -> int:
     stats = getattr(channel, "statistics", None)
     size = stats().max_buffer_size if stats else 0
@@ -210,6 +218,13 @@ class Meter:
     work. Use it as an async context manager; leaving it cleanly closes the inbox and the outboxes,
     so the actors downstream see the end of the stream.
 
+    Moving an item costs the actor at most one schedule point: an item already waiting in the inbox
+    is taken at once (the actor yields when its inbox runs dry), and an actor with an inbox sends
+    without one when there is room. A source actor (no inbox) yields at every send, so every chain
+    of actors yields at least once per item and a cancellation reaches each actor within the few
+    items its inbox holds. Channel peaks come from the channels' own counters where they keep one,
+    so a step pays nothing for them.
+
     Args:
         name: the actor's name (statistics and hooks use it).
         inbox: the receive channel, or None for a source actor.
@@ -238,6 +253,9 @@ class Meter:
         self._blocked = 0.0
         self._inbox_peak = 0
         self._outbox_peak = 0
+        # Channels without their own peak counter (older trio, stand-ins in tests) are sampled.
+        self._sample_inbox = inbox is not None and _peak(inbox) is None
+        self._sample_outboxes = any(_peak(outbox) is None for outbox in self.outboxes)
 
     # -- receiving -------------------------------------------------------------------------------
     def __aiter__(self) -> Meter:
@@ -247,46 +265,58 @@ class Meter:
         inbox = self.inbox
         if inbox is None:
             raise StopAsyncIteration
-        used = _used(inbox)
-        if used > self._inbox_peak:
-            self._inbox_peak = used
-        clock = self._clock
-        start = clock()
+        if self._sample_inbox:
+            used = _used(inbox)
+            if used > self._inbox_peak:
+                self._inbox_peak = used
         try:
-            item = await inbox.receive()
+            item = inbox.receive_nowait()
+        except trio.WouldBlock:
+            item = await self._receive_waiting(inbox)
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
-        finally:
-            self._idle += clock() - start
         self._in += 1
         if self.hooks is not None:
             await self.hooks.received(self.name, item)
         return item
 
+    async def _receive_waiting(self, inbox: trio.MemoryReceiveChannel) -> Any:
+        clock = self._clock
+        start = clock()
+        try:
+            return await inbox.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        finally:
+            self._idle += clock() - start
+
     # -- sending ---------------------------------------------------------------------------------
     async def send(self, item: Any) -> None:
         """Send ``item`` to every outbox, waiting for space (the time counts as blocked).
 
-        An actor with an inbox yields to the scheduler at every receive, so its sends skip trio's
-        extra schedule point when there is room (``send_nowait``); a source actor always yields.
+        An actor with an inbox yields to the scheduler when its inbox runs dry, so its sends skip
+        trio's extra schedule point when there is room (``send_nowait``); a source actor always
+        yields.
 
         Args:
             item: the message.
         """
         if self.hooks is not None:
             await self.hooks.sending(self.name, item)
-        fast = self.inbox is not None
-        for outbox in self.outboxes:
-            if fast:
+        if self.inbox is not None:
+            for outbox in self.outboxes:
                 try:
                     outbox.send_nowait(item)
                 except trio.WouldBlock:
                     await self._send_waiting(outbox, item)
-            else:
+        else:
+            for outbox in self.outboxes:
                 await self._send_waiting(outbox, item)
-            used = _used(outbox)
-            if used > self._outbox_peak:
-                self._outbox_peak = used
+        if self._sample_outboxes:
+            for outbox in self.outboxes:
+                used = _used(outbox)
+                if used > self._outbox_peak:
+                    self._outbox_peak = used
         self._out += 1
         if self.hooks is not None:
             await self.hooks.sent(self.name, item)
@@ -332,6 +362,10 @@ class Meter:
         Returns:
             A frozen snapshot.
         """
+        inbox_peak = self._inbox_peak
+        if self.inbox is not None and not self._sample_inbox:
+            inbox_peak = max(inbox_peak, _peak(self.inbox) or 0)
+        outbox_peak = max(self._outbox_peak, max((_peak(o) or 0 for o in self.outboxes), default=0))
         return ActorStatistics(
             name=self.name,
             items_in=self._in,
@@ -341,7 +375,7 @@ class Meter:
             blocked_seconds=self._blocked,
             inbox_used=_used(self.inbox) if self.inbox is not None else 0,
             inbox_capacity=_capacity(self.inbox) if self.inbox is not None else 0,
-            inbox_peak=self._inbox_peak,
+            inbox_peak=inbox_peak,
             outbox_used=max((_used(o) for o in self.outboxes), default=0),
-            outbox_peak=self._outbox_peak,
+            outbox_peak=outbox_peak,
         )

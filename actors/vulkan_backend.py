@@ -5,6 +5,11 @@ records each Program into a command buffer once per slot and replays it with one
 Submissions signal a timeline semaphore (or a fence where the driver lacks timelines); ``wait``
 blocks, so the runtime calls it from a worker thread.
 
+Uploads (``staging_view`` + ``upload``) are DMA copies from pinned host staging memory on a
+transfer queue (a transfer-only family where the device has one), with a timeline of their own;
+``QueueOrder`` decides which semaphore waits keep them and the programs that bind the same
+buffers in submission order.
+
 Structs are built with ``ffi.new`` and every nested struct is bound to a name that lives until the
 call returns: the cffi binding frees temporaries early and the driver then reads garbage.
 """
@@ -12,13 +17,14 @@ call returns: the cffi binding frees temporaries early and the driver then reads
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from actors.backend import DeviceFacts, MemoryHeap, MemoryType, QueueFamily, memory_budget
-from actors.memory import BlockAllocator, Placement, choose_memory_type
+from actors.backend import DeviceFacts, MemoryHeap, MemoryType, QueueFamily, memory_budget, upload_target
+from actors.memory import BlockAllocator, Placement, choose_memory_type, choose_staging_type
 from flow.program import Barrier, Layout, Program, Tensor
 from shaders.compiler import compile_shader
 from shaders.registry import OpDef
@@ -71,6 +77,9 @@ _TIMEOUT_NS = 2**64 - 1
 _DIRECT_READ_BYTES = 1 << 20
 _PARALLEL_WRITE_BYTES = 8 << 20
 _WRITE_THREADS = 4
+# Upload tickets count on the transfer queue's own timeline; offsetting them keeps them apart from
+# the compute queue's tickets (1, 2, ...), so one ``wait``/``is_done`` serves both kinds.
+UPLOAD_TICKETS = 1 << 62
 
 
 def _check(result: int, what: str) -> None:
@@ -185,9 +194,13 @@ def _facts_for(instance, physical, index: int) -> DeviceFacts:
         "VkPhysicalDeviceTimelineSemaphoreFeatures*",
         {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_TIMELINE_SEMAPHORE_FEATURES, "pNext": f16i8},
     )
+    host_reset = ffi.new(
+        "VkPhysicalDeviceHostQueryResetFeatures*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_HOST_QUERY_RESET_FEATURES, "pNext": timeline},
+    )
     features2 = ffi.new(
         "VkPhysicalDeviceFeatures2*",
-        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, "pNext": timeline},
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, "pNext": host_reset},
     )
     lib.vkGetPhysicalDeviceFeatures2(physical, features2)
 
@@ -200,6 +213,8 @@ def _facts_for(instance, physical, index: int) -> DeviceFacts:
         features.append("storage16")
     if timeline.timelineSemaphore:
         features.append("timeline_semaphore")
+    if host_reset.hostQueryReset:
+        features.append("host_query_reset")
     if "VK_KHR_push_descriptor" in extensions:
         features.append("push_descriptors")
     if "VK_EXT_memory_budget" in extensions:
@@ -257,6 +272,7 @@ def _facts_for(instance, physical, index: int) -> DeviceFacts:
             graphics=bool(families[i].queueFlags & vk.VK_QUEUE_GRAPHICS_BIT),
             compute=bool(families[i].queueFlags & vk.VK_QUEUE_COMPUTE_BIT),
             transfer=bool(families[i].queueFlags & vk.VK_QUEUE_TRANSFER_BIT),
+            timestamp_bits=int(families[i].timestampValidBits),
         )
         for i in range(count[0])
     )
@@ -346,6 +362,96 @@ def select_device(select: int | str = "auto") -> tuple[DeviceFacts, object]:
     raise LookupError(f"no Vulkan device matches {select!r}; devices: {names}")
 
 
+def choose_upload_queue(
+    families: Sequence[QueueFamily], compute_family: int, timeline: bool
+) -> tuple[int, int]:
+    """The (family, queue index) that runs uploads.
+
+    A transfer-only family is the copy engines: DMA beside the compute units, as CUDA's copies on a
+    side stream use. Else a second queue of the compute family still lets copies overlap compute.
+    Else (lavapipe has one queue), or without timeline semaphores to order two queues, uploads
+    share the compute queue, where submission order and the programs' barriers order them.
+
+    Args:
+        families: the device's queue families.
+        compute_family: index of the family the compute queue comes from (its queue 0).
+        timeline: whether the device has timeline semaphores.
+
+    Returns:
+        (queue family index, queue index within it).
+    """
+    if timeline:
+        for family in families:
+            if family.transfer and not family.compute and not family.graphics and family.count > 0:
+                return family.index, 0
+        if any(f.index == compute_family and f.count > 1 for f in families):
+            return compute_family, 1
+    return compute_family, 0
+
+
+class QueueOrder:
+    """Which timeline value a submission must wait for, so that uploads (transfer queue) and
+    programs (compute queue) that touch the same buffer run in the order they were submitted.
+
+    Pure bookkeeping keyed by buffer, called under the backend's submit lock: a program waits for
+    the latest upload into any buffer it binds (read after write); an upload waits for the latest
+    program that binds its destination (write after read: a step still reading the last batch).
+    A wait also orders everything submitted later on the same queue, so a value already waited
+    for on that queue is never waited for again.
+    """
+
+    def __init__(self) -> None:
+        self._uploaded: dict[Hashable, int] = {}  # buffer -> transfer value of its latest upload
+        self._used: dict[Hashable, int] = {}  # buffer -> compute ticket of its latest program
+        self._compute_waited = 0
+        self._transfer_waited = 0
+
+    def program(self, buffers: Iterable[Hashable], ticket: int) -> int:
+        """Note a program submitted as ``ticket`` binding ``buffers``.
+
+        Returns:
+            The upload value it must wait for on the transfer timeline; 0 for none.
+        """
+        need = 0
+        for buffer in buffers:
+            need = max(need, self._uploaded.get(buffer, 0))
+            self._used[buffer] = ticket
+        if need <= self._compute_waited:
+            return 0
+        self._compute_waited = need
+        return need
+
+    def upload(self, buffer: Hashable, value: int) -> int:
+        """Note an upload into ``buffer`` signalling ``value`` on the transfer timeline.
+
+        Returns:
+            The compute ticket it must wait for; 0 for none.
+        """
+        self._uploaded[buffer] = value
+        need = self._used.get(buffer, 0)
+        if need <= self._transfer_waited:
+            return 0
+        self._transfer_waited = need
+        return need
+
+
+@dataclass
+class _Staging:
+    """Pinned host memory for one tensor and slot: the source of its uploads."""
+
+    buffer: object
+    memory: object
+    view: np.ndarray  # shaped and typed as the tensor, onto the mapped memory
+    ticket: int = 0  # the latest upload that reads it
+
+
+@dataclass
+class _UploadCommand:
+    handles: object  # VkCommandBuffer[1]
+    plain: object  # VkSubmitInfo signalling the transfer timeline
+    waiting: object | None  # the same, first waiting on the compute timeline
+
+
 @dataclass
 class _ArenaBuffer:
     buffer: object
@@ -360,6 +466,8 @@ class _Recorded:
     command_buffer: object
     command_buffers_ptr: object
     keep: list = field(default_factory=list)
+    buffers: frozenset = frozenset()  # (arena, slot) of every buffer it binds, for QueueOrder
+    waiting: object | None = None  # its VkSubmitInfo that first waits on the transfer timeline
 
 
 class VulkanBackend:
@@ -372,6 +480,9 @@ class VulkanBackend:
         self.budget = memory_budget(self.facts, memory_fraction)
         self._allocator = BlockAllocator(self.budget, block_bytes)
         self._lock = threading.Lock()
+        # Staging buffers and upload command buffers are made on first use, maybe from several
+        # threads (loaders); a command pool must not be used from two threads at once.
+        self._upload_lock = threading.Lock()
         self._closed = False
         self._blocks: list[object] = []
         self._block_maps: dict[int, object] = {}
@@ -384,6 +495,10 @@ class VulkanBackend:
         self._descriptor_pools: list[object] = []
         self._recorded: list[_Recorded] = []
         self._query_pools: list[TimestampPool] = []
+        self._staging: dict[tuple[str, int], _Staging] = {}
+        self._upload_commands: dict[tuple, _UploadCommand] = {}
+        self._order = QueueOrder()
+        self._uploads = 0  # the transfer timeline's last signalled value
         self.tuning = True  # per-launch specialisation (tiles) from the registry's tune functions
         self._create_device()
 
@@ -393,17 +508,33 @@ class VulkanBackend:
         # A compute-only family avoids sharing a queue with graphics work where the device has one.
         family = min((f for f in families if f.compute), key=lambda f: (f.graphics, f.index))
         self.queue_family = family.index
-        priority = ffi.new("float[]", [1.0])
-        queue_info = ffi.new(
-            "VkDeviceQueueCreateInfo*",
-            {
-                "sType": vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
-                "queueFamilyIndex": family.index,
-                "queueCount": 1,
-                "pQueuePriorities": priority,
-            },
-        )
         self.timeline = self.facts.has("timeline_semaphore")
+        self.upload_family, upload_index = choose_upload_queue(families, family.index, self.timeline)
+        upload_facts = next(f for f in families if f.index == self.upload_family)
+        # Transfer-only queues may lack timestamps (timestampValidBits 0); benchmarks check this.
+        self.upload_timestamps = upload_facts.timestamp_bits > 0
+        if self.upload_family != family.index:
+            self.upload_queue_name = f"transfer-only family {self.upload_family}"
+        elif upload_index:
+            self.upload_queue_name = f"compute family {family.index}, queue {upload_index}"
+        else:
+            self.upload_queue_name = f"the compute queue (family {family.index})"
+        priority = ffi.new("float[]", [1.0, 1.0])
+        queue_info = ffi.new("VkDeviceQueueCreateInfo[]", 2)
+        queue_info[0].sType = vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO
+        queue_info[0].queueFamilyIndex = family.index
+        queue_info[0].queueCount = 1 + (self.upload_family == family.index and upload_index == 1)
+        queue_info[0].pQueuePriorities = priority
+        queue_count = 1
+        if self.upload_family != family.index:
+            queue_info[1].sType = vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO
+            queue_info[1].queueFamilyIndex = self.upload_family
+            queue_info[1].queueCount = 1
+            queue_info[1].pQueuePriorities = priority
+            queue_count = 2
+        # Arenas are shared by the compute and transfer families without ownership transfers
+        # (a pre-recorded program cannot acquire a buffer per upload); buffers lose nothing by it.
+        self._sharing = ffi.new("uint32_t[]", [family.index, self.upload_family])
         storage16 = ffi.new(
             "VkPhysicalDevice16BitStorageFeatures*",
             {
@@ -428,7 +559,15 @@ class VulkanBackend:
                 "timelineSemaphore": int(self.timeline),
             },
         )
-        chain = timeline
+        host_reset = ffi.new(
+            "VkPhysicalDeviceHostQueryResetFeatures*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_HOST_QUERY_RESET_FEATURES,
+                "pNext": timeline,
+                "hostQueryReset": int(self.facts.has("host_query_reset")),
+            },
+        )
+        chain = host_reset
         extension_names = []
         coop = None
         if self.facts.has("cooperative_matrix"):
@@ -451,7 +590,7 @@ class VulkanBackend:
             {
                 "sType": vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
                 "pNext": chain,
-                "queueCreateInfoCount": 1,
+                "queueCreateInfoCount": queue_count,
                 "pQueueCreateInfos": queue_info,
                 "enabledExtensionCount": len(ext_strings),
                 "ppEnabledExtensionNames": ext_array,
@@ -463,35 +602,14 @@ class VulkanBackend:
         queue = ffi.new("VkQueue*")
         lib.vkGetDeviceQueue(self.device, family.index, 0, queue)
         self.queue = queue[0]
-        pool_info = ffi.new(
-            "VkCommandPoolCreateInfo*",
-            {
-                "sType": vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
-                "queueFamilyIndex": family.index,
-                "flags": vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
-            },
-        )
-        pool = ffi.new("VkCommandPool*")
-        _check(lib.vkCreateCommandPool(self.device, pool_info, ffi.NULL, pool), "vkCreateCommandPool")
-        self.command_pool = pool[0]
+        lib.vkGetDeviceQueue(self.device, self.upload_family, upload_index, queue)
+        self.upload_queue = queue[0]
+        self.command_pool = self._new_command_pool(family.index)
+        self._upload_pool = self._new_command_pool(self.upload_family)
         self._submitted = 0
         self._fences: dict[int, object] = {}
         if self.timeline:
-            type_info = ffi.new(
-                "VkSemaphoreTypeCreateInfo*",
-                {
-                    "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
-                    "semaphoreType": vk.VK_SEMAPHORE_TYPE_TIMELINE,
-                    "initialValue": 0,
-                },
-            )
-            sem_info = ffi.new(
-                "VkSemaphoreCreateInfo*",
-                {"sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, "pNext": type_info},
-            )
-            semaphore = ffi.new("VkSemaphore*")
-            _check(lib.vkCreateSemaphore(self.device, sem_info, ffi.NULL, semaphore), "vkCreateSemaphore")
-            self.semaphore = semaphore[0]
+            self.semaphore = self._new_timeline_semaphore()
             # Reused for every submit: only the signal value changes, so a replay costs one call.
             self._signal_value = ffi.new("uint64_t[]", [0])
             self._semaphore_array = ffi.new("VkSemaphore[]", [self.semaphore])
@@ -514,6 +632,75 @@ class VulkanBackend:
                 },
             )
             self._counter = ffi.new("uint64_t*")
+            self._init_upload_timeline()
+
+    def _new_command_pool(self, family: int):
+        info = ffi.new(
+            "VkCommandPoolCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+                "queueFamilyIndex": family,
+                "flags": vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+            },
+        )
+        pool = ffi.new("VkCommandPool*")
+        _check(lib.vkCreateCommandPool(self.device, info, ffi.NULL, pool), "vkCreateCommandPool")
+        return pool[0]
+
+    def _new_timeline_semaphore(self):
+        type_info = ffi.new(
+            "VkSemaphoreTypeCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
+                "semaphoreType": vk.VK_SEMAPHORE_TYPE_TIMELINE,
+                "initialValue": 0,
+            },
+        )
+        sem_info = ffi.new(
+            "VkSemaphoreCreateInfo*",
+            {"sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, "pNext": type_info},
+        )
+        semaphore = ffi.new("VkSemaphore*")
+        _check(lib.vkCreateSemaphore(self.device, sem_info, ffi.NULL, semaphore), "vkCreateSemaphore")
+        return semaphore[0]
+
+    def _init_upload_timeline(self) -> None:
+        """The transfer queue's timeline and the structs every upload and every program that waits
+        on it reuse: as for compute submits, only the values change per submit (under the lock)."""
+        self.upload_semaphore = self._new_timeline_semaphore()
+        self._upload_semaphore_array = ffi.new("VkSemaphore[]", [self.upload_semaphore])
+        self._upload_signal = ffi.new("uint64_t[]", [0])
+        self._after_compute = ffi.new("uint64_t[]", [0])  # compute ticket an upload waits for
+        self._after_upload = ffi.new("uint64_t[]", [0])  # upload value a program waits for
+        self._wait_stage = ffi.new("VkPipelineStageFlags[]", [vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT])
+        self._upload_timeline = ffi.new(
+            "VkTimelineSemaphoreSubmitInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
+                "signalSemaphoreValueCount": 1,
+                "pSignalSemaphoreValues": self._upload_signal,
+            },
+        )
+        self._upload_timeline_waiting = ffi.new(
+            "VkTimelineSemaphoreSubmitInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
+                "waitSemaphoreValueCount": 1,
+                "pWaitSemaphoreValues": self._after_compute,
+                "signalSemaphoreValueCount": 1,
+                "pSignalSemaphoreValues": self._upload_signal,
+            },
+        )
+        self._compute_timeline_waiting = ffi.new(
+            "VkTimelineSemaphoreSubmitInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
+                "waitSemaphoreValueCount": 1,
+                "pWaitSemaphoreValues": self._after_upload,
+                "signalSemaphoreValueCount": 1,
+                "pSignalSemaphoreValues": self._signal_value,
+            },
+        )
 
     # -- memory -----------------------------------------------------------------------------
     def _create_buffer(
@@ -533,6 +720,10 @@ class VulkanBackend:
                 "sharingMode": vk.VK_SHARING_MODE_EXCLUSIVE,
             },
         )
+        if self.upload_family != self.queue_family:
+            info.sharingMode = vk.VK_SHARING_MODE_CONCURRENT
+            info.queueFamilyIndexCount = 2
+            info.pQueueFamilyIndices = self._sharing
         handle = ffi.new("VkBuffer*")
         _check(lib.vkCreateBuffer(self.device, info, ffi.NULL, handle), f"vkCreateBuffer({name})")
         buffer = handle[0]
@@ -675,6 +866,245 @@ class VulkanBackend:
             return None
         buffer = ffi.buffer(target.mapped + spec.offset, spec.nbytes)
         return np.frombuffer(buffer, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
+
+    # -- uploads: DMA from pinned staging memory on the transfer queue ------------------------
+    def staging_view(self, tensor: str, slot: int = 0) -> np.ndarray:
+        """A writable numpy view of pinned host staging memory for ``tensor``: fill it, then
+        ``upload``. Like a pinned host tensor in PyTorch: the copy engine reads it directly.
+
+        Allocated on first use (one per tensor and slot, in host memory, outside the device
+        budget), reused, and freed with the layout. Blocks until the previous upload from it has
+        read it, so the view returned may be refilled at once; a view kept across uploads must
+        not be written before that upload's ticket is done.
+
+        Args:
+            tensor: a tensor of the open layout.
+            slot: which per-slot copy of the tensor (and which staging buffer).
+
+        Returns:
+            An array shaped and typed as the tensor.
+        """
+        spec = upload_target(self._layout, tensor, slot, self.slots)
+        with self._upload_lock:
+            staging = self._staging_for(spec, slot)
+        if staging.ticket:
+            self.wait(staging.ticket)
+        return staging.view
+
+    def upload(
+        self,
+        tensor: str,
+        slot: int = 0,
+        data: np.ndarray | None = None,
+        *,
+        timestamps: TimestampPool | None = None,
+        query: int = 0,
+    ) -> int:
+        """Queue a DMA copy of ``tensor``'s staging memory into the tensor, on the transfer queue.
+
+        Programs submitted afterwards that bind the tensor's buffer wait for the copy on the GPU
+        (a timeline semaphore), and the copy waits for programs submitted before it that bind
+        that buffer, so uploading the next batch never blocks the host on compute. Host access
+        (``read``, ``write``, ``write_into`` views) is not ordered: wait for the ticket first.
+
+        Args:
+            tensor: a tensor of the open layout.
+            slot: which per-slot copy of the tensor (and which staging buffer).
+            data: values to copy into the staging memory first (after the previous upload from
+                it is done): the tensor's dtype, and its shape or ``(size,)``.
+            timestamps: a pool from ``timestamp_pool``, reset with ``reset_timestamps``: the copy
+                writes its start and end into queries ``query`` and ``query + 1`` (benchmarks).
+            query: the first of the two queries.
+
+        Returns:
+            A ticket for ``wait`` and ``is_done``.
+
+        Raises:
+            KeyError, IndexError, TypeError, ValueError: bad arguments, before any device work.
+        """
+        spec = upload_target(self._layout, tensor, slot, self.slots, data)
+        if timestamps is not None:
+            if not self.upload_timestamps:
+                raise ValueError(f"upload to {tensor!r}: {self.upload_queue_name} cannot write timestamps")
+            if not 0 <= query < timestamps.count - 1:
+                raise IndexError(
+                    f"upload to {tensor!r}: queries {query} and {query + 1} are not both in the pool "
+                    f"of {timestamps.count}"
+                )
+        with self._upload_lock:
+            staging = self._staging_for(spec, slot)
+            command = self._upload_command(spec, slot, staging, timestamps, query)
+        if data is not None:
+            if staging.ticket:
+                self.wait(staging.ticket)
+            np.copyto(staging.view.reshape(-1), np.asarray(data).reshape(-1))
+        buffer = self._buffer_key(spec, slot)
+        with self._lock:
+            if self.timeline:
+                self._uploads += 1
+                after = self._order.upload(buffer, self._uploads)
+                self._upload_signal[0] = self._uploads
+                self._after_compute[0] = after
+                submit = command.waiting if after else command.plain
+                _check(lib.vkQueueSubmit(self.upload_queue, 1, submit, ffi.NULL), "vkQueueSubmit(upload)")
+                ticket = UPLOAD_TICKETS + self._uploads
+            else:
+                # One queue for everything: submission order and barriers keep the order.
+                self._submitted += 1
+                ticket = self._submitted
+                fence = self._new_fence()
+                _check(lib.vkQueueSubmit(self.upload_queue, 1, command.plain, fence), "vkQueueSubmit(upload)")
+                self._fences[ticket] = fence
+        staging.ticket = ticket
+        return ticket
+
+    def reset_timestamps(self, pool: TimestampPool) -> None:
+        """Make every query of ``pool`` writable again before ``upload(..., timestamps=pool)``.
+
+        A transfer queue cannot reset queries itself (vkCmdResetQueryPool needs a graphics or
+        compute queue), so this resets from the host where the device allows it, else with a
+        submission on the compute queue that waits for the work queued there. Call it only when
+        no submitted work still writes the pool.
+        """
+        if self.facts.has("host_query_reset"):
+            lib.vkResetQueryPool(self.device, pool.pool, 0, pool.count)
+            return
+        command = self._begin_one_shot()
+        lib.vkCmdResetQueryPool(command, pool.pool, 0, pool.count)
+        self._finish_one_shot(command)
+
+    def _buffer_key(self, tensor: Tensor, slot: int) -> tuple[str, int]:
+        assert self._layout is not None, "open_layout first"
+        arena = self._layout.arena(tensor.arena)
+        return (arena.name, slot if arena.per_slot else 0)
+
+    def _staging_for(self, spec: Tensor, slot: int) -> _Staging:
+        key = (spec.name, slot)
+        if key not in self._staging:
+            self._staging[key] = self._new_staging(f"staging for {spec.name!r} [slot {slot}]", spec)
+        return self._staging[key]
+
+    def _new_staging(self, name: str, spec: Tensor) -> _Staging:
+        """A buffer in its own allocation of pinned host memory, mapped for the buffer's life.
+        Outside the block allocator: that budget is the device-local heap's, this is host memory."""
+        info = ffi.new(
+            "VkBufferCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO,
+                "size": max(spec.nbytes, 4),
+                "usage": vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT,
+                "sharingMode": vk.VK_SHARING_MODE_EXCLUSIVE,  # only the transfer queue reads it
+            },
+        )
+        handle = ffi.new("VkBuffer*")
+        _check(lib.vkCreateBuffer(self.device, info, ffi.NULL, handle), f"vkCreateBuffer({name})")
+        buffer = handle[0]
+        requirements = ffi.new("VkMemoryRequirements*")
+        lib.vkGetBufferMemoryRequirements(self.device, buffer, requirements)
+        try:
+            memory_type = choose_staging_type(self.facts.memory_types, requirements.memoryTypeBits)
+            allocate = ffi.new(
+                "VkMemoryAllocateInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+                    "allocationSize": requirements.size,
+                    "memoryTypeIndex": memory_type.index,
+                },
+            )
+            memory = ffi.new("VkDeviceMemory*")
+            result = lib.vkAllocateMemory(self.device, allocate, ffi.NULL, memory)
+            if result != 0:
+                raise MemoryError(
+                    f"{name}: vkAllocateMemory of {int(requirements.size):,} bytes of host memory "
+                    f"(type {memory_type.index}) failed: {result}"
+                )
+        except Exception:
+            lib.vkDestroyBuffer(self.device, buffer, ffi.NULL)
+            raise
+        _check(lib.vkBindBufferMemory(self.device, buffer, memory[0], 0), f"vkBindBufferMemory({name})")
+        pointer = ffi.new("void**")
+        _check(lib.vkMapMemory(self.device, memory[0], 0, requirements.size, 0, pointer), "vkMapMemory")
+        raw = ffi.buffer(ffi.cast("char*", pointer[0]), spec.nbytes)
+        view = np.frombuffer(raw, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
+        return _Staging(buffer=buffer, memory=memory[0], view=view)
+
+    def _upload_command(
+        self, spec: Tensor, slot: int, staging: _Staging, timestamps: TimestampPool | None, query: int
+    ) -> _UploadCommand:
+        """The copy's command buffer, recorded once per tensor, slot (and timestamp queries) and
+        replayed; several may be pending at once (back-to-back uploads), hence SIMULTANEOUS_USE."""
+        pool_id = None if timestamps is None else int(ffi.cast("uintptr_t", timestamps.pool))
+        key = (spec.name, slot, pool_id, query if timestamps is not None else 0)
+        if key in self._upload_commands:
+            return self._upload_commands[key]
+        info = ffi.new(
+            "VkCommandBufferAllocateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+                "commandPool": self._upload_pool,
+                "level": vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+                "commandBufferCount": 1,
+            },
+        )
+        handles = ffi.new("VkCommandBuffer[]", 1)
+        _check(lib.vkAllocateCommandBuffers(self.device, info, handles), "vkAllocateCommandBuffers")
+        command = handles[0]
+        begin = ffi.new(
+            "VkCommandBufferBeginInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+                "flags": vk.VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT,
+            },
+        )
+        _check(lib.vkBeginCommandBuffer(command, begin), "vkBeginCommandBuffer")
+        # Copies into the same tensor land in submission order. Only transfer stages: a
+        # transfer-only queue supports no others; compute is ordered by the semaphores (or, on a
+        # shared queue, by the programs' own full barriers).
+        barrier = ffi.new(
+            "VkMemoryBarrier*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                "srcAccessMask": vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                "dstAccessMask": vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+            },
+        )
+        stage = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+        lib.vkCmdPipelineBarrier(command, stage, stage, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
+        if timestamps is not None:
+            # At the transfer stage, not top of pipe: the start then excludes waiting for the
+            # previous copy, so the pair times this copy alone (as CUDA events on a stream do).
+            lib.vkCmdWriteTimestamp(command, stage, timestamps.pool, query)
+        region = ffi.new("VkBufferCopy*", {"srcOffset": 0, "dstOffset": spec.offset, "size": spec.nbytes})
+        target = self._arena_for(spec, slot)
+        lib.vkCmdCopyBuffer(command, staging.buffer, target.buffer, 1, region)
+        if timestamps is not None:
+            lib.vkCmdWriteTimestamp(command, stage, timestamps.pool, query + 1)
+        _check(lib.vkEndCommandBuffer(command), "vkEndCommandBuffer")
+        plain = ffi.new(
+            "VkSubmitInfo*",
+            {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": handles},
+        )
+        waiting = None
+        if self.timeline:
+            plain.pNext = self._upload_timeline
+            plain.signalSemaphoreCount = 1
+            plain.pSignalSemaphores = self._upload_semaphore_array
+            waiting = ffi.new(
+                "VkSubmitInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                    "pNext": self._upload_timeline_waiting,
+                    "waitSemaphoreCount": 1,
+                    "pWaitSemaphores": self._semaphore_array,
+                    "pWaitDstStageMask": self._wait_stage,
+                    "commandBufferCount": 1,
+                    "pCommandBuffers": handles,
+                    "signalSemaphoreCount": 1,
+                    "pSignalSemaphores": self._upload_semaphore_array,
+                },
+            )
+        self._upload_commands[key] = _UploadCommand(handles, plain, waiting)
+        return self._upload_commands[key]
 
     def _staged_copy(self, arena: _ArenaBuffer, offset: int, nbytes: int, upload=None, download=None) -> None:
         staging = self._create_buffer("staging", max(nbytes, 4), True, host_reads=download is not None)
@@ -939,6 +1369,7 @@ class VulkanBackend:
         )
         _check(lib.vkBeginCommandBuffer(command, begin), "vkBeginCommandBuffer")
         keep: list = []
+        buffers: set[tuple[str, int]] = set()
         # Orders this submission after earlier ones and after host writes of its inputs.
         self._full_barrier(command)
         if timestamps is not None:
@@ -967,6 +1398,7 @@ class VulkanBackend:
             for i, name in enumerate(step.args):
                 tensor = self._layout.tensor(name)
                 arena = self._arena_for(tensor, slot)
+                buffers.add(self._buffer_key(tensor, slot))
                 infos[i].buffer = arena.buffer
                 infos[i].offset = tensor.offset
                 infos[i].range = max(4, (tensor.nbytes + 3) // 4 * 4)
@@ -1011,17 +1443,41 @@ class VulkanBackend:
             "VkSubmitInfo*",
             {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": handles},
         )
+        waiting = None
         if self.timeline:
             submit.pNext = self._timeline_submit
             submit.signalSemaphoreCount = 1
             submit.pSignalSemaphores = self._semaphore_array
-        recorded = _Recorded(command_buffer=command, command_buffers_ptr=handles, keep=[*keep, submit])
+            waiting = ffi.new(
+                "VkSubmitInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                    "pNext": self._compute_timeline_waiting,
+                    "waitSemaphoreCount": 1,
+                    "pWaitSemaphores": self._upload_semaphore_array,
+                    "pWaitDstStageMask": self._wait_stage,
+                    "commandBufferCount": 1,
+                    "pCommandBuffers": handles,
+                    "signalSemaphoreCount": 1,
+                    "pSignalSemaphores": self._semaphore_array,
+                },
+            )
+        recorded = _Recorded(
+            command_buffer=command,
+            command_buffers_ptr=handles,
+            keep=[*keep, submit],
+            buffers=frozenset(buffers),
+            waiting=waiting,
+        )
         self._recorded.append(recorded)
         return len(self._recorded) - 1
 
     # -- submission -------------------------------------------------------------------------
     def submit(self, handle: int) -> int:
-        """Queue a recorded program. Returns the ticket to wait on; never blocks on the GPU."""
+        """Queue a recorded program. Returns the ticket to wait on; never blocks on the GPU.
+
+        Where an upload into a buffer the program binds is still pending, the GPU waits for it.
+        """
         recorded = self._recorded[handle]
         submit = recorded.keep[-1]
         with self._lock:
@@ -1029,6 +1485,10 @@ class VulkanBackend:
             ticket = self._submitted
             if self.timeline:
                 self._signal_value[0] = ticket
+                after = self._order.program(recorded.buffers, ticket)
+                if after:
+                    self._after_upload[0] = after
+                    submit = recorded.waiting
                 _check(lib.vkQueueSubmit(self.queue, 1, submit, ffi.NULL), "vkQueueSubmit")
             else:
                 fence = self._new_fence()
@@ -1043,17 +1503,19 @@ class VulkanBackend:
         return handle[0]
 
     def wait(self, ticket: int, timeout_s: float | None = None) -> None:
-        """Block until ``ticket``'s submission is done (call from a worker thread under trio)."""
+        """Block until ``ticket``'s submission (a program or an upload) is done (call from a worker
+        thread under trio)."""
         timeout = _TIMEOUT_NS if timeout_s is None else int(timeout_s * 1e9)
         if self.timeline:
-            value = ffi.new("uint64_t[]", [ticket])
+            semaphores, value = self._timeline_of(ticket)
+            values = ffi.new("uint64_t[]", [value])
             info = ffi.new(
                 "VkSemaphoreWaitInfo*",
                 {
                     "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO,
                     "semaphoreCount": 1,
-                    "pSemaphores": self._semaphore_array,
-                    "pValues": value,
+                    "pSemaphores": semaphores,
+                    "pValues": values,
                 },
             )
             result = lib.vkWaitSemaphores(self.device, info, timeout)
@@ -1075,10 +1537,17 @@ class VulkanBackend:
             raise TimeoutError(f"GPU work for ticket {ticket} not done after {timeout_s} s")
         _check(result, "wait")
 
+    def _timeline_of(self, ticket: int) -> tuple[object, int]:
+        """(VkSemaphore[1] of the queue that ran ``ticket``, its value on that timeline)."""
+        if ticket > UPLOAD_TICKETS:
+            return self._upload_semaphore_array, ticket - UPLOAD_TICKETS
+        return self._semaphore_array, ticket
+
     def is_done(self, ticket: int) -> bool:
         if self.timeline:
-            lib.vkGetSemaphoreCounterValue(self.device, self.semaphore, self._counter)
-            return self._counter[0] >= ticket
+            semaphores, value = self._timeline_of(ticket)
+            lib.vkGetSemaphoreCounterValue(self.device, semaphores[0], self._counter)
+            return self._counter[0] >= value
         with self._lock:
             pending = [self._fences[t] for t in self._fences if t <= ticket]
         return all(lib.vkGetFenceStatus(self.device, f) == 0 for f in pending)
@@ -1105,6 +1574,21 @@ class VulkanBackend:
         )
         fence = self._new_fence()
         with self._lock:
+            if self.timeline and self._uploads:
+                # A staged read or write must see every upload queued before it, on either queue.
+                values = ffi.new("uint64_t[]", [self._uploads])
+                timeline = ffi.new(
+                    "VkTimelineSemaphoreSubmitInfo*",
+                    {
+                        "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
+                        "waitSemaphoreValueCount": 1,
+                        "pWaitSemaphoreValues": values,
+                    },
+                )
+                submit.pNext = timeline
+                submit.waitSemaphoreCount = 1
+                submit.pWaitSemaphores = self._upload_semaphore_array
+                submit.pWaitDstStageMask = self._wait_stage
             _check(lib.vkQueueSubmit(self.queue, 1, submit, fence), "vkQueueSubmit")
         fences = ffi.new("VkFence[]", [fence])
         _check(lib.vkWaitForFences(self.device, 1, fences, 1, _TIMEOUT_NS), "vkWaitForFences")
@@ -1142,11 +1626,20 @@ class VulkanBackend:
 
     # -- teardown ---------------------------------------------------------------------------
     def _release_layout(self) -> None:
-        if self._recorded:
+        if self._recorded or self._upload_commands or self._staging:
             lib.vkDeviceWaitIdle(self.device)
-            for recorded in self._recorded:
-                lib.vkFreeCommandBuffers(self.device, self.command_pool, 1, recorded.command_buffers_ptr)
-            self._recorded = []
+        for recorded in self._recorded:
+            lib.vkFreeCommandBuffers(self.device, self.command_pool, 1, recorded.command_buffers_ptr)
+        self._recorded = []
+        for command in self._upload_commands.values():
+            lib.vkFreeCommandBuffers(self.device, self._upload_pool, 1, command.handles)
+        self._upload_commands = {}
+        for staging in self._staging.values():
+            lib.vkDestroyBuffer(self.device, staging.buffer, ffi.NULL)
+            lib.vkFreeMemory(self.device, staging.memory, ffi.NULL)  # also unmaps it
+        self._staging = {}
+        # The device is idle: no pending upload or program constrains the new layout's buffers.
+        self._order = QueueOrder()
         self.__dict__.pop("_run_program_cache", None)
         for pool in self._descriptor_pools:
             lib.vkDestroyDescriptorPool(self.device, pool, ffi.NULL)
@@ -1176,7 +1669,9 @@ class VulkanBackend:
             lib.vkDestroyFence(self.device, fence, ffi.NULL)
         if self.timeline:
             lib.vkDestroySemaphore(self.device, self.semaphore, ffi.NULL)
+            lib.vkDestroySemaphore(self.device, self.upload_semaphore, ffi.NULL)
         lib.vkDestroyCommandPool(self.device, self.command_pool, ffi.NULL)
+        lib.vkDestroyCommandPool(self.device, self._upload_pool, ffi.NULL)
         for index, block in enumerate(self._blocks):
             if index in self._block_maps:
                 lib.vkUnmapMemory(self.device, block)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 from common import import_torch, median, open_vulkan
 
 from actors.single_op import single_op_layout
 from flow.program import Barrier, Program, launch
+from shaders import gemm_tuning
 from shaders.registry import gemm_shared_bytes
 
 # (M, N, K, trans_a, trans_b, what)
@@ -37,37 +39,50 @@ SHAPES = (
     (4096, 4096, 8192, 1, 0, "large dW"),
     (4096, 4096, 4096, 0, 0, "4096^3"),
     (4000, 4000, 4000, 0, 0, "4000^3"),
+    (256, 1024, 10, 0, 1, "small dX3"),
+    (1024, 10, 256, 1, 0, "small dW3"),
 )
 QUICK_SHAPES = ((96, 128, 80, 0, 0, "quick"), (64, 96, 64, 1, 0, "quick dW"))
+
 SMALL = 300  # M or N below this: also try split-K
 
 
-def config(bm, bn, bk, tm, tn, gm=1, splits=1) -> dict[str, int]:
-    return {"BM": bm, "BN": bn, "BK": bk, "TM": tm, "TN": tn, "GM": gm, "splits": splits}
+def config(bm, bn, bk, tm, tn, gm=1, splits=1, sk=1, db=1) -> dict[str, int]:
+    return {"BM": bm, "BN": bn, "BK": bk, "TM": tm, "TN": tn, "GM": gm, "SK": sk, "DB": db, "splits": splits}
 
 
 CONFIGS = (
-    config(128, 128, 8, 8, 8),
+    # big tiles, for shapes with thousands of them
     config(128, 128, 8, 8, 8, gm=8),
-    config(128, 128, 16, 8, 8, gm=8),
-    config(128, 64, 16, 8, 4),
-    config(128, 64, 8, 8, 4, gm=8),
-    config(64, 128, 16, 4, 8),
-    config(64, 64, 16, 4, 4),
-    config(64, 64, 8, 8, 4),
-    config(64, 64, 16, 8, 8),
-    config(64, 64, 16, 4, 4, splits=2),
-    config(64, 64, 8, 8, 8, splits=2),
-    config(32, 64, 16, 2, 4),
-    config(32, 64, 16, 4, 4),
-    config(32, 64, 32, 4, 4),
-    config(64, 32, 16, 4, 2),
-    config(32, 32, 16, 2, 2),
-    config(32, 32, 16, 4, 4),
-    config(64, 64, 16, 8, 8, splits=4),
-    config(128, 64, 16, 8, 4, splits=2),
+    config(128, 128, 8, 8, 8, gm=8, db=0),
+    config(128, 128, 16, 8, 8, gm=8, db=0),
+    config(128, 64, 16, 8, 4, db=0),
+    config(128, 64, 8, 8, 4, gm=8, db=0),
+    config(64, 128, 8, 4, 8, gm=8),
+    config(64, 128, 8, 4, 8, gm=8, db=0),
+    config(64, 128, 16, 4, 8, gm=8, db=0),
+    config(64, 64, 16, 4, 4, db=0),
+    # small tiles and sliced K, for an MLP's batch of 256
+    config(32, 64, 16, 2, 4, db=0),
+    config(32, 32, 32, 4, 4, sk=4),
+    config(32, 32, 32, 4, 4, sk=4, db=0),
+    config(32, 32, 64, 4, 4, sk=8, db=0),
+    config(32, 64, 32, 4, 8, sk=4, db=0),
+    config(32, 64, 32, 4, 4, sk=4, db=0),
+    config(64, 64, 32, 4, 8, sk=4, db=0),
+    config(64, 64, 16, 8, 8, sk=4, db=0),
+    config(32, 64, 16, 4, 4, sk=2, db=0),
+    config(64, 64, 32, 8, 8, sk=2, db=0),
+    config(64, 64, 16, 4, 4, sk=2, db=0),
+    config(32, 32, 32, 4, 4, splits=2),
 )
-QUICK_CONFIGS = (config(64, 64, 16, 4, 4), config(32, 64, 16, 2, 4, splits=2), config(128, 128, 8, 8, 8))
+BIG_TILE = 64 * 64  # smallest tile (BM x BN) tried on large shapes, which have plenty of tiles
+QUICK_CONFIGS = (
+    config(64, 64, 16, 4, 4),
+    config(32, 64, 16, 2, 4, splits=2),
+    config(128, 128, 8, 8, 8, db=0),
+    config(32, 32, 32, 4, 4, sk=4),
+)
 CHECK = (67, 45, 33)
 
 
@@ -77,6 +92,10 @@ def name(cfg: dict[str, int] | None) -> str:
     text = f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']}/{cfg['TM']}x{cfg['TN']}"
     if cfg["GM"] > 1:
         text += f" gm{cfg['GM']}"
+    if cfg["SK"] > 1:
+        text += f" sk{cfg['SK']}"
+    if not cfg["DB"]:
+        text += " single"
     if cfg["splits"] > 1:
         text += f" split{cfg['splits']}"
     return text
@@ -190,6 +209,8 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--only", default="", help="comma-separated substrings of shape names")
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds; shapes left then are skipped")
+    parser.add_argument("--table", help="where to write the best tiles per shape (default: the user cache)")
     args = parser.parse_args()
     backend, why_not = open_vulkan()
     if backend is None:
@@ -212,15 +233,15 @@ def main() -> None:
 
     usable: list[dict[str, int] | None] = [None]
     for cfg in configs:
-        threads = (cfg["BM"] // cfg["TM"]) * (cfg["BN"] // cfg["TN"])
-        shared = gemm_shared_bytes(cfg["BM"], cfg["BN"], cfg["BK"])
+        threads = (cfg["BM"] // cfg["TM"]) * (cfg["BN"] // cfg["TN"]) * cfg["SK"]
+        shared = gemm_shared_bytes(cfg["BM"], cfg["BN"], cfg["BK"], cfg["SK"], cfg["DB"])
         if threads > backend.facts.max_workgroup_invocations or shared > backend.facts.shared_memory_bytes:
             emit({"bench": "sweep_gemm", "config": name(cfg), "status": "skipped", "threads": threads,
                   "shared": shared})  # fmt: skip
             continue
         worst = 0.0
         try:
-            for ta, tb in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            for ta, tb in ((0, 0), (1, 1)):  # the tests cover every pair for the shipped tiles
                 case = Case(backend, *CHECK, ta, tb, cfg["splits"], seed=ta * 2 + tb)
                 worst = max(worst, case.error(cfg))
         except Exception as error:  # noqa: BLE001 - one bad config must not end the sweep
@@ -239,13 +260,20 @@ def main() -> None:
             usable.append(cfg)
 
     summary = []
+    best: dict[str, dict[str, int]] = {}
+    began = time.perf_counter()
     for m, n, k, ta, tb, what in shapes:
+        if time.perf_counter() - began > args.budget:
+            emit({"bench": "sweep_gemm", "shape": what, "status": "skipped", "reason": "over --budget"})
+            continue
         flop = 2.0 * m * n * k
         ref = torch_seconds(torch, m, n, k, ta, tb, args.reps)
         rows = []
         for cfg in usable:
             if cfg and cfg["splits"] > 1 and min(m, n) >= SMALL * 4:
                 continue  # split-K is for shapes with few tiles
+            if cfg and min(m, n) >= SMALL * 4 and (cfg["BM"] * cfg["BN"] < BIG_TILE or cfg["SK"] > 1):
+                continue  # small tiles and sliced K are for shapes with few tiles
             started = time.perf_counter()
             try:
                 case = Case(backend, m, n, k, ta, tb, cfg["splits"] if cfg else 1)
@@ -266,9 +294,15 @@ def main() -> None:
                 "wall_s": round(time.perf_counter() - started, 2),
             }
             emit(record)
-            rows.append(record)
+            rows.append({**record, "cfg": cfg})
         rows.sort(key=lambda r: r["us"])
         summary.append((what, ref, rows))
+        # The table holds tiles only: split-K changes the launches, which the plan decides.
+        winner = next((r for r in rows if r["cfg"] and r["cfg"]["splits"] == 1), None)
+        if winner:
+            best[gemm_tuning.shape_key(m, n, k, ta, tb)] = {
+                key: value for key, value in winner["cfg"].items() if key != "splits"
+            }
 
     print()
     for what, ref, rows in summary:
@@ -277,6 +311,10 @@ def main() -> None:
         for record in rows[:6]:
             speed = f"{record['us']:>9.1f} us {record['tflops']:>7.2f} TFLOP/s"
             print(f"   {record['config']:<28} {speed}  {record['vs_cublas']}")
+    if best:
+        path = Path(args.table) if args.table else gemm_tuning.cache_path(backend.facts.name)
+        gemm_tuning.write_table(path, backend.facts.name, backend.facts.driver_version, best)
+        print(f"\nbest tiles for {len(best)} shapes written to {path}")
     if out:
         out.close()
     backend.close()

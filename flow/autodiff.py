@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from flow.errors import PlanError, Problem
-from flow.program import DType, Launch, launch
+from flow.program import TENSOR_ALIGNMENT, DType, Launch, launch
 from flow.shapes import infer_shapes
 from flow.spec import (
     GELU,
@@ -190,6 +190,30 @@ def parameters(model: Model) -> list[ParamDecl]:
     return params
 
 
+def fused_bias_grads(model: Model) -> dict[str, tuple[str, tuple[int, int]]]:
+    """The dense layers whose weight and bias gradients one GEMM writes (see gemm.comp ones_row):
+    view name -> (weight name, view shape [in + 1, out]). A layer qualifies when its bias
+    parameter directly follows its weight in the flat arenas: parameters are laid out in
+    ``parameters`` order at aligned offsets, so when the weight's bytes are a multiple of the
+    alignment the bias starts exactly where the weight ends, and the pair is one [in + 1, out]
+    matrix. The plan declares these views; the backward pass writes them.
+    """
+    views: dict[str, tuple[str, tuple[int, int]]] = {}
+    for stage in stages(model):
+        layer, _ = _unwrap(stage.layer)
+        if isinstance(layer, Linear) and layer.bias:
+            fan_in, fan_out = stage.in_shape[0], layer.units
+            if (fan_in * fan_out * 4) % TENSOR_ALIGNMENT == 0:
+                weight = f"layers[{stage.index}].weight"
+                views[f"grad:{weight}+bias"] = (weight, (fan_in + 1, fan_out))
+    return views
+
+
+# Activations whose derivative the GEMM epilogue can take from the saved output (gelu needs its
+# input, which the forward keeps only in a separate tensor).
+EPILOGUE_DERIVATIVES = frozenset({"relu", "leaky_relu", "sigmoid", "tanh"})
+
+
 def k_splits(m: int, n: int, k: int) -> int:
     """How many slices to split a GEMM's K into: more when its M x N output has few 32 x 32
     tiles and K is long (a classifier's logits: 256 x 10 x 1024), so the GPU has enough
@@ -223,6 +247,9 @@ class _Builder:
         self.mixed = precision == "mixed"
         self.stages = stages(model)
         self.saved: dict[int, dict[str, str]] = {}  # stage position -> names of tensors backward needs
+        self.fused_bias_grads = {} if self.mixed else fused_bias_grads(model)
+        # Stage positions whose activation backward an input-gradient GEMM already applied.
+        self.activation_done: set[int] = set()
 
     # forward ---------------------------------------------------------------------------------
     def forward(self, x: str) -> str:
@@ -322,6 +349,38 @@ class _Builder:
         )
         return main, finish
 
+    def _input_grad_gemm(
+        self, position: int, dz: str, w: str, h: str, in_grad: str, k: int, n: int
+    ) -> tuple[Launch, Launch | None]:
+        """dX = dz @ W^T for the dense layer at ``position``. When the stage before it ends in an
+        activation whose derivative its saved output gives (``h`` is that output), the GEMM's
+        epilogue applies it too (gemm.comp act_grad), so that stage skips its own launch."""
+        previous = self.stages[position - 1] if position > 0 else None
+        fusable = (
+            previous is not None
+            and previous.activation in EPILOGUE_DERIVATIVES
+            and isinstance(_unwrap(previous.layer)[0], Linear | Conv2d)
+            and self.saved[position - 1]["output"] == h
+            and not self.mixed
+            and k_splits(self.b, k, n) == 1
+        )
+        if not fusable:
+            return self._gemm((dz, w, dz, in_grad), M=self.b, N=k, K=n, trans_b=1)
+        assert previous is not None
+        self.activation_done.add(position - 1)
+        fused = launch(
+            "gemm",
+            (dz, w, h, in_grad),
+            M=self.b,
+            N=k,
+            K=n,
+            trans_b=1,
+            alpha=1.0,
+            act_grad=ACTIVATIONS[previous.activation],
+            slope=_unwrap(previous.layer)[1],
+        )
+        return fused, None
+
     def _conv_params(self, stage: Stage, layer: Conv2d) -> dict[str, int]:
         c, h, w = stage.in_shape
         k, oh, ow = stage.out_shape
@@ -415,7 +474,7 @@ class _Builder:
         count = b * math.prod(stage.out_shape)
         if isinstance(layer, Linear | Conv2d):
             dz = grad
-            if stage.activation is not None:
+            if stage.activation is not None and position not in self.activation_done:
                 dz = g.add(f"grad:pre[{stage.index}]", (b, *stage.out_shape))
                 keep = saved["pre"] if stage.activation == "gelu" else saved["output"]
                 g.emit(_activation_backward(stage.activation, grad, keep, dz, count, slope))
@@ -423,17 +482,24 @@ class _Builder:
             dw, db = f"grad:{w}", f"grad:{bias}"
             if isinstance(layer, Linear):
                 k, n = stage.in_shape[0], layer.units
-                weight_grad, finish_weight = self._gemm((h, dz, h, dw), M=k, N=n, K=b, trans_a=1)
-                input_grad, finish_input = (
-                    self._gemm((dz, w, dz, in_grad), M=b, N=k, K=n, trans_b=1) if in_grad else (None, None)
-                )
-                g.emit(
-                    weight_grad,
-                    launch("reduce", (dz, db), rows=b, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
-                    if layer.bias
-                    else None,
-                    input_grad,
-                )
+                both = f"{dw}+bias"
+                if both in self.fused_bias_grads:
+                    # [dW; db] = [h, 1]^T dz: the bias gradient is the weight GEMM's extra row.
+                    weight_grad, finish_weight = self._gemm(
+                        (h, dz, h, both), M=k + 1, N=n, K=b, trans_a=1, ones_row=1
+                    )
+                    bias_grad = None
+                else:
+                    weight_grad, finish_weight = self._gemm((h, dz, h, dw), M=k, N=n, K=b, trans_a=1)
+                    bias_grad = (
+                        launch("reduce", (dz, db), rows=b, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
+                        if layer.bias
+                        else None
+                    )
+                input_grad, finish_input = (None, None)
+                if in_grad:
+                    input_grad, finish_input = self._input_grad_gemm(position, dz, w, h, in_grad, k, n)
+                g.emit(weight_grad, bias_grad, input_grad)
                 g.emit(finish_weight, finish_input)
             else:
                 params = self._conv_params(stage, layer)

@@ -23,6 +23,7 @@ from flow.autodiff import (
     ParamDecl,
     TensorDecl,
     build_graph,
+    fused_bias_grads,
     label_shape,
     optimiser_state_names,
     parameters,
@@ -260,6 +261,9 @@ def plan_device(
     for p in params:
         tensors.append(Tensor(p.name, p.shape, "float32", "params", param_offsets[p.name]))
         tensors.append(Tensor(f"grad:{p.name}", p.shape, "float32", "grads", param_offsets[p.name]))
+    # [dW; db] views for the dense layers whose backward writes both in one GEMM.
+    for view, (weight, shape) in fused_bias_grads(model).items():
+        tensors.append(Tensor(view, shape, "float32", "grads", param_offsets[weight]))
     tensors.append(Tensor("params:all", (total_params,), "float32", "params", 0))
     tensors.append(Tensor("grads:all", (total_params,), "float32", "grads", 0))
     for state in state_names:

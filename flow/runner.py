@@ -34,7 +34,7 @@ from actors import checkpoint as checkpoints
 from actors import devices as devices_module
 from actors import optimiser as optim
 from actors.backend import Backend, memory_budget
-from actors.device import DeviceActor
+from actors.device import DeviceActor, InputSlots
 from actors.engine import Engine
 from actors.loader import Loader, Schedule, jobs, total_steps
 from actors.messages import Batch, Cursor, EvalDone, Prediction
@@ -156,6 +156,45 @@ def wiring(pipeline: Pipeline) -> tuple[dict[str, tuple[str, ...]], dict[str, tu
     return inbound, outbound
 
 
+def fills_in_place(
+    spec: Spec, pipeline: Pipeline, source: Any, views: Sequence[tuple[np.ndarray, np.ndarray]] | None
+) -> bool:
+    """Whether the loader may read training batches straight into the device's input slots.
+
+    It may when nothing between the two changes a batch: no transforms, and a path from the loader
+    to the device through pass-through nodes only, with no fan-out (a batch in a slot has one
+    consumer: the device, which then only submits it). The source must offer ``read_into`` and its
+    samples must be the model's inputs; the device must map its slots (``views``), one label each
+    row.
+
+    Args:
+        spec: the spec.
+        pipeline: its pipeline.
+        source: the open source.
+        views: the engine's per-slot (x, y) views (Engine.input_views), or None.
+
+    Returns:
+        True to fill in place.
+    """
+    if not views or not callable(getattr(source, "read_into", None)):
+        return False
+    if spec.data.preprocess or spec.data.augment:
+        return False
+    x, y = views[0]
+    if tuple(source.sample_shape) != tuple(x.shape[1:]) or y.size != x.shape[0]:
+        return False
+    _, outbound = wiring(pipeline)
+    kinds = {node.name: node.kind for node in pipeline.nodes}
+    name = next(node.name for node in pipeline.nodes if node.kind == "loader")
+    while kinds[name] != "device":
+        if len(outbound[name]) != 1:
+            return False
+        name = outbound[name][0]
+        if kinds[name] not in ("preprocess", "broadcast", "device"):
+            return False
+    return True
+
+
 # -- effects ---------------------------------------------------------------------------------------
 
 
@@ -234,6 +273,7 @@ class _Runtime:
         self.progress = progress
         self.source = None
         self.engine: Engine | None = None
+        self.slots: InputSlots | None = None
         self.actors: dict[str, Any] = {}
         self.device: DeviceActor | None = None
         self.sink: Sink | None = None
@@ -317,6 +357,9 @@ class _Runtime:
 
     def _wire(self, pipeline: Pipeline, stream) -> None:
         inbound, outbound = wiring(pipeline)
+        views = self.engine.input_views() if self.mode == "train" else None
+        in_place = views is not None and fills_in_place(self.spec, pipeline, self.source, views)
+        self.slots = InputSlots(self.engine.slots, views if in_place else None)
         capacity = {(e.src, e.dst): e.capacity for e in pipeline.edges}
         for key, size in capacity.items():
             self.channels[key] = trio.open_memory_channel(size)
@@ -338,7 +381,9 @@ class _Runtime:
             if self.mode == "predict":
                 self.feed = meter
                 return None  # the caller feeds: PipelineHandle.feed
-            return Loader(meter, self.source, stream, workers=node.workers, inline=self.inline)
+            return Loader(
+                meter, self.source, stream, workers=node.workers, inline=self.inline, slots=self.slots
+            )
         if node.kind == "preprocess":
             return Preprocess(
                 meter,
@@ -353,7 +398,9 @@ class _Runtime:
                 raise ValueError(
                     "this runtime drives one device node; data parallel replicas are not wired yet"
                 )
-            self.device = DeviceActor(meter, self.engine, self.start_cursor, inline=self.inline)
+            self.device = DeviceActor(
+                meter, self.engine, self.start_cursor, inline=self.inline, slots=self.slots
+            )
             return self.device
         if node.kind == "optimiser" and self.mode == "train":
             return OptimiserActor(meter, spec.optimiser, self.start_cursor.step)

@@ -2,6 +2,10 @@
 
 The runtime sees sources only through :class:`Source`: a length, the shape and dtype of one decoded
 sample, all labels (cheap, for stratified splits) and ``read(indices)`` returning a float32 batch.
+A source may also offer ``read_into(indices, x, y) -> (rows, skipped)``, which writes the same
+batch into the caller's arrays (the rows kept first); the loader then reads straight into a
+device's mapped input slot, with no array in between. In-memory sources offer it, where a read is
+little more than that copy.
 :class:`StatsRecorder` is the thread-safe counter behind each source's frozen ``statistics()``.
 """
 

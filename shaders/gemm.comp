@@ -1,11 +1,22 @@
 // C[M,N] = act(alpha * op(A) @ op(B) + (accumulate ? C : 0) + bias[N]), fp32, row-major.
 // trans_a: A is stored [K,M]; trans_b: B is stored [N,K]. Any M, N, K (tiles are bounds-checked).
 //
+// Two fusions for the backward pass of a dense layer, each saving a launch and a pass over memory:
+// - act_grad != 0 (an ACTIVATIONS code): binding 2 holds D[M,N], the previous layer's saved
+//   activation output, instead of a bias, and the result is multiplied by f'(D) (slope: the
+//   leaky slope): dX and the activation's backward in one launch. Not with has_bias or split-K.
+// - ones_row != 0: row M-1 of op(A) is all ones and is not read from A (A holds M-1 rows), so
+//   row M-1 of C is the column sums of op(B): with C = [dW; db] laid out contiguously, one
+//   launch gives the weight gradient and the bias gradient.
+//
 // One workgroup computes a BM x BN tile of C with (BM/TM)*(BN/TN) threads (local_size_x must
-// equal that). Each thread owns TM x TN outputs, as a grid of sub-blocks up to 4 x 4 that are
-// spread over the tile (rows g * BM/RGM + ty * SWM + r, likewise columns): so in the inner loop
-// the threads of a warp read consecutive vec4s of a shared row, which is free of bank conflicts
-// (contiguous TM x TN blocks put successive threads TN words apart: a 2-way conflict at TN = 8).
+// equal that; TN must be a multiple of 4). Each thread owns TM x TN outputs, as a grid of
+// sub-blocks up to 4 x 4 that are spread over the tile (rows g * BM/RGM + ty * SWM + r, columns
+// h * BN/RGN + tx * 4 + c): so in the inner loop the threads of a warp read consecutive vec4s of
+// a shared row, which is free of bank conflicts (contiguous TM x TN blocks put successive
+// threads TN words apart: a 2-way conflict at TN = 8). The accumulators are vec4s, one per row
+// and column group: the NVIDIA compiler kept a 64-element float array in local memory (a 128 x
+// 128 tile with 8 x 8 per thread ran at 2 TFLOP/s).
 //
 // A and B stream through shared memory BK at a time, both stored k-major, double-buffered: the
 // next K tile is loaded from global memory into registers while the current one is multiplied,
@@ -18,7 +29,14 @@
 // says the contiguous dimension of that operand is a multiple of 4, so its rows start 16-byte
 // aligned and the operand is loaded (stored, for C) as vec4 granules; otherwise scalar loads.
 // GM > 1 visits the workgroups in bands of GM tile rows, so tiles running at the same time
-// share their panels of A and B in L2.
+// share their panels of A and B in L2. DB = 0 (the default: faster on an H100 at every size
+// measured, see registry.GEMM_TILES) keeps one shared buffer and a second barrier per K step.
+//
+// Sliced-K (SK > 1): the workgroup holds SK groups of (BM/TM)*(BN/TN) threads; all of them load
+// each K tile, and group s multiplies only its BK/SK rows of it. At the end the groups' partial
+// tiles are summed through shared memory. It gives a tile SK times the threads without more
+// tiles or a second launch: at M = 256 (an MLP's batch) there are too few tiles to fill a big
+// GPU, and smaller tiles would cut the work per shared-memory read instead.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 // [[unroll]]: the register tiles must stay in registers; a loop the driver leaves rolled indexes
@@ -35,6 +53,8 @@ layout(constant_id = 8) const uint TA = 0;   // A stored [K,M]
 layout(constant_id = 9) const uint TB = 0;   // B stored [N,K]
 layout(constant_id = 10) const uint VEC = 0; // vec4 access: bit 0 A, bit 1 B, bit 2 C
 layout(constant_id = 11) const uint GM = 1;  // tile rows per L2 band
+layout(constant_id = 12) const uint SK = 1;  // K slices per workgroup (sliced-K)
+layout(constant_id = 13) const uint DB = 0;  // 1: double-buffered shared tiles; 0: one buffer
 
 layout(std430, set = 0, binding = 0) readonly buffer ABuf { float A[]; };
 layout(std430, set = 0, binding = 0) readonly buffer ABuf4 { vec4 A4[]; };
@@ -57,22 +77,25 @@ layout(push_constant) uniform Push {
     float alpha;
     float slope;
     uint k_splits;
+    uint act_grad;
+    uint ones_row;
 } p;
 
 #include "common_gemm_act.glsl"
 
 const uint WM = BM / TM;  // threads along m
 const uint WN = BN / TN;  // threads along n
-const uint NT = WM * WN;  // threads per workgroup
+const uint NTS = WM * WN;  // threads per K slice
+const uint NT = NTS * SK;  // threads per workgroup
+const uint KS = BK / SK;   // k rows of each tile per slice
 // Sub-blocks: SWM x SWN outputs each (4 when TM, TN allow), RGM x RGN of them per thread, the
 // groups BM/RGM rows (BN/RGN columns) apart. Integer arithmetic only: glslang 13.1 emits
 // invalid SPIR-V for ?: between specialisation constants.
 const uint TM4 = uint(TM % 4u == 0u);
-const uint TN4 = uint(TN % 4u == 0u);
 const uint SWM = TM4 * 4u + (1u - TM4) * TM;
-const uint SWN = TN4 * 4u + (1u - TN4) * TN;
+const uint SWN = 4u;
 const uint RGM = TM / SWM;
-const uint RGN = TN / SWN;
+const uint RGN = TN / 4u;
 const uint GSM = BM / RGM;  // row distance between a thread's sub-blocks
 const uint GSN = BN / RGN;
 // Contiguous tile extent of each operand in global memory, and its granule width (4 when the
@@ -83,7 +106,7 @@ const uint A_ROW = TA1 * BM + (1u - TA1) * BK;
 const uint B_ROW = TB1 * BK + (1u - TB1) * BN;
 const uint GA = 1u + 3u * ((VEC & 1u) & (1u - ((A_ROW | (A_ROW >> 1u)) & 1u)));
 const uint GB = 1u + 3u * ((VEC >> 1u) & 1u & (1u - ((B_ROW | (B_ROW >> 1u)) & 1u)));
-const bool VC = (VEC & 4u) != 0u && SWN == 4u;
+const bool VC = (VEC & 4u) != 0u;
 // Shared rows (k-major), in floats: 4 words of padding keep rows 16-byte aligned for the vec4
 // reads of the inner loop and shift successive k rows across the banks for the column stores.
 const uint SA = BM + 4u;
@@ -95,8 +118,11 @@ const uint B_GRAN = BK * BN / GB;
 const uint A_LOADS = (A_GRAN + NT - 1u) / NT;
 const uint B_LOADS = (B_GRAN + NT - 1u) / NT;
 
-shared vec4 As[2u * A_BUF];
-shared vec4 Bs[2u * B_BUF];
+shared vec4 As[(1u + DB) * A_BUF];
+shared vec4 Bs[(1u + DB) * B_BUF];
+// Sliced-K: one slice's partial tile at a time, for the final sum (1 - 1/SK: 0 or 1).
+const uint RED = (1u - 1u / SK) * BM * BN / 4u + 1u;
+shared vec4 Red[RED];
 
 // (row along m, k) within the tile of A granule l; the granule runs along the contiguous dim.
 uvec2 a_slot(uint l) {
@@ -115,8 +141,13 @@ vec4 load_a(uint l, uint m0, uint kt, uint k_end) {
     uint gm = m0 + s.x;
     uint gk = kt + s.y;
     vec4 v = vec4(0.0);
-    if (l < A_GRAN && gm < p.M && gk < k_end) {
-        uint idx = TA == 0u ? gm * p.K + gk : gk * p.M + gm;
+    // The stored rows of A: M, or M - 1 under a row of ones (its granules hold only ones, as
+    // tune_gemm vectorises A only when M - 1 is a multiple of 4).
+    const uint stored = p.M - min(p.ones_row, 1u);
+    if (l < A_GRAN && gm >= stored && gm < p.M && gk < k_end) {
+        v = vec4(1.0);
+    } else if (l < A_GRAN && gm < p.M && gk < k_end) {
+        uint idx = TA == 0u ? gm * p.K + gk : gk * stored + gm;
         if (GA == 4u) {
             v = A4[idx >> 2u];
         } else {
@@ -177,19 +208,21 @@ void put_b(uint base, uint l, vec4 v) {
     }
 }
 
-// Column (row) of C in the tile for a thread's output column j (row i).
-uint tile_col(uint tx, uint j) {
-    return (j / SWN) * GSN + tx * SWN + j % SWN;
+// Column of C in the tile of a thread's column group h (4 columns from there).
+uint tile_col(uint tx, uint h) {
+    return h * GSN + tx * 4u;
 }
 
+// Row of C in the tile of a thread's output row i.
 uint tile_row(uint ty, uint i) {
     return (i / SWM) * GSM + ty * SWM + i % SWM;
 }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint tx = tid % WN;
-    const uint ty = tid / WN;
+    const uint slice = tid / NTS;
+    const uint tx = (tid % NTS) % WN;
+    const uint ty = (tid % NTS) / WN;
     // Tile coordinates, banded for L2 reuse when GM > 1.
     uint tile_m = gl_WorkGroupID.y;
     uint tile_n = gl_WorkGroupID.x;
@@ -216,9 +249,10 @@ void main() {
     const uint k_begin = gl_WorkGroupID.z * k_chunk;
     const uint k_end = min(K, k_begin + k_chunk);
 
-    float acc[TM * TN];
-    [[unroll]] for (uint i = 0u; i < TM * TN; ++i) {
-        acc[i] = 0.0;
+    // acc[i * RGN + h]: output row i, columns tile_col(tx, h) .. + 3.
+    vec4 acc[TM * RGN];
+    [[unroll]] for (uint i = 0u; i < TM * RGN; ++i) {
+        acc[i] = vec4(0.0);
     }
     vec4 ra[A_LOADS];
     vec4 rb[B_LOADS];
@@ -247,9 +281,9 @@ void main() {
 
         const uint a_base = stage * A_BUF;
         const uint b_base = stage * B_BUF;
-        [[unroll]] for (uint kk = 0u; kk < BK; ++kk) {
+        [[unroll]] for (uint kq = 0u; kq < KS; ++kq) {
+            const uint kk = slice * KS + kq;
             float a[TM];
-            float b[TN];
             [[unroll]] for (uint g = 0u; g < RGM; ++g) {
                 uint w = kk * SA + g * GSM + ty * SWM;
                 if (SWM == 4u) {
@@ -264,30 +298,23 @@ void main() {
                     }
                 }
             }
+            vec4 b[RGN];
             [[unroll]] for (uint h = 0u; h < RGN; ++h) {
-                uint w = kk * SB + h * GSN + tx * SWN;
-                if (SWN == 4u) {
-                    vec4 v = Bs[b_base + (w >> 2u)];
-                    b[4u * h] = v.x;
-                    b[4u * h + 1u] = v.y;
-                    b[4u * h + 2u] = v.z;
-                    b[4u * h + 3u] = v.w;
-                } else {
-                    [[unroll]] for (uint c = 0u; c < SWN; ++c) {
-                        b[h * SWN + c] = Bs[b_base + ((w + c) >> 2u)][(w + c) & 3u];
-                    }
-                }
+                b[h] = Bs[b_base + ((kk * SB + tile_col(tx, h)) >> 2u)];
             }
             [[unroll]] for (uint i = 0u; i < TM; ++i) {
-                [[unroll]] for (uint j = 0u; j < TN; ++j) {
-                    acc[i * TN + j] = fma(a[i], b[j], acc[i * TN + j]);
+                [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+                    acc[i * RGN + h] = fma(vec4(a[i]), b[h], acc[i * RGN + h]);
                 }
             }
         }
 
+        if (DB == 0u) {
+            barrier();  // one buffer: everyone has read it before it is overwritten
+        }
         if (more) {
             // Into the other buffer: every thread finished reading it before the last barrier.
-            stage ^= 1u;
+            stage ^= DB;
             [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
                 put_a(stage * A_BUF, tid + i * NT, ra[i]);
             }
@@ -298,47 +325,77 @@ void main() {
         barrier();
     }
 
+    // Sliced-K: slices 1..SK-1 in turn hand their partial tile to slice 0, which finishes.
+    if (SK > 1u) {
+        [[unroll]] for (uint from = 1u; from < SK; ++from) {
+            if (slice == from) {
+                [[unroll]] for (uint i = 0u; i < TM; ++i) {
+                    [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+                        Red[(tile_row(ty, i) * BN + tile_col(tx, h)) >> 2u] = acc[i * RGN + h];
+                    }
+                }
+            }
+            barrier();
+            if (slice == 0u) {
+                [[unroll]] for (uint i = 0u; i < TM; ++i) {
+                    [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+                        acc[i * RGN + h] += Red[(tile_row(ty, i) * BN + tile_col(tx, h)) >> 2u];
+                    }
+                }
+            }
+            barrier();
+        }
+        if (slice != 0u) {
+            return;
+        }
+    }
+
     // Same order as cpu_ops.gemm: scale, then the old C, then the bias, then act. No `continue`
     // inside these unrolled loops: a loop the compiler cannot unroll indexes acc dynamically.
     [[unroll]] for (uint i = 0u; i < TM; ++i) {
         const uint m = m0 + tile_row(ty, i);
-        if (m < M) {
-            if (VC) {
-                // N % 4 == 0 and every sub-block starts at a multiple of 4: wholly in or out.
-                [[unroll]] for (uint h = 0u; h < RGN; ++h) {
-                    const uint n = n0 + tile_col(tx, 4u * h);
-                    if (n < N) {
-                        vec4 v = vec4(acc[i * TN + 4u * h], acc[i * TN + 4u * h + 1u],
-                                      acc[i * TN + 4u * h + 2u], acc[i * TN + 4u * h + 3u]);
-                        if (splits > 1u) {
-                            C4[((gl_WorkGroupID.z * M + m) * N + n) >> 2u] = v;
-                        } else {
-                            uint o = (m * N + n) >> 2u;
-                            v *= p.alpha;
-                            if (p.accumulate != 0u) {
-                                v += C4[o];
-                            }
-                            if (p.has_bias != 0u) {
-                                v += bias4[n >> 2u];
-                            }
-                            C4[o] = vec4(vk_activate(v.x, p.act, p.slope), vk_activate(v.y, p.act, p.slope),
-                                         vk_activate(v.z, p.act, p.slope), vk_activate(v.w, p.act, p.slope));
-                        }
+        [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+            const uint nc = n0 + tile_col(tx, h);
+            const vec4 raw = acc[i * RGN + h];
+            if (m < M && VC && nc < N) {
+                // N % 4 == 0 and every column group starts at a multiple of 4: wholly in or out.
+                if (splits > 1u) {
+                    C4[((gl_WorkGroupID.z * M + m) * N + nc) >> 2u] = raw;
+                } else {
+                    uint o = (m * N + nc) >> 2u;
+                    vec4 v = raw * p.alpha;
+                    if (p.accumulate != 0u) {
+                        v += C4[o];
                     }
+                    if (p.has_bias != 0u) {
+                        v += bias4[nc >> 2u];
+                    }
+                    if (p.act_grad != 0u) {
+                        vec4 d = bias4[o];
+                        v *= vec4(activation_derivative(d.x, p.act_grad, p.slope),
+                                  activation_derivative(d.y, p.act_grad, p.slope),
+                                  activation_derivative(d.z, p.act_grad, p.slope),
+                                  activation_derivative(d.w, p.act_grad, p.slope));
+                    }
+                    C4[o] = vec4(vk_activate(v.x, p.act, p.slope), vk_activate(v.y, p.act, p.slope),
+                                 vk_activate(v.z, p.act, p.slope), vk_activate(v.w, p.act, p.slope));
                 }
-            } else {
-                [[unroll]] for (uint j = 0u; j < TN; ++j) {
-                    const uint n = n0 + tile_col(tx, j);
+            } else if (m < M && !VC) {
+                [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+                    const uint n = nc + c;
                     if (n < N) {
                         if (splits > 1u) {
-                            C[(gl_WorkGroupID.z * M + m) * N + n] = acc[i * TN + j];
+                            C[(gl_WorkGroupID.z * M + m) * N + n] = raw[c];
                         } else {
-                            float v = acc[i * TN + j] * p.alpha;
+                            float v = raw[c] * p.alpha;
                             if (p.accumulate != 0u) {
                                 v += C[m * N + n];
                             }
                             if (p.has_bias != 0u) {
                                 v += bias[n];
+                            }
+                            if (p.act_grad != 0u) {
+                                v *= activation_derivative(bias[m * N + n], p.act_grad, p.slope);
                             }
                             C[m * N + n] = vk_activate(v, p.act, p.slope);
                         }

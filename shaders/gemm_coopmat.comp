@@ -1,25 +1,42 @@
 // C[M,N] = act(alpha * op(A) @ op(B) + (accumulate ? C : 0) + bias[N]) on tensor cores: the op,
-// bindings and push constants of gemm.comp, with A, B, bias and C fp32 row-major buffers.
-// trans_a: A is stored [K,M]; trans_b: B is stored [N,K]. Any M, N, K.
+// bindings and push constants of gemm.comp, with bias and C fp32 row-major buffers and A and B
+// row-major buffers of fp32 or, per operand, fp16 (AH, BH). trans_a: A is stored [K,M]; trans_b: B
+// is stored [N,K]. Any M, N, K.
 //
-// Precision: the mixed-precision fast path. Each element of A and B is rounded to float16 (round
-// to nearest even on the devices tested) as it enters shared memory; products are summed in
-// fp32 by GL_KHR_cooperative_matrix 16x16x16 fp16 -> fp32 multiply-adds, and the epilogue is
-// fp32. Against fp32 inputs the relative error is about 1e-3 (the fp16 input rounding); against
-// the same product of fp16-rounded inputs only fp32 accumulation error remains. Magnitudes above
-// 65504 overflow to infinity. (glslang 13.1 has no GL_EXT_bfloat16, so there is no bf16 variant.)
+// Precision: the mixed-precision fast path. Products are summed in fp32 by GL_KHR_cooperative_matrix
+// 16x16x16 fp16 -> fp32 multiply-adds, and the epilogue is fp32. An fp32 operand (AH/BH = 0,
+// registry op gemm_coopmat) has each element rounded to float16 (round to nearest even on the
+// devices tested) as it enters shared memory: against fp32 inputs the relative error is about 1e-3
+// (the fp16 input rounding), and magnitudes above 65504 overflow to infinity. An fp16 operand
+// (AH/BH = 1, registry op gemm_coopmat_f16) is copied bit for bit. Against the product of the
+// fp16(-rounded) inputs only fp32 accumulation error remains. (glslang 13.1 has no
+// GL_EXT_bfloat16, so there is no bf16 variant.)
+//
+// Why one shader for both input types: the fp16 path differs only in how a granule of 8 elements
+// travels from global to shared memory (one 16-byte load and store, no conversion, instead of two
+// vec4 loads and a packHalf2x16 per pair); the tiling, K loop, fragment loads and epilogue are
+// shared. AH and BH are specialisation constants, so the driver folds every branch on them at
+// pipeline creation and each pipeline holds only its own path: the fp32 path compiles to the
+// same code as before the fp16 path existed. Operands are independent (mixed fp16/fp32 works).
+// fp16 buffers are read as uint words and uvec4 granules rather than float16_t, so no 16-bit
+// storage feature is needed and the halves are moved, never converted.
 //
 // Tiling: a workgroup computes a BM x BN tile of C with (BM/WM)*(BN/WN) subgroups of SG
 // invocations (SG must be the device's subgroup size: 32 on NVIDIA), each owning a WM x WN warp
 // tile held as (WM/16)*(WN/16) fp32 accumulators. A and B stream through shared memory BK at a
-// time, double-buffered: while the tensor cores multiply one stage, every invocation holds the
-// next K slab in registers as fp32 (two vec4 per granule of 8 elements; scalar loads with bounds
-// checks only in edge tiles or when a row is not 16-byte aligned), then converts and stores it
-// into the other stage, so one barrier per slab suffices. Each operand keeps its global
-// orientation in shared memory (contiguous dimension contiguous, 8 halves of padding per row so
-// the rows of a fragment fall in distinct banks); a transposed operand is read with a
-// column-major coopMatLoad rather than transposed on the way in. Out-of-range rows, columns and
-// K are zero-filled in shared memory.
+// time: every invocation holds its granules of the next slab(s) in registers (two vec4 per fp32
+// granule, one uvec4 per fp16 granule; scalar loads with bounds checks only in edge tiles or when
+// a row is not 16-byte aligned) while the tensor cores multiply the current stage, then stores
+// them (converted, for fp32) into the other stage. PD slabs are in flight in registers: a load
+// issued in one iteration is stored PD - 1 iterations later, after PD slabs of multiply-adds
+// (PD = 1 is the classic register prefetch; fp16 granules are half the registers, which pays
+// for PD = 2). NS = 2 shared stages need one barrier per slab; NS = 1 halves the shared memory
+// (so BK = 32 fits with 128x256 tiles under 48 KiB) at the cost of a second barrier. Each operand
+// keeps its global orientation in shared memory (contiguous dimension contiguous, 8 halves of
+// padding per row so the rows of a fragment fall in distinct banks); a transposed operand is read
+// with a column-major coopMatLoad rather than transposed on the way in. Out-of-range rows,
+// columns and K are zero-filled in shared memory. Shared memory (registry.coopmat_shared_bytes
+// mirrors this): max(NS * stage, epilogue staging), in 16-byte words.
 //
 // Epilogue: after the last slab the tile memory is reused as per-subgroup fp32 staging; each
 // subgroup stores one 16-row strip of its accumulators, then its invocations apply alpha, the
@@ -29,12 +46,17 @@
 // Workgroups are visited in groups of GM tile rows (the x/y grid is remapped), so tiles that run
 // at the same time share A and B panels in L2.
 //
-// Speed (H200, 4096^3, default tiles 128x128x32, 4 subgroups of 64x64): ~178 TFLOP/s. Every
+// Speed (fp32 inputs, H200, 4096^3, tiles 128x128x32, 4 subgroups of 64x64): ~178 TFLOP/s. Every
 // loop over tiles is [[unroll]]ed and the K loop is instantiated per transposition pair (see
 // mainloop): without the first the accumulators live in local memory (~32 TFLOP/s), without the
-// second ~116. What remains is the fp32 staging: it doubles global traffic and register use
-// against fp16 inputs, which caps the tile at 128x128 under 48 KiB of shared memory and two
-// workgroups per SM; the multiply-adds alone run at ~515 TFLOP/s.
+// second ~116. With fp32 inputs the staging doubles global traffic and register use against
+// fp16 inputs, which caps the tile at 128x128 under 48 KiB of shared memory and two workgroups
+// per SM; the multiply-adds alone run at ~515 TFLOP/s. With fp16 inputs the L2 -> SM traffic per
+// flop halves again with 128x256 or 256x128 tiles (8 subgroups of 64x64), which is what
+// bench/sweep_coopmat.py compares.
+//
+// Integer arithmetic only on specialisation constants in new code (no ?: on them inside
+// functions): glslang 13.1 emits invalid SPIR-V for some of those.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
@@ -51,11 +73,21 @@ layout(constant_id = 6) const uint WM = 64;
 layout(constant_id = 7) const uint WN = 64;
 layout(constant_id = 8) const uint SG = 32;  // subgroup size; local_size_x = subgroups * SG
 layout(constant_id = 9) const uint GM = 8;   // tile rows per L2 group
+layout(constant_id = 10) const uint AH = 0;  // 1: A is float16 in memory, 0: float32
+layout(constant_id = 11) const uint BH = 0;  // 1: B is float16 in memory, 0: float32
+layout(constant_id = 12) const uint PD = 1;  // K slabs in flight in registers (>= 1)
+layout(constant_id = 13) const uint NS = 2;  // shared stages: 2 (one barrier per slab) or 1 (two)
 
+// Each operand buffer is seen as fp32 (scalars and vec4) and as fp16 (32-bit words holding two
+// halves, the lower index in the low bits, and uvec4 granules of 8 halves); AH/BH pick the view.
 layout(std430, set = 0, binding = 0) readonly buffer ABuf { float A[]; };
 layout(std430, set = 0, binding = 0) readonly buffer ABuf4 { vec4 A4[]; };
+layout(std430, set = 0, binding = 0) readonly buffer ABufW { uint Aw[]; };
+layout(std430, set = 0, binding = 0) readonly buffer ABufH { uvec4 Ah8[]; };
 layout(std430, set = 0, binding = 1) readonly buffer BBuf { float B[]; };
 layout(std430, set = 0, binding = 1) readonly buffer BBuf4 { vec4 B4[]; };
+layout(std430, set = 0, binding = 1) readonly buffer BBufW { uint Bw[]; };
+layout(std430, set = 0, binding = 1) readonly buffer BBufH { uvec4 Bh8[]; };
 layout(std430, set = 0, binding = 2) readonly buffer BiasBuf { float bias[]; };
 layout(std430, set = 0, binding = 2) readonly buffer BiasBuf4 { vec4 bias4[]; };
 layout(std430, set = 0, binding = 3) buffer CBuf { float C[]; };
@@ -83,6 +115,12 @@ const uint WARPS_M = BM / WM;
 const uint WARPS_N = BN / WN;
 const uint NT = WARPS_M * WARPS_N * SG; // invocations per workgroup
 const uint PAD = 8;                     // halves of padding per shared row (one uvec4)
+const uint AH1 = AH & 1u;
+const uint BH1 = BH & 1u;
+const uint NS1 = (NS - 1u) & 1u;        // stage index mask: 1 with two stages, 0 with one
+// Elements per 16-byte global granule: a row starts 16-byte aligned when its length is a multiple.
+const uint AG = 4u + 4u * AH1;
+const uint BG = 4u + 4u * BH1;
 
 // Shared rows in halves for each orientation: [BM][BK] / [BK][BM] for A, [BK][BN] / [BN][BK] for B.
 const uint A_ROWS_N = BM * (BK + PAD);  // A stored [M,K]: m rows of k
@@ -96,7 +134,7 @@ const uint STAGE = A_VECS + B_VECS;
 // Epilogue staging: one 16 x WN fp32 strip per subgroup, 4 floats of padding per row.
 const uint ST_STRIDE = (WN + 4) / 4;    // in uvec4
 const uint ST_VECS = T * ST_STRIDE;
-const uint MAIN_VECS = 2 * STAGE;
+const uint MAIN_VECS = (NS1 + 1u) * STAGE;
 const uint EPI_VECS = WARPS_M * WARPS_N * ST_VECS;
 const uint SMEM_VECS = MAIN_VECS > EPI_VECS ? MAIN_VECS : EPI_VECS;
 
@@ -105,12 +143,18 @@ const uint A_GRANULES = BM * BK / 8;
 const uint B_GRANULES = BK * BN / 8;
 const uint A_LOADS = (A_GRANULES + NT - 1) / NT;
 const uint B_LOADS = (B_GRANULES + NT - 1) / NT;
+// Staging registers: PD slots of each operand's granules, as two vec4 per fp32 granule or one
+// uvec4 per fp16 granule; the array of the kind an operand does not use keeps one element.
+const uint RA32 = PD * 2u * A_LOADS * (1u - AH1) + AH1;
+const uint RA16 = PD * A_LOADS * AH1 + (1u - AH1);
+const uint RB32 = PD * 2u * B_LOADS * (1u - BH1) + BH1;
+const uint RB16 = PD * B_LOADS * BH1 + (1u - BH1);
 
 // fp16 tiles as uvec4 words (8 halves): coopMatLoad counts offset and stride in these units, and
 // 16-byte elements keep every row start aligned for wide shared loads. Reused as fp32 staging.
 shared uvec4 smem[SMEM_VECS];
 
-// Loads elements (r, c..c+7) of a stored row-major matrix with R rows of L; zeros outside it.
+// Loads elements (r, c..c+7) of a stored row-major fp32 matrix with R rows of L; zeros outside it.
 // vec: rows start 16-byte aligned (L % 4 == 0), so a granule inside the matrix is two vec4 loads.
 void load8(const bool is_a, bool vec, uint r, uint c, uint R, uint L, out vec4 lo, out vec4 hi) {
     uint base = r * L + c;
@@ -129,6 +173,26 @@ void load8(const bool is_a, bool vec, uint r, uint c, uint R, uint L, out vec4 l
     }
     lo = vec4(e[0], e[1], e[2], e[3]);
     hi = vec4(e[4], e[5], e[6], e[7]);
+}
+
+// The same for a stored fp16 matrix, as 8 packed halves (the bits as stored; zero halves outside).
+// vec: rows start 16-byte aligned (L % 8 == 0), so a granule inside the matrix is one uvec4 load;
+// otherwise each half is cut out of its 32-bit word (in range: the buffer is whole words).
+uvec4 load8h(const bool is_a, bool vec, uint r, uint c, uint R, uint L) {
+    uint base = r * L + c;
+    if (vec && r < R && c + 8u <= L) {
+        return is_a ? Ah8[base / 8u] : Bh8[base / 8u];
+    }
+    uint h[8];
+    [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+        h[i] = 0u;
+        if (r < R && c + i < L) {
+            uint e = base + i;
+            uint w = is_a ? Aw[e / 2u] : Bw[e / 2u];
+            h[i] = (w >> ((e & 1u) * 16u)) & 0xFFFFu;
+        }
+    }
+    return uvec4(h[0] | (h[1] << 16u), h[2] | (h[3] << 16u), h[4] | (h[5] << 16u), h[6] | (h[7] << 16u));
 }
 
 uvec4 to_half8(vec4 lo, vec4 hi) {
@@ -155,11 +219,11 @@ void mainloop(const bool TA, const bool TB) {
     const uint ar = TA ? K : M;
     const uint al = TA ? M : K;
     const uint atc = TA ? BM : BK;
-    const bool avec = (al % 4u) == 0u;
+    const bool avec = (al % AG) == 0u;
     const uint br = TB ? N : K;
     const uint bl = TB ? K : N;
     const uint btc = TB ? BK : BN;
-    const bool bvec = (bl % 4u) == 0u;
+    const bool bvec = (bl % BG) == 0u;
     uint a_r[A_LOADS], a_c[A_LOADS], a_s[A_LOADS];
     uint b_r[B_LOADS], b_c[B_LOADS], b_s[B_LOADS];
     [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
@@ -189,98 +253,161 @@ void mainloop(const bool TA, const bool TB) {
     }
     coopmat<float16_t, gl_ScopeSubgroup, T, T, gl_MatrixUseA> fa[FM];
     coopmat<float16_t, gl_ScopeSubgroup, T, T, gl_MatrixUseB> fb[FN];
-    vec4 ra[2 * A_LOADS];
-    vec4 rb[2 * B_LOADS];
+    vec4 ra[RA32];
+    uvec4 rah[RA16];
+    vec4 rb[RB32];
+    uvec4 rbh[RB16];
     const uint slabs = (K + BK - 1u) / BK;
+    const uint steps = slabs + PD;
 
-    for (uint s = 0u; s <= slabs; ++s) {
-        // Slab s's global loads are issued here, land while slab s-1 multiplies, and are stored
-        // after it; so iteration s multiplies stage (s-1)&1 and fills stage s&1.
-        const uint k0 = s * BK;
-        const bool load = s < slabs;
-        if (load) {
-            const uint akr = TA ? k0 : 0u;
-            const uint akc = TA ? 0u : k0;
-            const uint bkr = TB ? 0u : k0;
-            const uint bkc = TB ? k0 : 0u;
-            const bool k_inside = k0 + BK <= K;
-            if (a_inside && k_inside) {
-                [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
-                    if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
-                        uint v = ((a_r[i] + akr) * al + a_c[i] + akc) / 4u;
-                        ra[2 * i] = A4[v];
-                        ra[2 * i + 1] = A4[v + 1u];
-                    }
-                }
-            } else {
-                [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
-                    if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
-                        load8(true, avec, a_r[i] + akr, a_c[i] + akc, ar, al, ra[2 * i], ra[2 * i + 1]);
-                    }
-                }
-            }
-            if (b_inside && k_inside) {
-                [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
-                    if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
-                        uint v = ((b_r[i] + bkr) * bl + b_c[i] + bkc) / 4u;
-                        rb[2 * i] = B4[v];
-                        rb[2 * i + 1] = B4[v + 1u];
-                    }
-                }
-            } else {
-                [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
-                    if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
-                        load8(false, bvec, b_r[i] + bkr, b_c[i] + bkc, br, bl, rb[2 * i], rb[2 * i + 1]);
-                    }
-                }
-            }
-        }
-
-        if (s > 0u) {
-            const uint cur = ((s - 1u) & 1u) * STAGE;
-            [[unroll]] for (uint kk = 0u; kk < BK; kk += T) {
-                [[unroll]] for (uint i = 0u; i < FM; ++i) {
-                    if (TA) {
-                        uint e = kk * sa + wm * WM + i * T;
-                        coopMatLoad(fa[i], smem, cur + e / 8u, sa / 8u, gl_CooperativeMatrixLayoutColumnMajor);
+    // Iteration t issues the global loads of slab t into register slot t % PD, multiplies slab
+    // t - PD from its shared stage, then stores slab t - PD + 1 (loaded PD - 1 iterations ago)
+    // into the other stage; so a load has PD - 1 whole iterations and one slab of multiply-adds
+    // to land. The loop is unrolled PD times so that every register slot index is a constant.
+    for (uint s = 0u; s < steps; s += PD) {
+        [[unroll]] for (uint u = 0u; u < PD; ++u) {
+            const uint t = s + u;
+            if (PD == 1u || t < steps) {
+                if (t < slabs) {
+                    const uint k0 = t * BK;
+                    const uint akr = TA ? k0 : 0u;
+                    const uint akc = TA ? 0u : k0;
+                    const uint bkr = TB ? 0u : k0;
+                    const uint bkc = TB ? k0 : 0u;
+                    const bool k_inside = k0 + BK <= K;
+                    if (AH1 == 1u) {
+                        if (a_inside && k_inside) {
+                            [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+                                if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
+                                    rah[u * A_LOADS + i] = Ah8[((a_r[i] + akr) * al + a_c[i] + akc) / 8u];
+                                }
+                            }
+                        } else {
+                            [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+                                if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
+                                    rah[u * A_LOADS + i] =
+                                        load8h(true, avec, a_r[i] + akr, a_c[i] + akc, ar, al);
+                                }
+                            }
+                        }
                     } else {
-                        uint e = (wm * WM + i * T) * sa + kk;
-                        coopMatLoad(fa[i], smem, cur + e / 8u, sa / 8u, gl_CooperativeMatrixLayoutRowMajor);
+                        if (a_inside && k_inside) {
+                            [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+                                if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
+                                    uint v = ((a_r[i] + akr) * al + a_c[i] + akc) / 4u;
+                                    ra[2u * (u * A_LOADS + i)] = A4[v];
+                                    ra[2u * (u * A_LOADS + i) + 1u] = A4[v + 1u];
+                                }
+                            }
+                        } else {
+                            [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+                                if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
+                                    load8(true, avec, a_r[i] + akr, a_c[i] + akc, ar, al,
+                                          ra[2u * (u * A_LOADS + i)], ra[2u * (u * A_LOADS + i) + 1u]);
+                                }
+                            }
+                        }
                     }
-                }
-                [[unroll]] for (uint j = 0u; j < FN; ++j) {
-                    if (TB) {
-                        uint e = (wn * WN + j * T) * sb + kk;
-                        coopMatLoad(fb[j], smem, cur + A_VECS + e / 8u, sb / 8u,
-                                    gl_CooperativeMatrixLayoutColumnMajor);
+                    if (BH1 == 1u) {
+                        if (b_inside && k_inside) {
+                            [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+                                if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
+                                    rbh[u * B_LOADS + i] = Bh8[((b_r[i] + bkr) * bl + b_c[i] + bkc) / 8u];
+                                }
+                            }
+                        } else {
+                            [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+                                if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
+                                    rbh[u * B_LOADS + i] =
+                                        load8h(false, bvec, b_r[i] + bkr, b_c[i] + bkc, br, bl);
+                                }
+                            }
+                        }
                     } else {
-                        uint e = kk * sb + wn * WN + j * T;
-                        coopMatLoad(fb[j], smem, cur + A_VECS + e / 8u, sb / 8u,
-                                    gl_CooperativeMatrixLayoutRowMajor);
+                        if (b_inside && k_inside) {
+                            [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+                                if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
+                                    uint v = ((b_r[i] + bkr) * bl + b_c[i] + bkc) / 4u;
+                                    rb[2u * (u * B_LOADS + i)] = B4[v];
+                                    rb[2u * (u * B_LOADS + i) + 1u] = B4[v + 1u];
+                                }
+                            }
+                        } else {
+                            [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+                                if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
+                                    load8(false, bvec, b_r[i] + bkr, b_c[i] + bkc, br, bl,
+                                          rb[2u * (u * B_LOADS + i)], rb[2u * (u * B_LOADS + i) + 1u]);
+                                }
+                            }
+                        }
                     }
                 }
-                [[unroll]] for (uint i = 0u; i < FM; ++i) {
-                    [[unroll]] for (uint j = 0u; j < FN; ++j) {
-                        acc[i * FN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * FN + j]);
-                    }
-                }
-            }
-        }
 
-        if (load) {
-            const uint nxt = (s & 1u) * STAGE;
-            [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
-                if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
-                    smem[nxt + a_s[i]] = to_half8(ra[2 * i], ra[2 * i + 1]);
+                if (t >= PD) {
+                    const uint cur = ((t - PD) & NS1) * STAGE;
+                    [[unroll]] for (uint kk = 0u; kk < BK; kk += T) {
+                        [[unroll]] for (uint i = 0u; i < FM; ++i) {
+                            if (TA) {
+                                uint e = kk * sa + wm * WM + i * T;
+                                coopMatLoad(fa[i], smem, cur + e / 8u, sa / 8u,
+                                            gl_CooperativeMatrixLayoutColumnMajor);
+                            } else {
+                                uint e = (wm * WM + i * T) * sa + kk;
+                                coopMatLoad(fa[i], smem, cur + e / 8u, sa / 8u,
+                                            gl_CooperativeMatrixLayoutRowMajor);
+                            }
+                        }
+                        [[unroll]] for (uint j = 0u; j < FN; ++j) {
+                            if (TB) {
+                                uint e = (wn * WN + j * T) * sb + kk;
+                                coopMatLoad(fb[j], smem, cur + A_VECS + e / 8u, sb / 8u,
+                                            gl_CooperativeMatrixLayoutColumnMajor);
+                            } else {
+                                uint e = kk * sb + wn * WN + j * T;
+                                coopMatLoad(fb[j], smem, cur + A_VECS + e / 8u, sb / 8u,
+                                            gl_CooperativeMatrixLayoutRowMajor);
+                            }
+                        }
+                        [[unroll]] for (uint i = 0u; i < FM; ++i) {
+                            [[unroll]] for (uint j = 0u; j < FN; ++j) {
+                                acc[i * FN + j] = coopMatMulAdd(fa[i], fb[j], acc[i * FN + j]);
+                            }
+                        }
+                    }
                 }
-            }
-            [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
-                if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
-                    smem[nxt + b_s[i]] = to_half8(rb[2 * i], rb[2 * i + 1]);
+
+                // Slab t + 1 - PD, from slot (t + 1) % PD. While t + 1 < PD the index wraps around
+                // to beyond any slab count, so one comparison covers both ends.
+                if (t + 1u - PD < slabs) {
+                    if (NS1 == 0u) {
+                        barrier();  // one stage: every subgroup has finished multiplying it
+                    }
+                    const uint nxt = ((t + 1u - PD) & NS1) * STAGE;
+                    const uint w = (u + 1u) % PD;
+                    [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+                        if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
+                            if (AH1 == 1u) {
+                                smem[nxt + a_s[i]] = rah[w * A_LOADS + i];
+                            } else {
+                                uint r = 2u * (w * A_LOADS + i);
+                                smem[nxt + a_s[i]] = to_half8(ra[r], ra[r + 1u]);
+                            }
+                        }
+                    }
+                    [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+                        if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
+                            if (BH1 == 1u) {
+                                smem[nxt + b_s[i]] = rbh[w * B_LOADS + i];
+                            } else {
+                                uint r = 2u * (w * B_LOADS + i);
+                                smem[nxt + b_s[i]] = to_half8(rb[r], rb[r + 1u]);
+                            }
+                        }
+                    }
                 }
+                barrier();
             }
         }
-        barrier();
     }
 }
 

@@ -13,6 +13,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from shaders import gemm_tuning
+
 # Activation codes shared by gemm and conv epilogues and by the unary ops.
 ACTIVATIONS: dict[str | None, int] = {
     None: 0,
@@ -121,55 +123,88 @@ def _rows_groups(params, local, spec) -> Groups:
     return capped_groups(int(params["rows"]), 1)
 
 
-def gemm_shared_bytes(bm: int, bn: int, bk: int) -> int:
-    """Shared memory gemm.comp needs for these tiles: two buffers of BK rows of BM + 4 and BN + 4
-    floats (the padding keeps vec4 rows aligned and spreads column stores over the banks)."""
-    return 2 * bk * (bm + 4 + bn + 4) * 4
+def gemm_shared_bytes(bm: int, bn: int, bk: int, sk: int = 1, db: int = 0) -> int:
+    """Shared memory gemm.comp needs for these tiles: 1 + db buffers of BK rows of BM + 4 and BN + 4
+    floats (the padding keeps vec4 rows aligned and spreads column stores over the banks), plus,
+    with sk > 1 K slices, one BM x BN partial tile through which the slices sum (16 bytes else)."""
+    return (1 + db) * bk * (bm + 4 + bn + 4) * 4 + min(sk - 1, 1) * bm * bn * 4 + 16
 
 
-# GEMM tile shapes (BM, BN, BK, TM, TN), largest first; each uses 256 threads.
-GEMM_TILES: tuple[tuple[int, int, int, int, int], ...] = (
-    (128, 64, 16, 8, 4),  # 128x128 with 8x8 per thread spills registers on NVIDIA (10x slower)
-    (64, 64, 16, 4, 4),
-    # 2048 outputs per workgroup: 256x1024 (the small MLP) still gets 128 workgroups, with twice
-    # the work per thread of 32x32; 32x64 first, its 4 columns per thread take vec4 reads/stores.
-    (32, 64, 16, 2, 4),
-    (64, 32, 16, 4, 2),
-    (32, 32, 16, 2, 2),
+# Fallback fp32 GEMM tiles, for shapes a device's tuning table does not list, largest first. The
+# defaults come from bench/sweep_gemm.py on an H100: single-buffered shared tiles (DB 0) beat
+# double-buffered ones at every size measured; 64 x 128 with 4 x 8 per thread and L2 banding was
+# best for big shapes (35 TFLOP/s at 4096^3), sliced K for an MLP's batch of 256 (256 x 1024 x
+# 1024 in 31 us against 48 us with the best plain tile).
+GEMM_TILES: tuple[dict[str, int], ...] = (
+    {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8, "SK": 1, "DB": 0},
+    {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
+    # Too few tiles to fill the GPU and a long K: 4 slices of K per 32 x 32 tile.
+    {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "GM": 1, "SK": 4, "DB": 0},
+    # Too few tiles and a short K.
+    {"BM": 32, "BN": 64, "BK": 16, "TM": 2, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
 )
 # Enough workgroups to fill a big GPU (an H100 has 132 multiprocessors).
 GEMM_MIN_WORKGROUPS = 128
+# Below this K, slicing K leaves each slice too little work.
+GEMM_SLICED_MIN_K = 128
+# On a CPU driver (lavapipe): few wide threads.
+GEMM_CPU_TILES = GEMM_TILES[1]
 
 
 def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
-    """Specialise gemm for one launch. Tiles: the largest that still yields enough workgroups to
-    keep every multiprocessor busy, since at MLP sizes a big tile leaves most of a GPU idle; on a
-    CPU driver (lavapipe), or with no facts, the middle tile is best: its threads are few and
-    wide. TA/TB: the launch's trans_a/trans_b (the shader compiles one load path per pair, so
-    these are required for a correct result, whatever the tiles). VEC: which operands take vec4
-    global access (bit 0 A, bit 1 B, bit 2 C): those whose contiguous dimension is a multiple of
-    4 (tensor offsets are 256-byte aligned, so their rows then start 16-byte aligned).
+    """Specialise gemm for one launch. Tiles: the device's tuning table (see gemm_tuning) when
+    it lists this exact shape; else the first of GEMM_TILES that fits the device and still
+    yields enough workgroups to keep every multiprocessor busy (big tiles waste a GPU on an
+    MLP's batch of 256), then sliced K, then the smallest tile; on a CPU driver (lavapipe), or
+    with no facts, GEMM_CPU_TILES. TA/TB: the launch's trans_a/trans_b (the shader compiles one
+    load path per pair, so these are required for a correct result, whatever the tiles). VEC:
+    which operands take vec4 global access (bit 0 A, bit 1 B, bit 2 C): those whose contiguous
+    dimension is a multiple of 4 (tensor offsets are 256-byte aligned, so their rows then start
+    16-byte aligned).
 
     Args:
         params: the launch's parameters (M, N, K, trans_a, trans_b).
-        facts: the device (only ``kind`` and ``shared_memory_bytes`` are read), or None.
+        facts: the device (``kind``, ``name``, ``shared_memory_bytes`` and
+            ``max_workgroup_invocations`` are read), or None.
 
     Returns:
-        Specialisation constants BM, BN, BK, TM, TN, TA, TB, VEC.
+        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, TA, TB, VEC.
     """
-    choice = (64, 64, 16, 4, 4)
     m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
+    ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))
+    choice = GEMM_CPU_TILES
     if getattr(facts, "kind", "cpu") != "cpu":
         shared = getattr(facts, "shared_memory_bytes", 0)
-        # The shader's shared tiles, double-buffered: 2 x BK rows of BM + 4 and of BN + 4 floats.
-        fitting = [t for t in GEMM_TILES if gemm_shared_bytes(*t[:3]) <= shared]
-        for tile in fitting:
-            choice = tile
-            if ceil_div(m, tile[0]) * ceil_div(n, tile[1]) >= GEMM_MIN_WORKGROUPS:
-                break
-    ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))
-    vec = int((m if ta else k) % 4 == 0) | int((k if tb else n) % 4 == 0) << 1 | int(n % 4 == 0) << 2
-    return {**dict(zip(("BM", "BN", "BK", "TM", "TN"), choice, strict=True)), "TA": ta, "TB": tb, "VEC": vec}
+        threads = getattr(facts, "max_workgroup_invocations", 256)
+        tuned = gemm_tuning.lookup(str(getattr(facts, "name", "")), m, n, k, ta, tb)
+        if tuned and gemm_fits(tuned, shared, threads):
+            choice = tuned
+        else:
+            fitting = [t for t in GEMM_TILES if gemm_fits(t, shared, threads)] or [GEMM_CPU_TILES]
+            plain = [t for t in fitting if t["SK"] == 1]
+            sliced = [t for t in fitting if t["SK"] > 1 and k >= GEMM_SLICED_MIN_K]
+            filling = [t for t in plain if ceil_div(m, t["BM"]) * ceil_div(n, t["BN"]) >= GEMM_MIN_WORKGROUPS]
+            if filling:
+                choice = filling[0]
+            elif sliced:
+                choice = sliced[0]
+            else:
+                choice = (plain or fitting)[-1]
+    # Under a row of ones (ones_row) A stores M - 1 rows; vec4 granules must not reach the ones.
+    stored_m = m - min(int(params.get("ones_row", 0)), 1)
+    vec = int((stored_m if ta else k) % 4 == 0) | int((k if tb else n) % 4 == 0) << 1 | int(n % 4 == 0) << 2
+    return {**GEMM_SPEC_DEFAULTS, **choice, "TA": ta, "TB": tb, "VEC": vec}
+
+
+GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
+
+
+def gemm_fits(tiles: dict[str, int], shared_bytes: int, max_threads: int) -> bool:
+    """Whether gemm.comp with these tile constants fits a device's shared memory and workgroup size."""
+    sk, db = tiles.get("SK", 1), tiles.get("DB", 0)
+    threads = (tiles["BM"] // tiles["TM"]) * (tiles["BN"] // tiles["TN"]) * sk
+    need = gemm_shared_bytes(tiles["BM"], tiles["BN"], tiles["BK"], sk, db)
+    return threads <= max_threads and need <= shared_bytes
 
 
 def _gemm_groups(params, local, spec) -> Groups:
@@ -250,13 +285,126 @@ _GEMM_PUSH = (
     ("slope", "f"),
 )
 
+# -- cooperative-matrix GEMM (gemm_coopmat.comp) ---------------------------------------------------
+
+# Specialisation constants after the tiles: AH/BH (operand is float16 in memory), PD (K slabs in
+# flight in registers) and NS (shared stages); see the shader's header.
+_COOPMAT_SPEC = (
+    ("BM", 128),
+    ("BN", 128),
+    ("BK", 32),
+    ("WM", 64),
+    ("WN", 64),
+    ("SG", 32),
+    ("GM", 8),
+    ("AH", 0),
+    ("BH", 0),
+    ("PD", 1),
+    ("NS", 2),
+)
+# Shared memory per workgroup assumed where the device is unknown: NVIDIA's Vulkan limit (48 KiB),
+# the smallest among the drivers with cooperative matrices we know of.
+COOPMAT_ASSUMED_SHARED_BYTES = 49152
+# Tiles for fp16 inputs, first choice first: the first that fits the device's shared memory and
+# still gives GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_F16_SMALL. Wide tiles first: with fp16
+# inputs the L2 -> SM traffic per flop is what limits 128x128; 128x256x32 needs 60 KiB of shared
+# memory with two stages, so it is taken only where the driver reports that much. Chosen from
+# bench/sweep_coopmat.py on an H100.
+COOPMAT_F16_TILES: tuple[dict[str, int], ...] = (
+    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
+    {"BM": 128, "BN": 256, "BK": 16, "WM": 64, "WN": 64, "PD": 2, "NS": 2},
+    {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
+    {"BM": 64, "BN": 64, "BK": 64, "WM": 32, "WN": 32, "PD": 1, "NS": 2},
+)
+COOPMAT_F16_SMALL: dict[str, int] = {"BM": 32, "BN": 32, "BK": 64, "WM": 16, "WN": 16, "PD": 1, "NS": 2}
+
+
+def coopmat_shared_bytes(spec: dict[str, int]) -> int:
+    """Shared memory one gemm_coopmat workgroup declares for these specialisation constants (missing
+    ones take the registry defaults); the shader's SMEM_VECS, in bytes."""
+    s = {**dict(_COOPMAT_SPEC), **spec}
+    pad = 8  # halves of padding per shared row
+    a_halves = max(s["BM"] * (s["BK"] + pad), s["BK"] * (s["BM"] + pad))
+    b_halves = max(s["BK"] * (s["BN"] + pad), s["BN"] * (s["BK"] + pad))
+    stage = (a_halves + b_halves) // 8
+    main = (((s["NS"] - 1) & 1) + 1) * stage
+    epilogue = (s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * 16 * ((s["WN"] + 4) // 4)
+    return 16 * max(main, epilogue)
+
+
+def coopmat_tile_problem(spec: dict[str, int], facts: object | None = None) -> str | None:
+    """Why gemm_coopmat cannot run with these specialisation constants (missing ones take the
+    registry defaults), or None when it can. Without facts only the shader's own rules are checked.
+
+    Args:
+        spec: specialisation constants, e.g. {"BM": 128, "BN": 256, "BK": 16, "WM": 64, "WN": 64}.
+        facts: the device (``subgroup_size``, ``shared_memory_bytes``, ``max_workgroup_invocations``).
+
+    Returns:
+        A sentence, or None.
+    """
+    s = {**dict(_COOPMAT_SPEC), **spec}
+    bm, bn, bk, wm, wn = s["BM"], s["BN"], s["BK"], s["WM"], s["WN"]
+    if min(wm, wn, bk) < 16 or wm % 16 or wn % 16 or bk % 16:
+        return f"WM={wm}, WN={wn} and BK={bk} must be multiples of 16"
+    if bm % wm or bn % wn:
+        return f"the block tile {bm}x{bn} must be a multiple of the warp tile {wm}x{wn}"
+    if s["PD"] < 1 or s["NS"] not in (1, 2) or s["AH"] not in (0, 1) or s["BH"] not in (0, 1):
+        return f"PD={s['PD']} must be >= 1, NS={s['NS']} 1 or 2, AH/BH 0 or 1"
+    if facts is None:
+        return None
+    threads = (bm // wm) * (bn // wn) * s["SG"]
+    if threads > getattr(facts, "max_workgroup_invocations", threads):
+        allowed = facts.max_workgroup_invocations  # type: ignore[attr-defined]
+        return f"needs {threads} invocations per workgroup; the device allows {allowed}"
+    subgroup = getattr(facts, "subgroup_size", s["SG"])
+    if s["SG"] != subgroup:
+        return f"SG={s['SG']} is not the device's subgroup size {subgroup}"
+    shared = coopmat_shared_bytes(s)
+    limit = getattr(facts, "shared_memory_bytes", COOPMAT_ASSUMED_SHARED_BYTES)
+    if shared > limit:
+        return f"needs {shared} B of shared memory; the device has {limit}"
+    return None
+
+
+def tune_gemm_coopmat_f16(params: dict[str, float], facts: object) -> dict[str, int]:
+    """Specialise gemm_coopmat_f16 for one launch: the first of COOPMAT_F16_TILES that the device
+    can run (with no facts: 48 KiB of shared memory) and that gives at least GEMM_MIN_WORKGROUPS
+    workgroups, else COOPMAT_F16_SMALL; AH = BH = 1 always, since they say how A and B are read.
+
+    Args:
+        params: the launch's parameters (M and N are read).
+        facts: the device, or None (tuning off).
+
+    Returns:
+        Specialisation constants BM, BN, BK, WM, WN, PD, NS, AH, BH.
+    """
+    m, n = int(params["M"]), int(params["N"])
+    # Only shared memory is checked against the device: SG stays the registry's, as for gemm_coopmat.
+    shared = getattr(facts, "shared_memory_bytes", COOPMAT_ASSUMED_SHARED_BYTES)
+    choice = COOPMAT_F16_SMALL
+    for tiles in COOPMAT_F16_TILES:
+        if coopmat_shared_bytes(tiles) <= shared:
+            if ceil_div(m, tiles["BM"]) * ceil_div(n, tiles["BN"]) >= GEMM_MIN_WORKGROUPS:
+                choice = tiles
+                break
+    return {**choice, "AH": 1, "BH": 1}
+
+
+# gemm_coopmat_f16's defaults: the first of COOPMAT_F16_TILES that fits in the assumed 48 KiB.
+_COOPMAT_F16_SPEC = tuple(
+    (name, tune_gemm_coopmat_f16({"M": 2**14, "N": 2**14}, None).get(name, value))
+    for name, value in _COOPMAT_SPEC
+)
+
+
 _OPS: tuple[OpDef, ...] = (
     # C[M,N] = act(alpha * op(A) @ op(B) + bias[N] + (accumulate ? C : 0))
     OpDef(
         "gemm",
         "gemm.comp",
         ("A", "B", "bias", "C"),
-        (*_GEMM_PUSH, ("k_splits", "u")),
+        (*_GEMM_PUSH, ("k_splits", "u"), ("act_grad", "u"), ("ones_row", "u")),
         _gemm_groups,
         local_size=(256, 1, 1),
         # TA/TB: transposition flags (from trans_a/trans_b via tune_gemm); VEC: vec4 access mask.
@@ -270,8 +418,10 @@ _OPS: tuple[OpDef, ...] = (
             ("TB", 0),
             ("VEC", 0),
             ("GM", 1),
+            ("SK", 1),
+            ("DB", 0),
         ),
-        local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]), 1, 1),
+        local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]) * s.get("SK", 1), 1, 1),
         tune=tune_gemm,
     ),
     # Finishes a split-K gemm: C = act(alpha * sum over splits of W[s] + (accumulate ? C : 0) + bias).
@@ -420,7 +570,7 @@ _OPS: tuple[OpDef, ...] = (
         _GEMM_PUSH,
         _gemm_groups,
         local_size=(128, 1, 1),
-        spec=(("BM", 128), ("BN", 128), ("BK", 32), ("WM", 64), ("WN", 64), ("SG", 32), ("GM", 8)),
+        spec=_COOPMAT_SPEC,
         features=frozenset({"cooperative_matrix"}),
         local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
         # The largest tile that still gives GEMM_MIN_WORKGROUPS workgroups, else the smallest.
@@ -439,6 +589,22 @@ _OPS: tuple[OpDef, ...] = (
                 strict=True,
             )
         ),
+    ),
+    # gemm_coopmat with A and B float16 tensors (C and bias stay float32): the same shader with
+    # AH = BH = 1, so the halves go to shared memory as they are, 16 bytes at a time, and only fp32
+    # accumulation error remains against the product of the fp16 inputs. The halved staging pays
+    # for wider tiles (tune_gemm_coopmat_f16); the fp16 counterpart of cuBLAS's fp16 GEMM.
+    OpDef(
+        "gemm_coopmat_f16",
+        "gemm_coopmat.comp",
+        ("A", "B", "bias", "C"),
+        _GEMM_PUSH,
+        _gemm_groups,
+        local_size=(256, 1, 1),
+        spec=_COOPMAT_F16_SPEC,
+        features=frozenset({"cooperative_matrix"}),
+        local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
+        tune=tune_gemm_coopmat_f16,
     ),
 )
 
@@ -467,6 +633,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "cast": ("Y",),
     "argmax": ("out",),
     "gemm_coopmat": ("C",),
+    "gemm_coopmat_f16": ("C",),
 }
 
 # Scale factors default to 1, not 0.
@@ -476,6 +643,7 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "binary": (("a", 1.0),),
     "reduce": (("alpha", 1.0),),
     "gemm_coopmat": (("alpha", 1.0),),
+    "gemm_coopmat_f16": (("alpha", 1.0),),
 }
 
 OPS: dict[str, OpDef] = {

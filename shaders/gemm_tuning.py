@@ -1,0 +1,85 @@
+"""Per-device GEMM tile tables: the measured best tiles for the shapes a model launches.
+
+The best fp32 tile depends on the GPU and on the shape (an MLP's batch of 256 leaves too few
+128 x 128 tiles to fill an H100; a 4096^3 GEMM wants exactly those). ``bench/sweep_gemm.py``
+times candidate tiles on a device and writes the winners as a table; ``tune_gemm`` looks a
+launch's shape up there first and falls back to its size heuristic for shapes not listed.
+
+Tables are JSON files, found in this order:
+1. the file named by ``$VKFLOW_GEMM_TUNING``;
+2. the user's cache, ``$XDG_CACHE_HOME/vkflow/tuning/<device>.json`` (what a sweep writes);
+3. the tables shipped in ``shaders/tuning/<device>.json`` (measured by the developers).
+Only a table whose ``device`` matches the device's name is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+
+SHIPPED = Path(__file__).with_name("tuning")
+TILE_KEYS = ("BM", "BN", "BK", "TM", "TN", "GM", "SK", "DB")
+
+
+def device_slug(device: str) -> str:
+    """A file name for a device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "device"
+
+
+def shape_key(m: int, n: int, k: int, trans_a: int, trans_b: int) -> str:
+    return f"{m}x{n}x{k}:{int(bool(trans_a))}{int(bool(trans_b))}"
+
+
+def cache_path(device: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "vkflow" / "tuning" / f"{device_slug(device)}.json"
+
+
+def candidate_paths(device: str) -> list[Path]:
+    paths = []
+    if os.environ.get("VKFLOW_GEMM_TUNING"):
+        paths.append(Path(os.environ["VKFLOW_GEMM_TUNING"]))
+    paths += [cache_path(device), SHIPPED / f"{device_slug(device)}.json"]
+    return paths
+
+
+@lru_cache(maxsize=16)
+def _table(device: str, env: str | None) -> dict[str, dict[str, int]]:
+    del env  # part of the cache key only: a new $VKFLOW_GEMM_TUNING means a new lookup
+    for path in candidate_paths(device):
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as error:
+            raise ValueError(f"GEMM tuning table {path}: unreadable ({error})") from error
+        if data.get("device") != device:
+            continue
+        return {key: validated(path, key, tiles) for key, tiles in data.get("gemm", {}).items()}
+    return {}
+
+
+def validated(path: Path, key: str, tiles: object) -> dict[str, int]:
+    """The entry's tile constants, or a ValueError naming the file, the shape and the value."""
+    if not isinstance(tiles, dict) or not all(isinstance(tiles.get(name), int) for name in TILE_KEYS[:5]):
+        need = ", ".join(TILE_KEYS[:5])
+        raise ValueError(f"GEMM tuning table {path}: entry {key!r} needs integers {need}; got {tiles!r}")
+    return {name: int(tiles[name]) for name in TILE_KEYS if name in tiles}
+
+
+def lookup(device: str, m: int, n: int, k: int, trans_a: int, trans_b: int) -> dict[str, int] | None:
+    """The table's tiles for this exact launch shape on this device, or None."""
+    return _table(device, os.environ.get("VKFLOW_GEMM_TUNING")).get(shape_key(m, n, k, trans_a, trans_b))
+
+
+def write_table(path: Path, device: str, driver: str, best: dict[str, dict[str, int]]) -> None:
+    """Write (atomically) a table of the best tiles per shape key."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"device": device, "driver": driver, "gemm": dict(sorted(best.items()))}
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(temporary, path)
+    _table.cache_clear()

@@ -1,0 +1,235 @@
+"""Uploads through pinned staging memory (``staging_view`` + ``upload``) on both backends.
+
+Every check reads the uploaded tensor through a program (a bit-exact ``copy`` launch), so the
+values the GPU sees are tested, not only the bytes the host wrote. Data is fresh random (never
+zeros: a copy that never happened must not pass) in odd sizes. On lavapipe, which has one queue,
+uploads share the compute queue; the cross-queue waits are tested as pure bookkeeping
+(``QueueOrder``, ``choose_upload_queue``) and run for real on devices with a transfer queue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from actors.backend import MemoryType, QueueFamily, run_program
+from actors.memory import choose_staging_type
+from flow.program import Arena, Layout, Program, Tensor, align_up, launch
+
+SIZES = [1, 1023, (3 * 2**20 + 4) // 4]  # 3 MiB + 4 bytes of float32
+
+
+def io_layout(n: int, dtype: str = "float32") -> Layout:
+    """``x`` in a per-slot input arena (a batch), ``y`` and ``w`` (a weight) in a shared one."""
+    item = 4
+    tensors = (
+        Tensor("x", (n,), dtype, "batch", 0),
+        Tensor("y", (n,), dtype, "work", 0),
+        Tensor("w", (n,), dtype, "work", align_up(n * item)),
+        Tensor("wy", (n,), dtype, "work", 2 * align_up(n * item)),
+    )
+    arenas = (Arena("batch", align_up(n * item), per_slot=True), Arena("work", 3 * align_up(n * item)))
+    return Layout(arenas=arenas, tensors=tensors)
+
+
+def copy_program(src: str, dst: str, n: int) -> Program:
+    return Program(name=f"copy_{src}_{dst}", steps=(launch("copy", (src, dst), n=n),))
+
+
+def fresh(rng, n: int, dtype=np.float32) -> np.ndarray:
+    if np.dtype(dtype).kind == "i":
+        values = rng.integers(1, 2**31 - 1, n).astype(dtype) * rng.choice([-1, 1], n).astype(dtype)
+    else:
+        values = rng.standard_normal(n).astype(dtype)
+        values[values == 0] = 1.5
+    assert np.all(values != 0)
+    return values
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_uploaded_values_reach_the_program_exactly(backend, rng, n):
+    backend.open_layout(io_layout(n), slots=1)
+    values = fresh(rng, n)
+    view = backend.staging_view("x")
+    assert view.shape == (n,) and view.dtype == np.float32 and view.flags.writeable
+    view[:] = values
+    handle = backend.record(copy_program("x", "y", n))
+    uploaded = backend.upload("x")
+    ticket = backend.submit(handle)  # no wait in between: the program must still see the upload
+    backend.wait(ticket)
+    backend.wait(uploaded)
+    assert backend.is_done(uploaded) and backend.is_done(ticket)
+    np.testing.assert_array_equal(backend.read("y"), values)
+    np.testing.assert_array_equal(backend.read("x"), values)
+
+
+def test_upload_of_int32_data_passed_in(backend, rng):
+    n = 1023
+    backend.open_layout(io_layout(n, "int32"), slots=1)
+    values = fresh(rng, n, np.int32)
+    backend.upload("w", data=values.reshape(n))
+    run_program(backend, copy_program("w", "wy", n))
+    np.testing.assert_array_equal(backend.read("wy"), values)
+    np.testing.assert_array_equal(backend.staging_view("w"), values)  # the data went through staging
+
+
+def test_back_to_back_uploads_into_two_slots(backend, rng):
+    n = 1023
+    layout = io_layout(n)
+    per_slot_out = Layout(
+        arenas=(*layout.arenas, Arena("out", align_up(n * 4), per_slot=True)),
+        tensors=(*layout.tensors, Tensor("out", (n,), "float32", "out", 0)),
+    )
+    backend.open_layout(per_slot_out, slots=2)
+    values = [fresh(rng, n), fresh(rng, n)]
+    for slot in (0, 1):
+        backend.staging_view("x", slot)[:] = values[slot]
+    handles = [backend.record(copy_program("x", "out", n), slot) for slot in (0, 1)]
+    uploads = [backend.upload("x", slot) for slot in (0, 1)]
+    tickets = [backend.submit(handles[slot]) for slot in (0, 1)]
+    for ticket in tickets + uploads:
+        backend.wait(ticket)
+    for slot in (0, 1):
+        np.testing.assert_array_equal(backend.read("out", slot), values[slot])
+        np.testing.assert_array_equal(backend.read("x", slot), values[slot])
+
+
+def test_each_program_sees_the_upload_queued_just_before_it(backend, rng):
+    """Round after round, refill (``staging_view`` waits for the last upload to have read it),
+    upload and submit with no wait in between; each round's result is checked."""
+    n = 1023
+    backend.open_layout(io_layout(n), slots=1)
+    handle = backend.record(copy_program("w", "wy", n))
+    for _ in range(4):
+        values = fresh(rng, n)
+        backend.staging_view("w")[:] = values
+        backend.upload("w")
+        backend.wait(backend.submit(handle))
+        np.testing.assert_array_equal(backend.read("wy"), values)
+
+
+def test_an_upload_waits_for_the_program_still_reading_the_tensor(backend, rng):
+    """Write after read: the upload queued right after a program that reads ``w`` must not
+    change what that program copies."""
+    n = (3 * 2**20 + 4) // 4
+    backend.open_layout(io_layout(n), slots=1)
+    old, new = fresh(rng, n), fresh(rng, n)
+    backend.upload("w", data=old)
+    handle = backend.record(copy_program("w", "wy", n))
+    ticket = backend.submit(handle)
+    uploaded = backend.upload("w", data=new)
+    backend.wait(uploaded)
+    backend.wait(ticket)
+    np.testing.assert_array_equal(backend.read("wy"), old)
+    np.testing.assert_array_equal(backend.read("w"), new)
+
+
+def test_bad_arguments_name_the_tensor_and_value_before_any_device_work(backend):
+    n = 1023
+    backend.open_layout(io_layout(n), slots=2)
+    before = backend.read("x")
+    with pytest.raises(KeyError, match="'nope'"):
+        backend.upload("nope")
+    with pytest.raises(KeyError, match="'nope'"):
+        backend.staging_view("nope")
+    with pytest.raises(IndexError, match=r"'x'.*slot 2"):
+        backend.upload("x", 2)
+    with pytest.raises(IndexError, match=r"'w'.*slot -1"):
+        backend.staging_view("w", -1)
+    with pytest.raises(TypeError, match=r"'x'.*float64.*float32"):
+        backend.upload("x", data=np.ones(n, np.float64))
+    with pytest.raises(ValueError, match=r"'x'.*\(1022,\)"):
+        backend.upload("x", data=np.ones(n - 1, np.float32))
+    with pytest.raises(ValueError, match=r"'x'.*\(3, 341\)"):
+        backend.upload("x", data=np.ones((3, 341), np.float32))
+    assert backend._staging == {}  # nothing was allocated, so nothing was submitted
+    np.testing.assert_array_equal(backend.read("x"), before)
+
+
+async def test_uploads_from_trio_wait_in_a_worker_thread(backend, rng):
+    n = 1023
+    backend.open_layout(io_layout(n), slots=1)
+    values = fresh(rng, n)
+    backend.staging_view("x")[:] = values
+    handle = backend.record(copy_program("x", "y", n))
+    backend.upload("x")
+    ticket = backend.submit(handle)
+    await trio.to_thread.run_sync(backend.wait, ticket)
+    np.testing.assert_array_equal(backend.read("y"), values)
+
+
+# -- Vulkan only ------------------------------------------------------------------------------------
+
+
+def test_vulkan_upload_tickets_and_timestamps(vulkan_backend, rng):
+    from actors.vulkan_backend import UPLOAD_TICKETS
+
+    n = (3 * 2**20 + 4) // 4
+    vulkan_backend.open_layout(io_layout(n), slots=1)
+    vulkan_backend.staging_view("x")[:] = fresh(rng, n)
+    if not vulkan_backend.upload_timestamps:
+        pytest.skip(f"{vulkan_backend.upload_queue_name} writes no timestamps")
+    pool = vulkan_backend.timestamp_pool(4)
+    vulkan_backend.reset_timestamps(pool)
+    tickets = [vulkan_backend.upload("x", timestamps=pool, query=q) for q in (0, 2)]
+    assert all(t > UPLOAD_TICKETS for t in tickets) and tickets[1] == tickets[0] + 1
+    vulkan_backend.wait(tickets[1])
+    assert vulkan_backend.is_done(tickets[0])
+    stamps = vulkan_backend.read_timestamps_ns(pool)
+    assert np.all(np.diff(stamps) >= 0) and stamps[1] > stamps[0]
+    with pytest.raises(IndexError, match="queries 3 and 4"):
+        vulkan_backend.upload("x", timestamps=pool, query=3)
+
+
+# -- pure decisions ---------------------------------------------------------------------------------
+
+H100_TYPES = (
+    MemoryType(0, 1, ()),
+    MemoryType(1, 0, ("device_local",)),
+    MemoryType(2, 1, ("host_visible", "host_coherent")),
+    MemoryType(3, 1, ("host_visible", "host_coherent", "host_cached")),
+    MemoryType(4, 0, ("device_local", "host_visible", "host_coherent")),
+)
+
+
+def test_staging_memory_is_cached_host_memory_where_there_is_some():
+    assert choose_staging_type(H100_TYPES, 0b11111).index == 3
+    assert choose_staging_type(H100_TYPES, 0b10111).index == 2  # uncached system memory next
+    assert choose_staging_type(H100_TYPES, 0b10011).index == 4  # ReBAR only as a last resort
+    lavapipe = (MemoryType(0, 0, ("device_local", "host_visible", "host_coherent", "host_cached")),)
+    assert choose_staging_type(lavapipe, 0b1).index == 0
+    with pytest.raises(MemoryError):
+        choose_staging_type(H100_TYPES, 0b00011)
+
+
+def test_uploads_prefer_a_transfer_only_family_then_a_second_compute_queue():
+    from actors.vulkan_backend import choose_upload_queue
+
+    h100 = (
+        QueueFamily(0, 16, graphics=True, compute=True, transfer=True, timestamp_bits=64),
+        QueueFamily(1, 2, graphics=False, compute=False, transfer=True, timestamp_bits=64),
+        QueueFamily(2, 8, graphics=False, compute=True, transfer=True, timestamp_bits=64),
+    )
+    assert choose_upload_queue(h100, 2, timeline=True) == (1, 0)
+    assert choose_upload_queue(h100[::2], 2, timeline=True) == (2, 1)
+    lavapipe = (QueueFamily(0, 1, graphics=True, compute=True, transfer=True, timestamp_bits=64),)
+    assert choose_upload_queue(lavapipe, 0, timeline=True) == (0, 0)
+    assert choose_upload_queue(h100, 2, timeline=False) == (2, 0)  # one queue orders itself
+
+
+def test_queue_order_waits_only_where_a_buffer_is_shared_and_only_once():
+    from actors.vulkan_backend import QueueOrder
+
+    order = QueueOrder()
+    assert order.upload(("batch", 0), 1) == 0  # nothing used the buffer yet
+    assert order.upload(("batch", 1), 2) == 0
+    assert order.program({("work", 0)}, 1) == 0  # binds no uploaded buffer
+    assert order.program({("batch", 0), ("work", 0)}, 2) == 1  # read after the upload
+    assert order.program({("batch", 0), ("work", 0)}, 3) == 0  # the queue already waited
+    assert order.program({("batch", 1)}, 4) == 2
+    assert order.upload(("batch", 0), 3) == 3  # write after the read of ticket 3
+    assert order.upload(("batch", 0), 4) == 0  # the transfer queue already waited
+    assert order.upload(("work", 0), 5) == 0  # ticket 3 bound it too: covered by that wait
+    assert order.upload(("batch", 1), 6) == 4
+    assert order.program({("work", 0)}, 5) == 5
