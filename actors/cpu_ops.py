@@ -212,14 +212,28 @@ def softmax_xent(arrays: list[np.ndarray], p: Params) -> None:
     rows, cols = int(p["rows"]), int(p["cols"])
     matrix = logits[: rows * cols].reshape(rows, cols)
     target = labels[:rows].astype(np.int64)
+    # As the shader: a label outside [0, cols) gives a NaN loss, counts as wrong and adds no
+    # one-hot term to the gradient.
+    valid = (target >= 0) & (target < cols)
+    safe = np.where(valid, target, 0)
     log_probs = _log_softmax_rows(matrix)
     picked = np.arange(rows)
-    loss_rows[:rows] = -log_probs[picked, target]
-    correct_rows[:rows] = (matrix.argmax(axis=1) == target).astype(correct_rows.dtype)
+    loss_rows[:rows] = np.where(valid, -log_probs[picked, safe], np.nan)
+    correct_rows[:rows] = (valid & (matrix.argmax(axis=1) == target)).astype(correct_rows.dtype)
     if p.get("write_grad"):
         grad = np.exp(log_probs)
-        grad[picked, target] -= 1
+        grad[picked[valid], target[valid]] -= 1
         dlogits[: rows * cols] = (grad * grad.dtype.type(p["scale"])).reshape(-1)
+
+
+def softmax_xent_totals(arrays: list[np.ndarray], p: Params) -> None:
+    logits, labels, loss, correct, dlogits = arrays
+    rows = int(p["rows"])
+    loss_rows = np.empty(rows, np.float64)
+    correct_rows = np.empty(rows, np.float64)
+    softmax_xent([logits, labels, loss_rows, correct_rows, dlogits], p)
+    loss[0] = loss_rows.sum() * float(p["loss_scale"])
+    correct[0] = correct_rows.sum()
 
 
 def mse(arrays: list[np.ndarray], p: Params) -> None:
@@ -402,6 +416,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "softmax": softmax,
     "softmax_backward": softmax_backward,
     "softmax_xent": softmax_xent,
+    "softmax_xent_totals": softmax_xent_totals,
     "mse": mse,
     "conv2d": conv2d,
     "conv2d_backward_data": conv2d_backward_data,

@@ -50,12 +50,13 @@ from common import Reporter, import_torch, median, open_vulkan, section, torch_t
 from shaders.registry import gemm_shared_bytes
 
 DEFAULT_TILES = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
+# Fixed configs timed beside the tuned choice (see sweep_gemm.py for the full search).
 TILE_CONFIGS = (
     DEFAULT_TILES,
-    {"BM": 128, "BN": 64, "BK": 16, "TM": 8, "TN": 4},
-    {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8},
+    {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8},
+    {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8, "GM": 8},
 )
-QUICK_TILE_CONFIGS = TILE_CONFIGS[:2]  # 128x128 with 8x8 per thread spills on NVIDIA (~2 TFLOP/s): not listed
+QUICK_TILE_CONFIGS = TILE_CONFIGS[:2]
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (4000, 4000, 4000), (256, 1024, 784))  # M, N, K
 QUICK_SHAPES = ((256, 256, 256), (100, 128, 78))
 CHECK_SHAPE = (67, 45, 33)  # odd in every dimension: exercises every bounds check of the tiles

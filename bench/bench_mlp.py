@@ -41,9 +41,11 @@ Output: one JSON line per figure on stdout (and appended to ``--out``), then a t
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import common
 import numpy as np
@@ -214,41 +216,50 @@ def measure_actors(backend, sizes: Sizes, opt: str, in_flight: int, reps: int) -
     """Steady-state samples/s of ``flow.run`` (loader, preprocess, device, optimiser and sink actors)
     on a Synthetic source, reusing ``backend``.
 
-    A run's wall time includes its setup (plan, recording, weights, data generation, nursery), so
-    the rate is the difference between long and short runs: batch * (n - n/4) / (T(n) - T(n/4)),
-    with n calibrated so that T(n) is about ``sizes.target_s`` and each T the median of ``reps``.
+    Each run writes its metrics file (one JSON line per step, with the seconds since the run
+    began), so the rate comes from inside one run: batch * (n - n/4) / (t(n) - t(n/4)), past setup
+    and the first touches of the data. n is chosen so a run lasts about 4 x ``sizes.target_s``;
+    the figure is the median over ``reps`` runs. A metrics file is what a user's run writes too.
     """
+    import tempfile
     from dataclasses import replace
 
     from flow.runner import run
     from flow.spec import RunSettings
 
     batch = sizes.small_batch
-    results = []
 
-    def timed(steps: int) -> float:
+    def one(steps: int, folder: str) -> tuple[float, float, object]:
+        """(steady seconds per step, seconds to the first step, result) of one run."""
+        metrics = str(Path(folder) / f"metrics-{steps}-{time.perf_counter_ns()}.jsonl")
         spec = vk_spec(sizes.small, batch, opt, in_flight)
-        spec = replace(spec, run=RunSettings(epochs=None, steps=steps, in_flight=in_flight))
-        start = time.perf_counter()
-        results.append(run(spec, backend=backend))
-        return time.perf_counter() - start
+        spec = replace(
+            spec, run=RunSettings(epochs=None, steps=steps, in_flight=in_flight, metrics_file=metrics)
+        )
+        result = run(spec, backend=backend)
+        elapsed = {}
+        for line in Path(metrics).read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "step":
+                elapsed[int(record["step"])] = float(record["elapsed"])
+        first, last = min(elapsed), max(elapsed)
+        quarter = first + (last - first) // 4
+        per_step = (elapsed[last] - elapsed[quarter]) / max(last - quarter, 1)
+        return per_step, elapsed[first], result
 
-    # Each run generates its Synthetic samples on first touch (16 batches an epoch). Runs of at
-    # least an epoch touch them all, so the long-minus-short difference leaves generation out.
-    epoch = 16
-    timed(epoch)  # warm-up: pipelines, shader modules, first allocations
-    steps, long_times = calibrated_reps(timed, reps, sizes.target_s, start=4 * epoch)
-    result = results[-1]
-    short = max(epoch, steps // 4)
-    short_times = [timed(short) for _ in range(reps)]
-    per_step = (median(long_times) - median(short_times)) / (steps - short)
-    # Which actor the steps wait on: busy time per step of each, from the last long run.
+    with tempfile.TemporaryDirectory() as folder:
+        probe, _, _ = one(64, folder)  # also the warm-up: pipelines, shader modules, allocations
+        steps = int(min(200_000, max(256, 4 * sizes.target_s / max(probe, 1e-6))))
+        runs = [one(steps, folder) for _ in range(reps)]
+    per_step = median([r[0] for r in runs])
+    result = runs[-1][2]
+    # Which actor the steps wait on: busy time per step of each, from the last run.
     busy = {name: round(stats.busy_seconds / steps * 1e6, 1) for name, stats in result.statistics.items()}
     return {
         "samples_per_s": batch / per_step if per_step > 0 else float("nan"),
         "in_flight": in_flight,
         "steps": steps,
-        "setup_s": median(short_times) - short * per_step,
+        "setup_s": median([r[1] for r in runs]),
         "loss": result.loss,
         "busy_us_per_step": busy,
     }

@@ -23,32 +23,35 @@ import numpy as np
 from common import import_torch, median, open_vulkan
 
 from actors.single_op import single_op_layout
+from flow.autodiff import k_splits
 from flow.program import Barrier, Program, launch
 from shaders import gemm_tuning
 from shaders.registry import gemm_shared_bytes
 
-# (M, N, K, trans_a, trans_b, what)
+# (M, N, K, trans_a, trans_b, what): the launches of the benchmark's models. The weight-gradient
+# GEMMs of dense layers with a bias have M = inputs + 1: their last row of op(A) is ones
+# (ones_row), giving the bias gradient. Split-K is applied as the plan applies it (k_splits).
 SHAPES = (
     (256, 1024, 784, 0, 0, "small fwd1"),
     (256, 1024, 1024, 0, 0, "small fwd2"),
+    (256, 10, 1024, 0, 0, "small logits"),
     (256, 1024, 1024, 0, 1, "small dX2"),
-    (1024, 1024, 256, 1, 0, "small dW2"),
-    (784, 1024, 256, 1, 0, "small dW1"),
+    (256, 1024, 10, 0, 1, "small dX3"),
+    (1025, 1024, 256, 1, 0, "small dW2+b"),
+    (785, 1024, 256, 1, 0, "small dW1+b"),
+    (1025, 10, 256, 1, 0, "small dW3+b"),
     (8192, 4096, 4096, 0, 0, "large fwd"),
     (8192, 4096, 4096, 0, 1, "large dX"),
-    (4096, 4096, 8192, 1, 0, "large dW"),
+    (4097, 4096, 8192, 1, 0, "large dW+b"),
     (4096, 4096, 4096, 0, 0, "4096^3"),
     (4000, 4000, 4000, 0, 0, "4000^3"),
-    (256, 1024, 10, 0, 1, "small dX3"),
-    (1024, 10, 256, 1, 0, "small dW3"),
 )
-QUICK_SHAPES = ((96, 128, 80, 0, 0, "quick"), (64, 96, 64, 1, 0, "quick dW"))
-
+QUICK_SHAPES = ((96, 128, 80, 0, 0, "quick"), (65, 96, 64, 1, 0, "quick dW+b"))
 SMALL = 300  # M or N below this: also try split-K
 
 
-def config(bm, bn, bk, tm, tn, gm=1, splits=1, sk=1, db=1) -> dict[str, int]:
-    return {"BM": bm, "BN": bn, "BK": bk, "TM": tm, "TN": tn, "GM": gm, "SK": sk, "DB": db, "splits": splits}
+def config(bm, bn, bk, tm, tn, gm=1, sk=1, db=1) -> dict[str, int]:
+    return {"BM": bm, "BN": bn, "BK": bk, "TM": tm, "TN": tn, "GM": gm, "SK": sk, "DB": db}
 
 
 CONFIGS = (
@@ -74,12 +77,11 @@ CONFIGS = (
     config(32, 64, 16, 4, 4, sk=2, db=0),
     config(64, 64, 32, 8, 8, sk=2, db=0),
     config(64, 64, 16, 4, 4, sk=2, db=0),
-    config(32, 32, 32, 4, 4, splits=2),
 )
 BIG_TILE = 64 * 64  # smallest tile (BM x BN) tried on large shapes, which have plenty of tiles
 QUICK_CONFIGS = (
     config(64, 64, 16, 4, 4),
-    config(32, 64, 16, 2, 4, splits=2),
+    config(32, 64, 16, 2, 4, sk=2),
     config(128, 128, 8, 8, 8, db=0),
     config(32, 32, 32, 4, 4, sk=4),
 )
@@ -96,18 +98,22 @@ def name(cfg: dict[str, int] | None) -> str:
         text += f" sk{cfg['SK']}"
     if not cfg["DB"]:
         text += " single"
-    if cfg["splits"] > 1:
-        text += f" split{cfg['splits']}"
     return text
 
 
 class Case:
-    """One GEMM shape on the backend, operands stored as the transposition flags say."""
+    """One GEMM shape on the backend, operands stored as the transposition flags say; with
+    ``ones`` the last row of op(A) is ones and A stores M - 1 rows (a fused bias gradient)."""
 
-    def __init__(self, backend, m: int, n: int, k: int, ta: int, tb: int, splits: int, seed: int = 0) -> None:
-        self.backend, self.m, self.n, self.k, self.ta, self.tb = backend, m, n, k, ta, tb
+    def __init__(
+        self, backend, m: int, n: int, k: int, ta: int, tb: int, ones: int = 0, seed: int = 0
+    ) -> None:
+        self.backend, self.m, self.n, self.k, self.ta, self.tb, self.ones = backend, m, n, k, ta, tb, ones
+        self.splits = k_splits(m, n, k)
+        splits = self.splits
         rng = np.random.default_rng(seed)
-        self.a = rng.uniform(-1, 1, (k, m) if ta else (m, k)).astype(np.float32)
+        stored = m - ones
+        self.a = rng.uniform(-1, 1, (k, stored) if ta else (stored, k)).astype(np.float32)
         self.b = rng.uniform(-1, 1, (n, k) if tb else (k, n)).astype(np.float32)
         arrays = {
             "A": self.a,
@@ -121,51 +127,57 @@ class Case:
         backend.write("B", self.b)
         backend.write("bias", rng.uniform(-1, 1, n).astype(np.float32))
 
-    def steps(self, splits: int) -> list:
+    def steps(self) -> list:
+        splits = self.splits
         params = {
             "M": self.m,
             "N": self.n,
             "K": self.k,
             "trans_a": self.ta,
             "trans_b": self.tb,
-            "has_bias": 1,
+            "has_bias": int(not self.ones),
+            "ones_row": self.ones,
         }
         if splits <= 1:
             return [launch("gemm", ("A", "B", "bias", "C"), **params)]
         return [
             launch("gemm", ("A", "B", "bias", "W"), **params, k_splits=splits),
             Barrier(),
-            launch("splitk_epilogue", ("W", "bias", "C"), M=self.m, N=self.n, splits=splits, has_bias=1),
+            launch(
+                "splitk_epilogue",
+                ("W", "bias", "C"),
+                M=self.m,
+                N=self.n,
+                splits=splits,
+                has_bias=int(not self.ones),
+            ),
         ]
 
-    def program(self, splits: int, repeats: int) -> Program:
+    def program(self, repeats: int) -> Program:
         steps: list = []
         for index in range(repeats):
             if index:
                 steps.append(Barrier())
-            steps += self.steps(splits)
+            steps += self.steps()
         return Program(name="sweep", steps=tuple(steps))
 
     def record(self, cfg: dict[str, int] | None, repeats: int, pool=None) -> int:
-        splits = cfg["splits"] if cfg else 1
-        tiles = {key: value for key, value in (cfg or {}).items() if key != "splits"}
-        overrides = {"gemm": tiles} if tiles else None
-        return self.backend.record(
-            self.program(splits, repeats), 0, spec_overrides=overrides, timestamps=pool
-        )
+        overrides = {"gemm": cfg} if cfg else None
+        return self.backend.record(self.program(repeats), 0, spec_overrides=overrides, timestamps=pool)
 
     def error(self, cfg: dict[str, int] | None) -> float:
         self.backend.wait(self.backend.submit(self.record(cfg, 1)))
         got = self.backend.read("C").astype(np.float64)
-        op_a = self.a.T if self.ta else self.a
-        op_b = self.b.T if self.tb else self.b
-        bias = self.backend.read("bias").astype(np.float64)
-        want = op_a.astype(np.float64) @ op_b.astype(np.float64) + bias
+        op_a = (self.a.T if self.ta else self.a).astype(np.float64)
+        if self.ones:
+            op_a = np.vstack([op_a, np.ones((1, self.k))])
+        op_b = (self.b.T if self.tb else self.b).astype(np.float64)
+        bias = 0.0 if self.ones else self.backend.read("bias").astype(np.float64)
+        want = op_a @ op_b + bias
         return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
     def seconds(self, cfg: dict[str, int] | None, target_s: float, reps: int) -> float:
-        splits = cfg["splits"] if cfg else 1
-        per = 1 if splits <= 1 else 2  # launches per GEMM
+        per = 1 if self.splits <= 1 else 2  # launches per GEMM
 
         def timed(repeats: int, times: int) -> list[float]:
             pool = self.backend.timestamp_pool(repeats * per + 1)
@@ -242,8 +254,9 @@ def main() -> None:
         worst = 0.0
         try:
             for ta, tb in ((0, 0), (1, 1)):  # the tests cover every pair for the shipped tiles
-                case = Case(backend, *CHECK, ta, tb, cfg["splits"], seed=ta * 2 + tb)
-                worst = max(worst, case.error(cfg))
+                for ones in (0, 1):
+                    case = Case(backend, *CHECK, ta, tb, ones, seed=ta * 2 + tb)
+                    worst = max(worst, case.error(cfg))
         except Exception as error:  # noqa: BLE001 - one bad config must not end the sweep
             emit({"bench": "sweep_gemm", "config": name(cfg), "status": "failed", "error": repr(error)[:300]})
             continue
@@ -263,6 +276,7 @@ def main() -> None:
     best: dict[str, dict[str, int]] = {}
     began = time.perf_counter()
     for m, n, k, ta, tb, what in shapes:
+        ones = int("+b" in what)
         if time.perf_counter() - began > args.budget:
             emit({"bench": "sweep_gemm", "shape": what, "status": "skipped", "reason": "over --budget"})
             continue
@@ -270,13 +284,11 @@ def main() -> None:
         ref = torch_seconds(torch, m, n, k, ta, tb, args.reps)
         rows = []
         for cfg in usable:
-            if cfg and cfg["splits"] > 1 and min(m, n) >= SMALL * 4:
-                continue  # split-K is for shapes with few tiles
             if cfg and min(m, n) >= SMALL * 4 and (cfg["BM"] * cfg["BN"] < BIG_TILE or cfg["SK"] > 1):
                 continue  # small tiles and sliced K are for shapes with few tiles
             started = time.perf_counter()
             try:
-                case = Case(backend, m, n, k, ta, tb, cfg["splits"] if cfg else 1)
+                case = Case(backend, m, n, k, ta, tb, ones)
                 seconds = case.seconds(cfg, 0.02 if min(m, n) < SMALL else 0.05, args.reps)
             except Exception as error:  # noqa: BLE001
                 emit({"bench": "sweep_gemm", "shape": what, "config": name(cfg), "status": "failed",
@@ -297,12 +309,10 @@ def main() -> None:
             rows.append({**record, "cfg": cfg})
         rows.sort(key=lambda r: r["us"])
         summary.append((what, ref, rows))
-        # The table holds tiles only: split-K changes the launches, which the plan decides.
-        winner = next((r for r in rows if r["cfg"] and r["cfg"]["splits"] == 1), None)
+        # Tiles only: whether to split K is the plan's decision (k_splits), timed here as made.
+        winner = next((r for r in rows if r["cfg"]), None)
         if winner:
-            best[gemm_tuning.shape_key(m, n, k, ta, tb)] = {
-                key: value for key, value in winner["cfg"].items() if key != "splits"
-            }
+            best[gemm_tuning.shape_key(m, n, k, ta, tb)] = dict(winner["cfg"])
 
     print()
     for what, ref, rows in summary:

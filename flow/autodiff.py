@@ -214,6 +214,11 @@ def fused_bias_grads(model: Model) -> dict[str, tuple[str, tuple[int, int]]]:
 EPILOGUE_DERIVATIVES = frozenset({"relu", "leaky_relu", "sigmoid", "tanh"})
 
 
+# Up to this many classes, one workgroup computes the cross-entropy rows and the batch totals
+# (softmax_xent_totals); wider logits take a workgroup per row and separate sums.
+NARROW_LOGITS = 32
+
+
 def k_splits(m: int, n: int, k: int) -> int:
     """How many slices to split a GEMM's K into: more when its M x N output has few 32 x 32
     tiles and K is long (a classifier's logits: 256 x 10 x 1024), so the GPU has enough
@@ -410,9 +415,22 @@ class _Builder:
         b, g = self.b, self.g
         out_shape = g.tensors[output].shape
         cols = math.prod(out_shape[1:])
-        loss_rows = g.add("loss_rows", (b,))
         grad = g.add(f"grad:{output}", out_shape) if write_grad else None
-        if isinstance(self.model.loss, CrossEntropy):
+        if isinstance(self.model.loss, CrossEntropy) and cols <= NARROW_LOGITS:
+            # One launch for the rows and both totals (a classifier's few classes).
+            g.emit(
+                launch(
+                    "softmax_xent_totals",
+                    (output, labels, "loss", "correct", grad or output),
+                    rows=b,
+                    cols=cols,
+                    write_grad=int(write_grad),
+                    scale=1.0 / b,
+                    loss_scale=1.0 / b,
+                )
+            )
+        elif isinstance(self.model.loss, CrossEntropy):
+            loss_rows = g.add("loss_rows", (b,))
             correct_rows = g.add("correct_rows", (b,))
             g.emit(
                 launch(
@@ -433,6 +451,7 @@ class _Builder:
                 ),
             )
         elif isinstance(self.model.loss, MSE):
+            loss_rows = g.add("loss_rows", (b,))
             g.emit(
                 launch(
                     "mse",

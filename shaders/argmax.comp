@@ -2,6 +2,7 @@
 // counts above every number. One workgroup per row, looping rows with stride gl_NumWorkGroups.x;
 // a shared-memory tree of (value, index) pairs.
 #version 450
+#extension GL_GOOGLE_include_directive : require
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -16,30 +17,7 @@ layout(push_constant) uniform Push {
 shared float partial[gl_WorkGroupSize.x];
 shared uint partial_index[gl_WorkGroupSize.x];
 
-const uint NO_INDEX = 0xffffffffu;
-
-uint first_stride() {
-    uint p = 1u;
-    while (p < gl_WorkGroupSize.x) {
-        p <<= 1;
-    }
-    return p >> 1;
-}
-
-bool beats(float bv, uint bi, float av, uint ai) {
-    if (bi == NO_INDEX) {
-        return false;
-    }
-    if (ai == NO_INDEX) {
-        return true;
-    }
-    bool bn = isnan(bv);
-    bool an = isnan(av);
-    if (bn || an) {
-        return bn && (!an || bi < ai);
-    }
-    return bv > av || (bv == av && bi < ai);
-}
+#include "row_reduce.glsl"
 
 void main() {
     uint lid = gl_LocalInvocationID.x;
@@ -55,23 +33,9 @@ void main() {
                 best = c;
             }
         }
-        partial[lid] = m;
-        partial_index[lid] = best;
-        barrier();
-        for (uint s = first_stride(); s > 0u; s >>= 1) {
-            if (lid < s && lid + s < size) {
-                float ov = partial[lid + s];
-                uint oi = partial_index[lid + s];
-                if (beats(ov, oi, partial[lid], partial_index[lid])) {
-                    partial[lid] = ov;
-                    partial_index[lid] = oi;
-                }
-            }
-            barrier();
-        }
+        group_argmax(m, best);
         if (lid == 0u) {
-            indices[row] = int(partial_index[0]);
+            indices[row] = int(best);
         }
-        barrier();
     }
 }

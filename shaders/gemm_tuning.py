@@ -76,9 +76,18 @@ def lookup(device: str, m: int, n: int, k: int, trans_a: int, trans_b: int) -> d
 
 
 def write_table(path: Path, device: str, driver: str, best: dict[str, dict[str, int]]) -> None:
-    """Write (atomically) a table of the best tiles per shape key."""
+    """Write (atomically) a table of the best tiles per shape key, keeping the entries of an
+    existing table for the same device that ``best`` does not measure again."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"device": device, "driver": driver, "gemm": dict(sorted(best.items()))}
+    merged: dict[str, dict[str, int]] = {}
+    try:
+        old = json.loads(path.read_text())
+        if old.get("device") == device:
+            merged.update(old.get("gemm", {}))
+    except (OSError, ValueError):
+        pass  # no table yet, or an unreadable one that this write replaces
+    merged.update(best)
+    body = {"device": device, "driver": driver, "gemm": dict(sorted(merged.items()))}
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(body, indent=1) + "\n")
     os.replace(temporary, path)

@@ -308,8 +308,8 @@ COOPMAT_ASSUMED_SHARED_BYTES = 49152
 # Tiles for fp16 inputs, first choice first: the first that fits the device's shared memory and
 # still gives GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_F16_SMALL. Wide tiles first: with fp16
 # inputs the L2 -> SM traffic per flop is what limits 128x128; 128x256x32 needs 60 KiB of shared
-# memory with two stages, so it is taken only where the driver reports that much. Chosen from
-# bench/sweep_coopmat.py on an H100.
+# memory with two stages, so it is taken only where the driver reports that much. The order is a
+# first guess, not yet measured: bench/sweep_coopmat.py on an H100 is what should set it.
 COOPMAT_F16_TILES: tuple[dict[str, int], ...] = (
     {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
     {"BM": 128, "BN": 256, "BK": 16, "WM": 64, "WN": 64, "PD": 2, "NS": 2},
@@ -484,6 +484,16 @@ _OPS: tuple[OpDef, ...] = (
         _rows_groups,
         local_size=(64, 1, 1),
     ),
+    # softmax_xent for narrow rows with the batch totals fused: loss = loss_scale * sum of the row
+    # losses, correct = count of right rows; one workgroup (see the shader).
+    OpDef(
+        "softmax_xent_totals",
+        "softmax_xent_totals.comp",
+        ("logits", "labels", "loss", "correct", "dlogits"),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("scale", "f"), ("loss_scale", "f")),
+        lambda params, local, spec: (1, 1, 1),
+        local_size=(256, 1, 1),
+    ),
     # loss_rows[r] = mean_c (Y - T)^2; when write_grad, dY = scale * (Y - T).
     OpDef(
         "mse",
@@ -619,6 +629,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "softmax": ("Y",),
     "softmax_backward": ("dX",),
     "softmax_xent": ("loss_rows", "correct_rows", "dlogits"),
+    "softmax_xent_totals": ("loss", "correct", "dlogits"),
     "mse": ("loss_rows", "dY"),
     "conv2d": ("Y",),
     "conv2d_backward_data": ("dX",),

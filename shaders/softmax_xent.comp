@@ -6,6 +6,7 @@
 // A label outside [0, cols) gives a NaN loss, correct 0 and a gradient without the one-hot term.
 // One workgroup per row, looping rows with stride gl_NumWorkGroups.x; shared-memory trees.
 #version 450
+#extension GL_GOOGLE_include_directive : require
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -25,69 +26,7 @@ layout(push_constant) uniform Push {
 shared float partial[gl_WorkGroupSize.x];
 shared uint partial_index[gl_WorkGroupSize.x];
 
-const uint NO_INDEX = 0xffffffffu;
-
-uint first_stride() {
-    uint p = 1u;
-    while (p < gl_WorkGroupSize.x) {
-        p <<= 1;
-    }
-    return p >> 1;
-}
-
-float group_sum(float v) {
-    uint lid = gl_LocalInvocationID.x;
-    partial[lid] = v;
-    barrier();
-    for (uint s = first_stride(); s > 0u; s >>= 1) {
-        if (lid < s && lid + s < gl_WorkGroupSize.x) {
-            partial[lid] += partial[lid + s];
-        }
-        barrier();
-    }
-    float result = partial[0];
-    barrier();
-    return result;
-}
-
-// (value, index) b beats a: larger value, NaN above all (numpy argmax returns the first NaN),
-// and on ties the smaller index, so the first maximum wins.
-bool beats(float bv, uint bi, float av, uint ai) {
-    if (bi == NO_INDEX) {
-        return false;
-    }
-    if (ai == NO_INDEX) {
-        return true;
-    }
-    bool bn = isnan(bv);
-    bool an = isnan(av);
-    if (bn || an) {
-        return bn && (!an || bi < ai);
-    }
-    return bv > av || (bv == av && bi < ai);
-}
-
-// Workgroup-wide first argmax; every invocation gets the max value and its index.
-void group_argmax(inout float v, inout uint index) {
-    uint lid = gl_LocalInvocationID.x;
-    partial[lid] = v;
-    partial_index[lid] = index;
-    barrier();
-    for (uint s = first_stride(); s > 0u; s >>= 1) {
-        if (lid < s && lid + s < gl_WorkGroupSize.x) {
-            float ov = partial[lid + s];
-            uint oi = partial_index[lid + s];
-            if (beats(ov, oi, partial[lid], partial_index[lid])) {
-                partial[lid] = ov;
-                partial_index[lid] = oi;
-            }
-        }
-        barrier();
-    }
-    v = partial[0];
-    index = partial_index[0];
-    barrier();
-}
+#include "row_reduce.glsl"
 
 void main() {
     uint lid = gl_LocalInvocationID.x;

@@ -367,6 +367,67 @@ def test_softmax_xent(backend, rng, write_grad, shape):
             check(out["dlogits"].reshape(rows, cols), tx.grad.numpy(), what="torch dlogits")
 
 
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (3, 10), (256, 10), (257, 7), (1000, 32)], ids=lambda s: f"{s[0]}x{s[1]}"
+)
+@pytest.mark.parametrize("write_grad", [0, 1])
+def test_softmax_xent_totals(backend, rng, write_grad, shape):
+    """Narrow logits: the rows, the mean loss and the count of right rows in one launch (more
+    rows than the workgroup's 256 invocations loop; ties pick the first maximum)."""
+    rows, cols = shape
+    x = logits_with_extremes(rng, rows, cols)
+    labels = rng.integers(0, cols, rows).astype(np.int32)
+    if cols >= 6 and rows >= 2:
+        x[0, :] = x[1, :] = -1.0
+        x[0, 2] = x[0, 5] = x[1, 2] = x[1, 5] = 4.0
+        labels[0], labels[1] = 5, 2  # wrong (the first maximum is 2), right
+    sentinel = f32(rng.standard_normal(rows * cols))
+    scale = 1.0 / rows
+    out = run(
+        backend,
+        "softmax_xent_totals",
+        {
+            "logits": x.reshape(-1),
+            "labels": labels,
+            "loss": f32([7.0]),
+            "correct": f32([-3.0]),
+            "dlogits": sentinel,
+        },
+        rows=rows,
+        cols=cols,
+        write_grad=write_grad,
+        scale=scale,
+        loss_scale=scale,
+    )
+    log_probs = oracle_log_softmax(x)
+    check(out["loss"], np.array([-log_probs[np.arange(rows), labels].mean()]), what="mean loss")
+    expected_correct = int((np.argmax(x.astype(np.float64), axis=1) == labels).sum())
+    assert out["correct"][0] == expected_correct
+    if write_grad:
+        grad = np.exp(log_probs)
+        grad[np.arange(rows), labels] -= 1
+        check(out["dlogits"].reshape(rows, cols), grad * scale, what="dlogits")
+    else:
+        np.testing.assert_array_equal(out["dlogits"], sentinel)
+    if torch is not None:
+        tx = torch.from_numpy(x.astype(np.float64))
+        loss = torch.nn.functional.cross_entropy(tx, torch.from_numpy(labels.astype(np.int64)))
+        check(out["loss"], np.array([loss.item()]), what="torch loss")
+
+
+def test_softmax_xent_totals_bad_label_gives_nan_loss(backend):
+    """A label outside [0, cols) poisons the total loss (NaN) and counts as wrong, as in softmax_xent."""
+    x = f32([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
+    out = run(
+        backend,
+        "softmax_xent_totals",
+        {"logits": x.reshape(-1), "labels": np.array([2, 3], np.int32), "loss": f32([0.5]),
+         "correct": f32([9.0]), "dlogits": f32(np.ones(6))},
+        rows=2, cols=3, write_grad=0, scale=0.5, loss_scale=0.5,
+    )  # fmt: skip
+    assert np.isnan(out["loss"][0]) and out["correct"][0] == 1
+
+
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("write_grad", [0, 1])
 def test_mse(backend, rng, write_grad, shape):

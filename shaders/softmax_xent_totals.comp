@@ -1,0 +1,74 @@
+// softmax_xent for narrow logits (a classifier's few classes), with the batch totals fused in:
+//   loss[0] = loss_scale * sum_r (log(sum_c exp(x_rc - max_r)) - (x_r,label - max_r))
+//   correct[0] = number of rows whose FIRST maximum is at the label (numpy argmax)
+//   dlogits = scale * (softmax - onehot(label)), only when write_grad != 0.
+// Same per-row semantics as softmax_xent.comp (a label outside [0, cols) gives a NaN loss and
+// counts as wrong), but one workgroup does it all: each invocation owns whole rows (its columns
+// in a serial loop, which is cheap when cols is small) and the totals come from one shared-memory
+// tree in a fixed order. That replaces three launches (the rows, then a sum of losses and a sum
+// of correct flags) with one; the plan uses it only when the rows are narrow.
+#version 450
+#extension GL_GOOGLE_include_directive : require
+
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer LogitsBuf { float logits[]; };
+layout(std430, set = 0, binding = 1) readonly buffer LabelsBuf { int labels[]; };
+layout(std430, set = 0, binding = 2) writeonly buffer LossBuf { float loss[]; };
+layout(std430, set = 0, binding = 3) writeonly buffer CorrectBuf { float correct[]; };
+layout(std430, set = 0, binding = 4) writeonly buffer DLogitsBuf { float dlogits[]; };
+
+layout(push_constant) uniform Push {
+    uint rows;
+    uint cols;
+    uint write_grad;
+    float scale;
+    float loss_scale;
+} pc;
+
+shared float partial[gl_WorkGroupSize.x];
+shared uint partial_index[gl_WorkGroupSize.x];
+
+#include "row_reduce.glsl"
+
+void main() {
+    uint lid = gl_LocalInvocationID.x;
+    float loss_sum = 0.0;
+    float correct_sum = 0.0;
+    for (uint row = lid; row < pc.rows; row += gl_WorkGroupSize.x) {
+        uint base = row * pc.cols;
+        float m = uintBitsToFloat(0xff800000u);  // -inf
+        uint best = NO_INDEX;
+        for (uint c = 0u; c < pc.cols; ++c) {
+            float x = logits[base + c];
+            if (beats(x, c, m, best)) {
+                m = x;
+                best = c;
+            }
+        }
+        float sum = 0.0;
+        for (uint c = 0u; c < pc.cols; ++c) {
+            sum += exp(logits[base + c] - m);
+        }
+        int label = labels[row];
+        bool valid = label >= 0 && uint(label) < pc.cols;
+        loss_sum += valid ? log(sum) - (logits[base + uint(label)] - m) : uintBitsToFloat(0x7fc00000u);
+        correct_sum += (valid && best == uint(label)) ? 1.0 : 0.0;
+        if (pc.write_grad != 0u) {
+            float inv = 1.0 / sum;
+            for (uint c = 0u; c < pc.cols; ++c) {
+                float p = exp(logits[base + c] - m) * inv;
+                if (valid && c == uint(label)) {
+                    p -= 1.0;
+                }
+                dlogits[base + c] = pc.scale * p;
+            }
+        }
+    }
+    loss_sum = group_sum(loss_sum);
+    correct_sum = group_sum(correct_sum);
+    if (lid == 0u) {
+        loss[0] = pc.loss_scale * loss_sum;
+        correct[0] = correct_sum;
+    }
+}
