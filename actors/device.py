@@ -242,11 +242,12 @@ class DeviceActor:
         checkpoint), so an interrupted run's snapshot always knows every update the device has
         applied."""
         kind = _PROGRAMS[batch.split]
+        step = batch.step if kind == "train" else None
         if written:
-            rows = batch.rows
+            ticket = self.engine.submit_filled(kind, slot, batch.rows, step)
         else:
             rows = self.engine.write_batch(slot, batch.x, batch.y if kind != "predict" else None)
-        ticket = self.engine.submit(kind, slot, rows, batch.step if kind == "train" else None)
+            ticket = self.engine.submit(kind, slot, rows, step)
         self.outstanding.append(ticket)
         if kind == "train":
             self.applied = batch.after()

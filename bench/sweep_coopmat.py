@@ -188,6 +188,7 @@ class Sweep:
         self.device = self.backend.facts.name if self.backend is not None else f"no Vulkan: {why}"
         self.started = time.perf_counter()
         self.dtype = "float16" if args.op == "gemm_coopmat_f16" else "float32"
+        self.check_errors: dict[str, float] = {}  # config name -> max relative error of its checks
 
     def line(self, **fields) -> dict:
         return self.rep.emit({"bench": BENCH, "op": self.args.op, **fields, "device": self.device})
@@ -376,7 +377,11 @@ def print_tables(results: list[dict], torch_rates: dict[str, float]) -> None:
 def load_configs(args: argparse.Namespace) -> list[Spec]:
     configs = list(CONFIGS)
     if args.configs:
-        configs = [dict(c) for c in json.loads(Path(args.configs).read_text())]
+        # AH/BH follow the op (how A and B are stored), never a config.
+        configs = [
+            {k: int(v) for k, v in c.items() if k not in ("AH", "BH")}
+            for c in json.loads(Path(args.configs).read_text())
+        ]
     if args.only:
         wanted = {n.strip() for n in args.only.split(",") if n.strip()}
         configs = [c for c in configs if config_name(c) in wanted]

@@ -168,7 +168,8 @@ def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
             ``max_workgroup_invocations`` are read), or None.
 
     Returns:
-        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, TA, TB, VEC.
+        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, TA, TB, VEC, and ACT and AG
+        (the launch's act and act_grad: the shader compiles only the epilogue in use).
     """
     m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
     ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))
@@ -193,7 +194,8 @@ def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
     # Under a row of ones (ones_row) A stores M - 1 rows; vec4 granules must not reach the ones.
     stored_m = m - min(int(params.get("ones_row", 0)), 1)
     vec = int((stored_m if ta else k) % 4 == 0) | int((k if tb else n) % 4 == 0) << 1 | int(n % 4 == 0) << 2
-    return {**GEMM_SPEC_DEFAULTS, **choice, "TA": ta, "TB": tb, "VEC": vec}
+    epilogue = {"ACT": int(params.get("act", 0)), "AG": int(params.get("act_grad", 0))}
+    return {**GEMM_SPEC_DEFAULTS, **choice, "TA": ta, "TB": tb, "VEC": vec, **epilogue}
 
 
 GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
@@ -420,6 +422,8 @@ _OPS: tuple[OpDef, ...] = (
             ("GM", 1),
             ("SK", 1),
             ("DB", 0),
+            ("ACT", 0),
+            ("AG", 0),
         ),
         local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]) * s.get("SK", 1), 1, 1),
         tune=tune_gemm,
