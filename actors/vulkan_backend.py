@@ -1080,31 +1080,47 @@ class VulkanBackend:
         if timestamps is not None:
             lib.vkCmdWriteTimestamp(command, stage, timestamps.pool, query + 1)
         _check(lib.vkEndCommandBuffer(command), "vkEndCommandBuffer")
+        # The copy signals the transfer timeline; its waiting form first waits for compute.
+        plain, waiting = self._submit_infos(
+            handles,
+            lambda: (
+                (self._upload_timeline, self._upload_semaphore_array),
+                (self._upload_timeline_waiting, self._semaphore_array),
+            ),
+        )
+        self._upload_commands[key] = _UploadCommand(handles, plain, waiting)
+        return self._upload_commands[key]
+
+    def _submit_infos(self, handles, semaphores) -> tuple[object, object | None]:
+        """(plain, waiting) VkSubmitInfos for one command buffer. With timeline semaphores,
+        ``semaphores()`` gives (signal, wait), each (timeline values struct, semaphore array):
+        both forms signal ``signal``, and ``waiting`` first waits on ``wait``. Without timeline
+        semaphores (whose structs then do not exist, hence the callable): plain only."""
         plain = ffi.new(
             "VkSubmitInfo*",
             {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": handles},
         )
-        waiting = None
-        if self.timeline:
-            plain.pNext = self._upload_timeline
-            plain.signalSemaphoreCount = 1
-            plain.pSignalSemaphores = self._upload_semaphore_array
-            waiting = ffi.new(
-                "VkSubmitInfo*",
-                {
-                    "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
-                    "pNext": self._upload_timeline_waiting,
-                    "waitSemaphoreCount": 1,
-                    "pWaitSemaphores": self._semaphore_array,
-                    "pWaitDstStageMask": self._wait_stage,
-                    "commandBufferCount": 1,
-                    "pCommandBuffers": handles,
-                    "signalSemaphoreCount": 1,
-                    "pSignalSemaphores": self._upload_semaphore_array,
-                },
-            )
-        self._upload_commands[key] = _UploadCommand(handles, plain, waiting)
-        return self._upload_commands[key]
+        if not self.timeline:
+            return plain, None
+        (signal_values, signal_semaphores), (wait_values, wait_semaphores) = semaphores()
+        plain.pNext = signal_values
+        plain.signalSemaphoreCount = 1
+        plain.pSignalSemaphores = signal_semaphores
+        waiting = ffi.new(
+            "VkSubmitInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                "pNext": wait_values,
+                "waitSemaphoreCount": 1,
+                "pWaitSemaphores": wait_semaphores,
+                "pWaitDstStageMask": self._wait_stage,
+                "commandBufferCount": 1,
+                "pCommandBuffers": handles,
+                "signalSemaphoreCount": 1,
+                "pSignalSemaphores": signal_semaphores,
+            },
+        )
+        return plain, waiting
 
     def _staged_copy(self, arena: _ArenaBuffer, offset: int, nbytes: int, upload=None, download=None) -> None:
         staging = self._create_buffer("staging", max(nbytes, 4), True, host_reads=download is not None)
@@ -1439,29 +1455,14 @@ class VulkanBackend:
             keep.extend((infos, writes, sets))
         self._full_barrier(command)
         _check(lib.vkEndCommandBuffer(command), "vkEndCommandBuffer")
-        submit = ffi.new(
-            "VkSubmitInfo*",
-            {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": handles},
+        # The program signals the compute timeline; its waiting form first waits for an upload.
+        submit, waiting = self._submit_infos(
+            handles,
+            lambda: (
+                (self._timeline_submit, self._semaphore_array),
+                (self._compute_timeline_waiting, self._upload_semaphore_array),
+            ),
         )
-        waiting = None
-        if self.timeline:
-            submit.pNext = self._timeline_submit
-            submit.signalSemaphoreCount = 1
-            submit.pSignalSemaphores = self._semaphore_array
-            waiting = ffi.new(
-                "VkSubmitInfo*",
-                {
-                    "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
-                    "pNext": self._compute_timeline_waiting,
-                    "waitSemaphoreCount": 1,
-                    "pWaitSemaphores": self._upload_semaphore_array,
-                    "pWaitDstStageMask": self._wait_stage,
-                    "commandBufferCount": 1,
-                    "pCommandBuffers": handles,
-                    "signalSemaphoreCount": 1,
-                    "pSignalSemaphores": self._semaphore_array,
-                },
-            )
         recorded = _Recorded(
             command_buffer=command,
             command_buffers_ptr=handles,

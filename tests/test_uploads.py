@@ -233,3 +233,33 @@ def test_queue_order_waits_only_where_a_buffer_is_shared_and_only_once():
     assert order.upload(("work", 0), 5) == 0  # ticket 3 bound it too: covered by that wait
     assert order.upload(("batch", 1), 6) == 4
     assert order.program({("work", 0)}, 5) == 5
+
+
+def test_without_timeline_semaphores_fences_order_uploads_and_programs(monkeypatch, rng):
+    """A device without timeline semaphores: one queue and fences. Uploads and programs still
+    run in submission order and a program sees the upload before it."""
+    from actors.backend import DeviceFacts
+
+    vulkan_backend = pytest.importorskip("actors.vulkan_backend")
+    has = DeviceFacts.has
+    monkeypatch.setattr(
+        DeviceFacts, "has", lambda self, feature: feature != "timeline_semaphore" and has(self, feature)
+    )
+    try:
+        backend = vulkan_backend.VulkanBackend()
+    except Exception as error:  # noqa: BLE001 - no driver here: nothing to test
+        pytest.skip(f"no Vulkan device: {error}")
+    try:
+        assert not backend.timeline
+        n = 1023
+        backend.open_layout(io_layout(n), slots=1)
+        handle = backend.record(copy_program("x", "y", n))
+        for _ in range(3):
+            values = fresh(rng, n)
+            backend.staging_view("x")[:] = values
+            backend.upload("x")
+            ticket = backend.submit(handle)
+            backend.wait(ticket)
+            np.testing.assert_array_equal(backend.read("y"), values)
+    finally:
+        backend.close()
