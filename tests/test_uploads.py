@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
+from test_backends import H100_TYPES
 
 from actors.backend import MemoryType, QueueFamily, run_program
 from actors.memory import choose_staging_type
@@ -183,14 +184,6 @@ def test_vulkan_upload_tickets_and_timestamps(vulkan_backend, rng):
 
 
 # -- pure decisions ---------------------------------------------------------------------------------
-
-H100_TYPES = (
-    MemoryType(0, 1, ()),
-    MemoryType(1, 0, ("device_local",)),
-    MemoryType(2, 1, ("host_visible", "host_coherent")),
-    MemoryType(3, 1, ("host_visible", "host_coherent", "host_cached")),
-    MemoryType(4, 0, ("device_local", "host_visible", "host_coherent")),
-)
 
 
 def test_staging_memory_is_cached_host_memory_where_there_is_some():
