@@ -16,8 +16,9 @@
 // travels from global to shared memory (one 16-byte load and store, no conversion, instead of two
 // vec4 loads and a packHalf2x16 per pair); the tiling, K loop, fragment loads and epilogue are
 // shared. AH and BH are specialisation constants, so the driver folds every branch on them at
-// pipeline creation and each pipeline holds only its own path: the fp32 path compiles to the
-// same code as before the fp16 path existed. Operands are independent (mixed fp16/fp32 works).
+// pipeline creation and each pipeline holds only its own path; with AH = BH = 0, PD = 1 and
+// NS = 2 (gemm_coopmat's defaults) every added branch folds away and the K loop is the one the
+// fp32 path had before. Operands are independent (mixed fp16/fp32 works, through the constants).
 // fp16 buffers are read as uint words and uvec4 granules rather than float16_t, so no 16-bit
 // storage feature is needed and the halves are moved, never converted.
 //
@@ -51,12 +52,13 @@
 // mainloop): without the first the accumulators live in local memory (~32 TFLOP/s), without the
 // second ~116. With fp32 inputs the staging doubles global traffic and register use against
 // fp16 inputs, which caps the tile at 128x128 under 48 KiB of shared memory and two workgroups
-// per SM; the multiply-adds alone run at ~515 TFLOP/s. With fp16 inputs the L2 -> SM traffic per
-// flop halves again with 128x256 or 256x128 tiles (8 subgroups of 64x64), which is what
-// bench/sweep_coopmat.py compares.
+// per SM; the multiply-adds alone run at ~515 TFLOP/s. fp16 inputs halve the L2 -> SM traffic per
+// flop, and 128x256 or 256x128 tiles (8 subgroups of 64x64) cut it by another quarter against
+// 128x128; which tiles win on a device is what bench/sweep_coopmat.py measures.
 //
 // Integer arithmetic only on specialisation constants in new code (no ?: on them inside
-// functions): glslang 13.1 emits invalid SPIR-V for some of those.
+// functions): glslang 13.1 emits invalid SPIR-V for some of those. tests/test_ops_coopmat.py
+// specialises every listed tile config with spirv-opt and runs spirv-val on the result.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require

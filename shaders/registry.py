@@ -308,13 +308,15 @@ _COOPMAT_SPEC = (
 # the smallest among the drivers with cooperative matrices we know of.
 COOPMAT_ASSUMED_SHARED_BYTES = 49152
 # Tiles for fp16 inputs, first choice first: the first that fits the device's shared memory and
-# still gives GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_F16_SMALL. Wide tiles first: with fp16
-# inputs the L2 -> SM traffic per flop is what limits 128x128; 128x256x32 needs 60 KiB of shared
-# memory with two stages, so it is taken only where the driver reports that much. The order is a
-# first guess, not yet measured: bench/sweep_coopmat.py on an H100 is what should set it.
+# still gives GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_F16_SMALL. Order from bench/sweep_coopmat.py
+# on an H100 (48 KiB of shared memory, 2026-11-22): 128x256x32 with one shared stage was the best
+# fixed tile over 4096^3, 8192^3 and 4000^3 (120, 128 and 86 TFLOP/s); 128x256x32 with two stages
+# needs 60 KiB and is taken only where a driver reports that much; 32x32x64 was best at 256 x 1024 x
+# 784 (37 TFLOP/s, 1.5x cuBLAS fp16 there).
 COOPMAT_F16_TILES: tuple[dict[str, int], ...] = (
     {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
-    {"BM": 128, "BN": 256, "BK": 16, "WM": 64, "WN": 64, "PD": 2, "NS": 2},
+    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
+    {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
     {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
     {"BM": 64, "BN": 64, "BK": 64, "WM": 32, "WN": 32, "PD": 1, "NS": 2},
 )
@@ -393,11 +395,20 @@ def tune_gemm_coopmat_f16(params: dict[str, float], facts: object) -> dict[str, 
     return {**choice, "AH": 1, "BH": 1}
 
 
-# gemm_coopmat_f16's defaults: the first of COOPMAT_F16_TILES that fits in the assumed 48 KiB.
-_COOPMAT_F16_SPEC = tuple(
-    (name, tune_gemm_coopmat_f16({"M": 2**14, "N": 2**14}, None).get(name, value))
-    for name, value in _COOPMAT_SPEC
-)
+# gemm_coopmat_f16's defaults (tune_gemm_coopmat_f16 replaces the tiles per launch): 128x256x16
+# with two slabs in flight and two shared stages, which fits in the assumed 48 KiB.
+_COOPMAT_F16_DEFAULT = {
+    "BM": 128,
+    "BN": 256,
+    "BK": 16,
+    "WM": 64,
+    "WN": 64,
+    "PD": 2,
+    "NS": 2,
+    "AH": 1,
+    "BH": 1,
+}
+_COOPMAT_F16_SPEC = tuple((name, _COOPMAT_F16_DEFAULT.get(name, value)) for name, value in _COOPMAT_SPEC)
 
 
 _OPS: tuple[OpDef, ...] = (
