@@ -1060,16 +1060,13 @@ class VulkanBackend:
         # Copies into the same tensor land in submission order. Only transfer stages: a
         # transfer-only queue supports no others; compute is ordered by the semaphores (or, on a
         # shared queue, by the programs' own full barriers).
-        barrier = ffi.new(
-            "VkMemoryBarrier*",
-            {
-                "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-                "srcAccessMask": vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-                "dstAccessMask": vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-            },
-        )
         stage = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
-        lib.vkCmdPipelineBarrier(command, stage, stage, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
+        self._memory_barrier(
+            command,
+            vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+            vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+            stage,
+        )
         if timestamps is not None:
             # At the transfer stage, not top of pipe: the start then excludes waiting for the
             # previous copy, so the pair times this copy alone (as CUDA events on a stream do).
@@ -1309,39 +1306,40 @@ class VulkanBackend:
             self._descriptor_pools.append(pool[0])
         raise RuntimeError("could not allocate a descriptor set")
 
-    def _full_barrier(self, command) -> None:
+    @staticmethod
+    def _memory_barrier(command, src_access: int, dst_access: int, stages: int) -> None:
+        """One global memory barrier from and to ``stages``."""
         barrier = ffi.new(
             "VkMemoryBarrier*",
             {
                 "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-                "srcAccessMask": vk.VK_ACCESS_SHADER_WRITE_BIT
-                | vk.VK_ACCESS_TRANSFER_WRITE_BIT
-                | vk.VK_ACCESS_HOST_WRITE_BIT,
-                "dstAccessMask": vk.VK_ACCESS_SHADER_READ_BIT
-                | vk.VK_ACCESS_SHADER_WRITE_BIT
-                | vk.VK_ACCESS_TRANSFER_READ_BIT
-                | vk.VK_ACCESS_TRANSFER_WRITE_BIT
-                | vk.VK_ACCESS_HOST_READ_BIT,
+                "srcAccessMask": src_access,
+                "dstAccessMask": dst_access,
             },
-        )
-        stages = (
-            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
-            | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
-            | vk.VK_PIPELINE_STAGE_HOST_BIT
         )
         lib.vkCmdPipelineBarrier(command, stages, stages, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
 
-    def _compute_barrier(self, command) -> None:
-        barrier = ffi.new(
-            "VkMemoryBarrier*",
-            {
-                "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
-                "srcAccessMask": vk.VK_ACCESS_SHADER_WRITE_BIT,
-                "dstAccessMask": vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
-            },
+    def _full_barrier(self, command) -> None:
+        self._memory_barrier(
+            command,
+            vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT | vk.VK_ACCESS_HOST_WRITE_BIT,
+            vk.VK_ACCESS_SHADER_READ_BIT
+            | vk.VK_ACCESS_SHADER_WRITE_BIT
+            | vk.VK_ACCESS_TRANSFER_READ_BIT
+            | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+            | vk.VK_ACCESS_HOST_READ_BIT,
+            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+            | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+            | vk.VK_PIPELINE_STAGE_HOST_BIT,
         )
-        stage = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
-        lib.vkCmdPipelineBarrier(command, stage, stage, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
+
+    def _compute_barrier(self, command) -> None:
+        self._memory_barrier(
+            command,
+            vk.VK_ACCESS_SHADER_WRITE_BIT,
+            vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
+            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+        )
 
     def _allocate_command_buffer(self):
         info = ffi.new(
