@@ -237,21 +237,28 @@ def test_gemm_tuned_tiles(vulkan_backend, rng, spec):
     assert relative_error(got, act_oracle(0.5 * (op_a @ op_b) + as64(bias), "relu", 0.0)) <= TOL
 
 
-FUSED_TILES = [
-    None,  # the backend's own choice
-    {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "SK": 4},
-    {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8},
-]
+FUSED_TARGETS = {
+    "cpu": ("cpu", None),
+    "vulkan-tuned": ("vulkan", None),  # the backend's own tile choice
+    "vulkan-sliced": ("vulkan", {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "SK": 4}),
+    "vulkan-big": ("vulkan", {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8}),
+}
+
+
+@pytest.fixture(params=list(FUSED_TARGETS))
+def fused_target(request):
+    """(backend, tile overrides or None): the CPU backend, and Vulkan with several tiles."""
+    kind, tiles = FUSED_TARGETS[request.param]
+    backend = CpuBackend() if kind == "cpu" else request.getfixturevalue("vulkan_backend")
+    return backend, tiles
 
 
 @pytest.mark.parametrize("activation", ["relu", "leaky_relu", "sigmoid", "tanh"])
 @pytest.mark.parametrize("m,n,k", [(67, 45, 33), (68, 132, 40), (1, 1, 1)])
-@pytest.mark.parametrize("tiles", FUSED_TILES, ids=["tuned", "sliced", "big"])
-def test_gemm_act_grad_fuses_the_activation_backward(backend, rng, activation, m, n, k, tiles):
+def test_gemm_act_grad_fuses_the_activation_backward(fused_target, rng, activation, m, n, k):
     """dX = (dY @ W^T) * f'(D), D the previous layer's saved output in binding 2: one launch for
     a dense layer's input gradient and the backward of the activation before it."""
-    if tiles and isinstance(backend, CpuBackend):
-        pytest.skip("tiles are a Vulkan specialisation")
+    backend, tiles = fused_target
     slope = 0.07
     dy, w = normal(rng, m, k), normal(rng, n, k)  # dX[m, n] = dY[m, k] @ W[n, k]^T
     saved = act_oracle(as64(normal(rng, m, n)), activation, slope).astype(np.float32)
@@ -282,12 +289,10 @@ def test_gemm_act_grad_fuses_the_activation_backward(backend, rng, activation, m
 
 
 @pytest.mark.parametrize("m,n,k", [(67, 45, 33), (65, 132, 40), (2, 1, 1), (129, 10, 256)])
-@pytest.mark.parametrize("tiles", FUSED_TILES, ids=["tuned", "sliced", "big"])
-def test_gemm_ones_row_appends_the_bias_gradient(backend, rng, m, n, k, tiles):
+def test_gemm_ones_row_appends_the_bias_gradient(fused_target, rng, m, n, k):
     """With ones_row, op(A) gains a row of ones that A does not store: C = [X^T dY; sum_k dY],
     the weight and bias gradients of a dense layer in one launch (m - 1 = its input width)."""
-    if tiles and isinstance(backend, CpuBackend):
-        pytest.skip("tiles are a Vulkan specialisation")
+    backend, tiles = fused_target
     x, dy = normal(rng, k, m - 1), normal(rng, k, n)  # A stored [K, M-1] (trans_a), B [K, N]
     arrays = {"A": x, "B": dy, "bias": normal(rng, n), "C": normal(rng, m, n)}
     backend.open_layout(single_op_layout(arrays))
