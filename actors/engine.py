@@ -99,8 +99,10 @@ class Engine:
         return SlotViews(**views)
 
     def input_views(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
-        """Each slot's (x [batch_size, *input_shape], y flat) views in mapped device memory, for a
-        producer that fills batches in place; None where the backend maps no memory.
+        """Each slot's (x [batch_size, *input_shape], y flat) views for a producer that fills
+        batches in place: x in the slot's pinned staging memory where the backend uploads by DMA
+        (submit with :meth:`submit_filled`), else in mapped device memory; y in mapped device
+        memory. None where the backend maps no memory.
 
         Returns:
             One (x, y) pair per slot, or None.
