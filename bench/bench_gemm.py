@@ -45,7 +45,7 @@ from collections import deque
 
 import common
 import numpy as np
-from common import Reporter, import_torch, median, open_vulkan, section, torch_target
+from common import Reporter, median, open_vulkan, section
 
 from shaders.registry import gemm_shared_bytes
 
@@ -661,15 +661,7 @@ def main() -> None:
     if skipped:
         print(f"parts {','.join(sorted(skipped))} are in bench_mlp.py; this script runs c and d")
     rep = Reporter(args.out)
-    torch = import_torch()
-    torch_device = "-"
-    if torch is None:
-        print("torch: not installed; torch figures are skipped")
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-        kind, torch_device = torch_target(torch)
-        print(f"torch {torch.__version__} on {kind}: {torch_device}")
+    torch, torch_device = common.open_torch()
     backend, why = open_vulkan(args.device)
     vk_device = backend.facts.name if backend is not None else f"no Vulkan: {why}"
     print(f"vkflow on {vk_device}")

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import common
 import numpy as np
-from common import Reporter, calibrated_reps, import_torch, median, open_vulkan, section, torch_target
+from common import Reporter, calibrated_reps, median, open_vulkan, section
 
 # Tile configs tried for the large MLP besides the default (64x64x16/4x4); bench_gemm.py tries more.
 # 128x128/8x8 is not among them: on NVIDIA it ran 10x slower than the default in bench_gemm.py.
@@ -379,13 +379,6 @@ def torch_impl(torch, mode: str, resident: bool = False, suffix: str = "") -> st
     return f"{base}_{mode}{'_resident' if resident else ''}{suffix}"
 
 
-def setup_torch_precision(torch) -> None:
-    """fp32 means fp32: no TF32 in matmuls or convolutions (the issue's condition for comparisons)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-
-
 # -- the parts -------------------------------------------------------------------------------------
 
 
@@ -612,14 +605,7 @@ def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], "abcde")
     sizes = QUICK if args.quick else FULL
     rep = Reporter(args.out)
-    torch = import_torch()
-    torch_device = "-"
-    if torch is None:
-        print("torch: not installed; torch figures are skipped")
-    else:
-        setup_torch_precision(torch)
-        kind, torch_device = torch_target(torch)
-        print(f"torch {torch.__version__} on {kind}: {torch_device}")
+    torch, torch_device = common.open_torch()
     backend, why = open_vulkan(args.device)
     if backend is None:
         vk_device = f"no Vulkan: {why}"

@@ -112,12 +112,27 @@ def host_seconds(fn: Callable[[], object]) -> float:
 
 
 def import_torch():
-    """torch, or None when it is not installed (or fails to import)."""
+    """torch with fp32 meaning fp32 (no TF32 in matmuls or convolutions: the issue's condition for
+    every comparison), or None when it is not installed (or fails to import)."""
     try:
         import torch
     except Exception:  # any import failure means "no torch" for a benchmark
         return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
     return torch
+
+
+def open_torch():
+    """(torch or None, its device's name or "-"), as ``import_torch``, saying which on stdout."""
+    torch = import_torch()
+    if torch is None:
+        print("torch: not installed; torch figures are skipped")
+        return None, "-"
+    kind, device = torch_target(torch)
+    print(f"torch {torch.__version__} on {kind}: {device}")
+    return torch, device
 
 
 def torch_target(torch) -> tuple[str, str]:

