@@ -134,14 +134,7 @@ def load_manifest(root: str | os.PathLike, extensions: Iterable[str]) -> Manifes
     try:
         data = json.loads(path.read_text())
         if _still_valid(data, root, exts):
-            files = data["files"]
-            return Manifest(
-                root,
-                tuple(f[0] for f in files),
-                tuple(f[1] for f in files),
-                tuple(f[2] for f in files),
-                reused=True,
-            )
+            return _manifest(root, data["files"], reused=True)
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         pass  # missing or unreadable manifest: list again
     # Taken before walking so that a change made during the walk counts as racy next time.
@@ -156,12 +149,17 @@ def load_manifest(root: str | os.PathLike, extensions: Iterable[str]) -> Manifes
         "files": files,
     }
     _store(path, data)
+    return _manifest(root, files, reused=False)
+
+
+def _manifest(root: Path, files: list, reused: bool) -> Manifest:
+    """A Manifest from the stored rows of (path, size, mtime_ns) per file."""
     return Manifest(
         root,
         tuple(f[0] for f in files),
         tuple(f[1] for f in files),
         tuple(f[2] for f in files),
-        reused=False,
+        reused=reused,
     )
 
 

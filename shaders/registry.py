@@ -149,6 +149,8 @@ GEMM_MIN_WORKGROUPS = 128
 GEMM_SLICED_MIN_K = 128
 # On a CPU driver (lavapipe): few wide threads.
 GEMM_CPU_TILES = GEMM_TILES[1]
+# Constants a tuning-table entry or a fallback tile may leave out.
+GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
 
 
 def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
@@ -196,9 +198,6 @@ def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
     vec = int((stored_m if ta else k) % 4 == 0) | int((k if tb else n) % 4 == 0) << 1 | int(n % 4 == 0) << 2
     epilogue = {"ACT": int(params.get("act", 0)), "AG": int(params.get("act_grad", 0))}
     return {**GEMM_SPEC_DEFAULTS, **choice, "TA": ta, "TB": tb, "VEC": vec, **epilogue}
-
-
-GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
 
 
 def gemm_fits(tiles: dict[str, int], shared_bytes: int, max_threads: int) -> bool:
