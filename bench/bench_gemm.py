@@ -47,14 +47,20 @@ import common
 import numpy as np
 from common import Reporter, median, open_vulkan, section
 
-from shaders.registry import gemm_shared_bytes
+from shaders.registry import GEMM_SPEC_DEFAULTS, gemm_shared_bytes
 
 DEFAULT_TILES = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
-# Fixed configs timed beside the tuned choice (see sweep_gemm.py for the full search).
-TILE_CONFIGS = (
-    DEFAULT_TILES,
-    {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8},
-    {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8, "GM": 8},
+# Fixed configs timed beside the tuned choice (see sweep_gemm.py for the full search). Each sets
+# every tuning constant: an override is merged over the tuned constants of the shape, so a config
+# without SK would inherit the tuning table's sliced K (on the H100, 64x64x16/4x4 with the table's
+# SK=4 at 256x1024x784 did not finish in 45 s).
+TILE_CONFIGS = tuple(
+    {**GEMM_SPEC_DEFAULTS, **tiles}
+    for tiles in (
+        DEFAULT_TILES,
+        {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8},
+        {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8, "GM": 8},
+    )
 )
 QUICK_TILE_CONFIGS = TILE_CONFIGS[:2]
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (4000, 4000, 4000), (256, 1024, 784))  # M, N, K
