@@ -126,6 +126,13 @@ def _capacity(channel: Any) -> int:
     return int(size) if size != float("inf") else -1
 
 
+# The most items between two probes. Reads that are costly only for a while (a source filling its
+# cache in its first epoch) must not keep a run on threads for long: with a gap of 1024, the
+# H100 benchmark's actor pipeline sometimes ran a quarter of its steps through threads at half
+# the rate. A failed probe stalls the loop once per this many items.
+MAX_PROBE_GAP = 64
+
+
 class InlinePolicy:
     """Whether to run a piece of blocking work inline on the event loop or in a worker thread.
 
@@ -135,8 +142,8 @@ class InlinePolicy:
     time (an exponential average) must stay under ``threshold_s``, else they go back to threads.
     In a thread, wall time also counts waiting for the GIL, so CPU time is averaged there; when it
     is under ``threshold_s``, one item now and then runs inline as a probe of its real cost (after
-    2, 4, ... up to 1024 items while probes keep failing: a slow disk costs little CPU but must not
-    stall the event loop). Work not measured yet runs in a thread.
+    2, 4, ... up to ``MAX_PROBE_GAP`` items while probes keep failing: a slow disk costs little CPU
+    but must not stall the event loop often). Work not measured yet runs in a thread.
 
     Args:
         threshold_s: the most an item may cost to run inline.
@@ -165,7 +172,7 @@ class InlinePolicy:
         self._countdown -= 1
         cheap = self.thread_cpu_s is not None and self.thread_cpu_s < self.threshold_s
         if self._countdown <= 0 and cheap:
-            self._backoff = min(2 * self._backoff, 1024)
+            self._backoff = min(2 * self._backoff, MAX_PROBE_GAP)
             self._countdown = self._backoff
             self.inline_s = None  # the probe's own cost decides
             return True

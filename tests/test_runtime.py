@@ -29,7 +29,7 @@ from actors.engine import Engine
 from actors.loader import Loader, Read, Schedule, after_step, jobs, next_cursor, total_steps
 from actors.messages import Batch, CheckpointMark, Cursor, StepDone
 from actors.progress import Progress, ProgressState, Rate, eta_seconds, format_line
-from actors.statistics import Hooks, InlinePolicy, Meter
+from actors.statistics import MAX_PROBE_GAP, Hooks, InlinePolicy, Meter
 from flow.codec import load as load_spec
 from flow.codec import save as save_spec
 from flow.inference import predict
@@ -638,7 +638,15 @@ def test_cheap_work_runs_inline_and_costly_work_in_threads():
         else:
             disk.note_thread(1e-5)
     gaps = np.diff(probes).tolist()
-    assert gaps[:4] == [2, 4, 8, 16] and max(gaps) == 1024 and len(probes) < 15
+    assert gaps[:6] == [2, 4, 8, 16, 32, MAX_PROBE_GAP] and set(gaps[5:]) == {MAX_PROBE_GAP}
+    # Reads that turn cheap (a cache filled in the first epoch) go inline within one probe gap.
+    warming = InlinePolicy(threshold_s=1e-3)
+    for item in range(2000):
+        if warming.inline():
+            warming.note_inline(0.01 if item < 1000 else 1e-5)
+        else:
+            warming.note_thread(1e-5)
+    assert all(warming.inline() for _ in range(10)) and warming.running_inline
 
 
 class CostlySource:
