@@ -169,7 +169,11 @@ class VkTrainer:
             return
         program = self.plan.program("train")
         if timestamps:
-            self.pools = [backend.timestamp_pool(len(program.launches) + 1) for _ in range(in_flight)]
+            # Reset from the host before each submission: the step's command buffer then holds
+            # only the step and its timestamps, as an untimed one holds only the step.
+            self.pools = [
+                backend.timestamp_pool(len(program.launches) + 1, host_reset=True) for _ in range(in_flight)
+            ]
         overrides = {"gemm": tiles} if tiles else None
         handles = [
             backend.record(program, slot, spec_overrides=overrides, timestamps=self.pools[slot])
@@ -178,6 +182,9 @@ class VkTrainer:
 
         def submit(slot: int, step: int) -> int:
             backend.write("stepvals", step_values(self.plan.optimiser, step), slot)
+            pool = self.pools[slot]
+            if pool is not None and pool.host_reset:
+                backend.reset_timestamps(pool)  # the slot's last step is done: its queries are free
             return backend.submit(handles[slot])
 
         self._submit = submit

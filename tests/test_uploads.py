@@ -183,6 +183,27 @@ def test_vulkan_upload_tickets_and_timestamps(vulkan_backend, rng):
         vulkan_backend.upload("x", timestamps=pool, query=3)
 
 
+@pytest.mark.parametrize("host_reset", [False, True])
+def test_program_timestamps_reset_in_the_command_buffer_or_from_the_host(vulkan_backend, rng, host_reset):
+    """Each round rewrites the same queries; a host-reset pool is reset before each submission
+    (the benchmarks' idle figure), the other by the program itself. Results stay exact."""
+    n = 1023
+    vulkan_backend.open_layout(io_layout(n), slots=1)
+    pool = vulkan_backend.timestamp_pool(2, host_reset=host_reset)
+    assert pool.host_reset == (host_reset and vulkan_backend.facts.has("host_query_reset"))
+    handle = vulkan_backend.record(copy_program("w", "wy", n), timestamps=pool)
+    for _ in range(3):
+        values = fresh(rng, n)
+        vulkan_backend.staging_view("w")[:] = values
+        vulkan_backend.upload("w")
+        if pool.host_reset:
+            vulkan_backend.reset_timestamps(pool)
+        vulkan_backend.wait(vulkan_backend.submit(handle))
+        np.testing.assert_array_equal(vulkan_backend.read("wy"), values)
+        stamps = vulkan_backend.read_timestamps_ns(pool)  # raises unless both queries were written
+        assert stamps[0] > 0 and stamps[1] >= stamps[0]
+
+
 # -- pure decisions ---------------------------------------------------------------------------------
 
 
