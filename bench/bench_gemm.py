@@ -59,7 +59,7 @@ TILE_CONFIGS = tuple(
     for tiles in (
         DEFAULT_TILES,
         {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8},
-        {"BM": 128, "BN": 128, "BK": 8, "TM": 8, "TN": 8, "GM": 8},
+        {"BM": 128, "BN": 128, "BK": 32, "TM": 8, "TN": 8, "GM": 8},
     )
 )
 QUICK_TILE_CONFIGS = TILE_CONFIGS[:2]
