@@ -132,13 +132,13 @@ def gemm_shared_bytes(bm: int, bn: int, bk: int, sk: int = 1, db: int = 0) -> in
 
 # Fallback fp32 GEMM tiles, for shapes a device's tuning table does not list, largest first. The
 # defaults come from bench/sweep_gemm.py on an H100: single-buffered shared tiles (DB 0) beat
-# double-buffered ones at every size measured; 128 x 128 x 32 with 8 x 8 per thread was best for
-# big shapes (4096^3: 36.9 TFLOP/s with A row-major, 44.7 with A stored k-major, against 33.4 and
-# 43.3 at BK 16 and 31.6 and 39.1 with 64 x 128 x 16), sliced K for an MLP's batch of 256
-# (256 x 1024 x 1024 in 31 us against 48 us with the best plain tile).
+# double-buffered ones at every size measured; 64 x 128 x 32 with 4 x 8 per thread was best for
+# big shapes with A row-major (4096^3: 37.8 TFLOP/s, against 36.5 with 128 x 128 x 32 and 31.8
+# with 64 x 128 x 16; BK 32 halves the barriers per K), and fits lavapipe's 32 KiB of shared
+# memory; sliced K for an MLP's batch of 256 (256 x 1024 x 1024 in 31 us against 48 us with
+# the best plain tile).
 GEMM_TILES: tuple[dict[str, int], ...] = (
-    {"BM": 128, "BN": 128, "BK": 32, "TM": 8, "TN": 8, "GM": 8, "SK": 1, "DB": 0},
-    {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8, "GM": 8, "SK": 1, "DB": 0},
+    {"BM": 64, "BN": 128, "BK": 32, "TM": 4, "TN": 8, "GM": 8, "SK": 1, "DB": 0},
     {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
     # Too few tiles to fill the GPU and a long K: 4 slices of K per 32 x 32 tile.
     {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "GM": 1, "SK": 4, "DB": 0},
@@ -150,7 +150,7 @@ GEMM_MIN_WORKGROUPS = 128
 # Below this K, slicing K leaves each slice too little work.
 GEMM_SLICED_MIN_K = 128
 # On a CPU driver (lavapipe): few wide threads.
-GEMM_CPU_TILES = GEMM_TILES[2]
+GEMM_CPU_TILES = GEMM_TILES[1]
 # Constants a tuning-table entry or a fallback tile may leave out.
 GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
 

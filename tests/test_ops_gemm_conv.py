@@ -638,8 +638,7 @@ GEMM_VEC_SHAPES = [(67, 37, 41), (68, 36, 40), (36, 68, 41), (37, 40, 44)]
 def test_gemm_every_tile_transpose_and_vec(vulkan_backend, rng, tile, m, n, k, trans_a, trans_b):
     """Each tile in GEMM_TILES, forced by spec_overrides (tiles only: TA/TB/VEC still come from
     the launch through tune_gemm), for every transposition pair, aligned and odd sizes. A tile
-    that needs more shared memory than the device has (the big tile on lavapipe's 32 KiB) is
-    run where it fits (the H100 run of the suite)."""
+    that needs more shared memory than the device has is run where it fits."""
     facts = vulkan_backend.facts
     if not gemm_fits(tile, facts.shared_memory_bytes, facts.max_workgroup_invocations):
         pytest.skip(
@@ -673,9 +672,9 @@ def test_tune_gemm_sets_transpose_and_vec(m, n, k, trans_a, trans_b):
 
 
 def test_gemm_tiles_fit_shared_memory():
-    """Every fallback tile fits 48 KiB of shared memory (NVIDIA's limit) and 256 threads, all but
-    the big first one lavapipe's 32 KiB, and the fallback gives an MLP's batch of 256 enough
-    workgroups (plain or sliced K) while a big GEMM takes the big tile."""
+    """Every fallback tile fits lavapipe's 32 KiB of shared memory and 256 threads, and the
+    fallback gives an MLP's batch of 256 enough workgroups (plain or sliced K) while a big GEMM
+    takes the big tile."""
 
     class Facts:
         kind = "gpu"
@@ -686,7 +685,7 @@ def test_gemm_tiles_fit_shared_memory():
     for tile in GEMM_TILES:
         bm, bn, bk, tm, tn, sk, db = (tile[key] for key in ("BM", "BN", "BK", "TM", "TN", "SK", "DB"))
         need = (1 + db) * (bm + bn + 8) * bk * 4 + (bm * bn * 4 if sk > 1 else 0) + 16
-        assert gemm_shared_bytes(bm, bn, bk, sk, db) == need <= (48 if tile is GEMM_TILES[0] else 32) * 1024
+        assert gemm_shared_bytes(bm, bn, bk, sk, db) == need <= 32 * 1024
         assert (bm // tm) * (bn // tn) * sk == 256
     small = tune_gemm({"M": 256, "N": 1024, "K": 784}, Facts())
     groups = math.ceil(256 / small["BM"]) * math.ceil(1024 / small["BN"])
