@@ -9,21 +9,22 @@ What is measured (letters follow the performance issue):
       slot's pre-recorded program, and waits for the oldest step only when all K slots are busy
       (then reads its loss). One line per K tried; ``best`` marks the fastest, which the ratios use.
     - ``vkflow_actors``: ``flow.run`` (loader, preprocess, device, optimiser and sink actors) on a
-      Synthetic source with the best K, reusing the backend. Its wall time includes setup, so the
-      figure is the steady-state rate from long minus short runs (see ``measure_actors``). Without
-      ``flow.run`` a line says "not available".
+      shuffled Synthetic source at K = 2, 3 and 4, reusing the backend; ``best`` marks the fastest.
+      The figure is the steady-state rate from the step times of each run's metrics file (see
+      ``measure_actors``). Without ``flow.run`` a line says "not available".
     - ``torch_eager`` / ``torch_graph``: PyTorch eager, and the whole step (forward, backward,
       optimiser) captured in one CUDA graph with static inputs, as in the PyTorch CUDA graphs docs.
       Each step copies its batch from pinned host memory with ``non_blocking=True`` (the same work
       vkflow does). ``*_resident`` variants keep every batch on the GPU already.
       Without CUDA, torch runs on the CPU and its lines say ``torch_cpu_*``.
 (b) Large MLP 1024-4096-4096-4096-1024, batch 8192, SGD: fp32 for both (TF32 off in torch), vkflow
-    with its default GEMM tiles and with the 128x64 and 64x128 tiles that bench_gemm.py found faster
-    on NVIDIA; torch bf16 autocast for reference.
+    with its tuned GEMM tiles ("default") and with two fixed tile configs for every GEMM; torch
+    bf16 autocast for reference.
     vkflow's mixed precision (run.precision="mixed": fp16 inputs on cooperative matrices, fp32
     accumulation and master weights) runs where the device has cooperative matrices.
 (e) GPU idle fraction of the small-MLP vkflow step loop in steady state, from timestamp queries:
-    each slot's program is recorded with a timestamp pool; for consecutive steps i, i+1 the gap is
+    each slot's program is recorded with a timestamp pool that the host resets before each
+    submission (so the command buffer holds no reset work); for consecutive steps i, i+1 the gap is
     (first timestamp of i+1) - (last timestamp of i), and idle = sum(gaps) / (span of all steps).
     The first timestamp is the backend's TOP_OF_PIPE one, so a negative gap means the GPU started
     the next submission's front end before the last kernel of the previous one ended. The same
