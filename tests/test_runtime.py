@@ -623,6 +623,8 @@ def test_cheap_work_runs_inline_and_costly_work_in_threads():
     assert cheap.inline()  # cheap in a thread: a probe runs inline...
     cheap.note_inline(2e-5)
     assert all(cheap.inline() for _ in range(20))  # ...and it stays inline while it stays cheap
+    cheap.note_inline(5e-3)
+    assert cheap.inline()  # one item 5x over the threshold among cheap ones: still inline
     cheap.note_inline(0.1)
     assert not cheap.inline()  # one slow item inline: back to threads
     costly = InlinePolicy(threshold_s=1e-3)
