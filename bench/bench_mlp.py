@@ -399,6 +399,26 @@ def measure(trainer, reps: int, target_s: float, batch: int, start: int) -> tupl
     return steps * batch / median(times), steps
 
 
+def swept(rep: Reporter, bench: str, impl: str, device: str, ks, measure_at, **labels) -> dict | None:
+    """Measure ``measure_at(k)`` for each K in ``ks`` (a failure becomes an error line) and report
+    every point, the fastest marked ``best``.
+
+    Returns:
+        The fastest result, or None when none was measured.
+    """
+    found = []
+    for k in ks:
+        result = rep.guarded(bench, impl, lambda k=k: measure_at(k), in_flight=k, **labels)
+        if result is not None:
+            found.append(result)
+    if not found:
+        return None
+    best = max(found, key=lambda r: r["samples_per_s"])
+    for result in found:
+        rep.figure(bench, impl, device, **labels, **result, best=result is best)
+    return best
+
+
 def part_a(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, torch_device: str) -> None:
     section(f"(a) small MLP {layer_str(sizes.small)}, batch {sizes.small_batch}, fp32")
     bench, shape, batch = "mlp_small", layer_str(sizes.small), sizes.small_batch
@@ -407,23 +427,13 @@ def part_a(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, to
         if backend is None:
             rep.missing(bench, "vkflow_raw", "not available", vk_device, opt=opt, shape=shape)
         else:
-            found = []
-            for k in sizes.in_flight:
 
-                def one(k=k, opt=opt):
-                    trainer = VkTrainer(backend, sizes.small, batch, opt, k, sizes.host_batches)
-                    value, steps = measure(trainer, args.reps, sizes.target_s, batch, start=16)
-                    return {"samples_per_s": value, "in_flight": k, "steps": steps, "loss": trainer.loss}
+            def raw(k: int, opt: str = opt) -> dict:
+                trainer = VkTrainer(backend, sizes.small, batch, opt, k, sizes.host_batches)
+                value, steps = measure(trainer, args.reps, sizes.target_s, batch, start=16)
+                return {"samples_per_s": value, "in_flight": k, "steps": steps, "loss": trainer.loss}
 
-                result = rep.guarded(bench, "vkflow_raw", one, opt=opt, shape=shape, in_flight=k)
-                if result is not None:
-                    found.append(result)
-            if found:
-                vk_best = max(found, key=lambda r: r["samples_per_s"])
-                for result in found:
-                    rep.figure(
-                        bench, "vkflow_raw", vk_device, opt=opt, shape=shape, **result, best=result is vk_best
-                    )
+            vk_best = swept(rep, bench, "vkflow_raw", vk_device, sizes.in_flight, raw, opt=opt, shape=shape)
         actors_rate = None
         if not actor_pipeline_available():
             print("actor pipeline: not available")
@@ -431,27 +441,13 @@ def part_a(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, to
         elif backend is not None:
             # K is the spec's in_flight, the user's choice: swept like the raw loop's, the best
             # K is the figure (the actor pipeline's best K need not be the raw loop's).
-            found = []
-            for k in [k for k in sizes.in_flight if k > 1] or list(sizes.in_flight):
+            ks = [k for k in sizes.in_flight if k > 1] or list(sizes.in_flight)
 
-                def actors(k=k, opt=opt):
-                    return measure_actors(backend, sizes, opt, k, args.reps)
+            def actors(k: int, opt: str = opt) -> dict:
+                return measure_actors(backend, sizes, opt, k, args.reps)
 
-                result = rep.guarded(bench, "vkflow_actors", actors, opt=opt, shape=shape, in_flight=k)
-                if result is not None:
-                    found.append(result)
-            if found:
-                actors_best = max(found, key=lambda r: r["samples_per_s"])
-                for result in found:
-                    rep.figure(
-                        bench,
-                        "vkflow_actors",
-                        vk_device,
-                        opt=opt,
-                        shape=shape,
-                        **result,
-                        best=result is actors_best,
-                    )
+            actors_best = swept(rep, bench, "vkflow_actors", vk_device, ks, actors, opt=opt, shape=shape)
+            if actors_best is not None:
                 actors_rate = actors_best["samples_per_s"]
                 if vk_best is not None:
                     rep.ratio(
