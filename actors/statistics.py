@@ -127,17 +127,18 @@ def _capacity(channel: Any) -> int:
 
 
 # The most items between two probes. Reads that are costly only for a while (a source filling its
-# cache in its first epoch) must not keep a run on threads for long: with a gap of 1024, the
-# H100 benchmark's actor pipeline sometimes ran a quarter of its steps through threads at half
-# the rate. A failed probe stalls the loop once per this many items.
+# cache in its first epoch) must not keep a run on threads for long: with gaps of up to 1024, a
+# 704-read run profiled on the H100 host sent every read to a thread. A failed probe stalls the
+# loop once per this many items.
 MAX_PROBE_GAP = 64
 
 
 # Weight of the newest item in the inline average. One slow item among cheap ones (the OS takes
 # the core away once) must not send a cheap source to threads, where every read then costs the
 # event loop a hop and the GIL handoffs: with a weight of 1/4, one 1 ms item among 100 us reads
-# did, and the H100 actor figure swung between 0.58 M and 0.95 M samples/s from run to run.
-# A source that really is slow (milliseconds a read) still crosses the threshold at its first.
+# did. (On the H100 the actor figure swung between 0.58 M and 0.95 M samples/s from run to run,
+# the slow runs with the loader's busy time of reads in threads.) A source that really is slow
+# (milliseconds a read) still crosses the threshold at its first.
 INLINE_WEIGHT = 1 / 16
 
 

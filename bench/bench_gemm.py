@@ -52,8 +52,8 @@ from shaders.registry import GEMM_SPEC_DEFAULTS, gemm_shared_bytes
 DEFAULT_TILES = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
 # Fixed configs timed beside the tuned choice (see sweep_gemm.py for the full search). Each sets
 # every tuning constant: an override is merged over the tuned constants of the shape, so a config
-# without SK would inherit the tuning table's sliced K (on the H100, 64x64x16/4x4 with the table's
-# SK=4 at 256x1024x784 did not finish in 45 s).
+# without SK would inherit the tuning table's sliced K (on the H100, at 256x1024x784 the fixed
+# configs with the table's SK=4, up to 1024 threads a workgroup, did not finish in 45 s).
 TILE_CONFIGS = tuple(
     {**GEMM_SPEC_DEFAULTS, **tiles}
     for tiles in (
