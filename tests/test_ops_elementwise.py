@@ -312,20 +312,35 @@ def test_softmax(backend, rng, log, shape):
         check(out["Y"], reference.numpy(), what="torch")
 
 
+def logits_and_labels_with_ties(rng, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random logits with extremes and random labels; where there is room, rows 0 and 1 have tied
+    maxima at columns 2 and 5 (the FIRST maximum is the prediction, as numpy's argmax decides),
+    labelled 5 (wrong) and 2 (right)."""
+    x = logits_with_extremes(rng, rows, cols)
+    labels = rng.integers(0, cols, rows).astype(np.int32)
+    if cols >= 6 and rows >= 2:
+        x[0, :] = x[1, :] = -1.0
+        x[0, 2] = x[0, 5] = x[1, 2] = x[1, 5] = 4.0
+        labels[0], labels[1] = 5, 2
+    return x, labels
+
+
+def check_xent_dlogits(dlogits, log_probs, labels, scale: float, sentinel, write_grad: int) -> None:
+    """With write_grad, dlogits = (softmax - onehot) * scale; without, the buffer is untouched."""
+    if write_grad:
+        rows, cols = log_probs.shape
+        grad = np.exp(log_probs)
+        grad[np.arange(rows), labels] -= 1
+        check(dlogits.reshape(rows, cols), grad * scale, what="dlogits")
+    else:
+        np.testing.assert_array_equal(dlogits, sentinel)
+
+
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("write_grad", [0, 1])
 def test_softmax_xent(backend, rng, write_grad, shape):
     rows, cols = shape
-    x = logits_with_extremes(rng, rows, cols)
-    labels = rng.integers(0, cols, rows).astype(np.int32)
-    if cols >= 6 and rows >= 2:
-        # Tied maxima: the FIRST maximum is the prediction, as numpy's argmax decides.
-        x[0, :] = -1.0
-        x[0, 2] = x[0, 5] = 4.0
-        labels[0] = 5
-        x[1, :] = -1.0
-        x[1, 2] = x[1, 5] = 4.0
-        labels[1] = 2
+    x, labels = logits_and_labels_with_ties(rng, rows, cols)
     sentinel = f32(rng.standard_normal(rows * cols))
     scale = 1.0 / rows
     out = run(
@@ -350,12 +365,7 @@ def test_softmax_xent(backend, rng, write_grad, shape):
     np.testing.assert_array_equal(out["correct_rows"], expected_correct)
     if cols >= 6 and rows >= 2:
         assert out["correct_rows"][0] == 0 and out["correct_rows"][1] == 1
-    if write_grad:
-        grad = np.exp(log_probs)
-        grad[np.arange(rows), labels] -= 1
-        check(out["dlogits"].reshape(rows, cols), grad * scale, what="dlogits")
-    else:
-        np.testing.assert_array_equal(out["dlogits"], sentinel)
+    check_xent_dlogits(out["dlogits"], log_probs, labels, scale, sentinel, write_grad)
     if torch is not None:
         tx = torch.from_numpy(x.astype(np.float64)).requires_grad_(True)
         loss = torch.nn.functional.cross_entropy(
@@ -375,12 +385,7 @@ def test_softmax_xent_totals(backend, rng, write_grad, shape):
     """Narrow logits: the rows, the mean loss and the count of right rows in one launch (more
     rows than the workgroup's 256 invocations loop; ties pick the first maximum)."""
     rows, cols = shape
-    x = logits_with_extremes(rng, rows, cols)
-    labels = rng.integers(0, cols, rows).astype(np.int32)
-    if cols >= 6 and rows >= 2:
-        x[0, :] = x[1, :] = -1.0
-        x[0, 2] = x[0, 5] = x[1, 2] = x[1, 5] = 4.0
-        labels[0], labels[1] = 5, 2  # wrong (the first maximum is 2), right
+    x, labels = logits_and_labels_with_ties(rng, rows, cols)
     sentinel = f32(rng.standard_normal(rows * cols))
     scale = 1.0 / rows
     out = run(
@@ -403,12 +408,7 @@ def test_softmax_xent_totals(backend, rng, write_grad, shape):
     check(out["loss"], np.array([-log_probs[np.arange(rows), labels].mean()]), what="mean loss")
     expected_correct = int((np.argmax(x.astype(np.float64), axis=1) == labels).sum())
     assert out["correct"][0] == expected_correct
-    if write_grad:
-        grad = np.exp(log_probs)
-        grad[np.arange(rows), labels] -= 1
-        check(out["dlogits"].reshape(rows, cols), grad * scale, what="dlogits")
-    else:
-        np.testing.assert_array_equal(out["dlogits"], sentinel)
+    check_xent_dlogits(out["dlogits"], log_probs, labels, scale, sentinel, write_grad)
     if torch is not None:
         tx = torch.from_numpy(x.astype(np.float64))
         loss = torch.nn.functional.cross_entropy(tx, torch.from_numpy(labels.astype(np.int64)))

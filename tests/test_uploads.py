@@ -38,6 +38,18 @@ def copy_program(src: str, dst: str, n: int) -> Program:
     return Program(name=f"copy_{src}_{dst}", steps=(launch("copy", (src, dst), n=n),))
 
 
+def upload_and_copy_rounds(backend, rng, src: str, dst: str, n: int, rounds: int) -> None:
+    """Round after round: fresh values into ``src``'s staging memory, upload, submit a program
+    copying ``src`` to ``dst``, wait, and check ``dst`` holds exactly those values."""
+    handle = backend.record(copy_program(src, dst, n))
+    for _ in range(rounds):
+        values = fresh(rng, n)
+        backend.staging_view(src)[:] = values
+        backend.upload(src)
+        backend.wait(backend.submit(handle))
+        np.testing.assert_array_equal(backend.read(dst), values)
+
+
 def fresh(rng, n: int, dtype=np.float32) -> np.ndarray:
     if np.dtype(dtype).kind == "i":
         values = rng.integers(1, 2**31 - 1, n).astype(dtype) * rng.choice([-1, 1], n).astype(dtype)
@@ -101,13 +113,7 @@ def test_each_program_sees_the_upload_queued_just_before_it(backend, rng):
     upload and submit with no wait in between; each round's result is checked."""
     n = 1023
     backend.open_layout(io_layout(n), slots=1)
-    handle = backend.record(copy_program("w", "wy", n))
-    for _ in range(4):
-        values = fresh(rng, n)
-        backend.staging_view("w")[:] = values
-        backend.upload("w")
-        backend.wait(backend.submit(handle))
-        np.testing.assert_array_equal(backend.read("wy"), values)
+    upload_and_copy_rounds(backend, rng, "w", "wy", n, rounds=4)
 
 
 def test_an_upload_waits_for_the_program_still_reading_the_tensor(backend, rng):
@@ -267,13 +273,6 @@ def test_without_timeline_semaphores_fences_order_uploads_and_programs(monkeypat
         assert not backend.timeline
         n = 1023
         backend.open_layout(io_layout(n), slots=1)
-        handle = backend.record(copy_program("x", "y", n))
-        for _ in range(3):
-            values = fresh(rng, n)
-            backend.staging_view("x")[:] = values
-            backend.upload("x")
-            ticket = backend.submit(handle)
-            backend.wait(ticket)
-            np.testing.assert_array_equal(backend.read("y"), values)
+        upload_and_copy_rounds(backend, rng, "x", "y", n, rounds=3)
     finally:
         backend.close()
