@@ -100,6 +100,9 @@ class Backend(Protocol):
     """What the runtime and tests use; CpuBackend and VulkanBackend implement it."""
 
     facts: DeviceFacts
+    # run_program's handles per (program, slot): set to {} by the backend's constructor and again
+    # by open_layout, which frees the recordings they name.
+    run_program_cache: dict[tuple[Program, int], int]
 
     def open_layout(self, layout: Layout, slots: int = 1) -> None:
         """Allocate every arena of ``layout`` (per-slot arenas ``slots`` times)."""
@@ -187,7 +190,7 @@ def run_program(backend: Backend, program: Program, slot: int = 0) -> None:
         program: the program.
         slot: which per-slot tensors to bind.
     """
-    cache: dict[tuple[Program, int], int] = backend.__dict__.setdefault("_run_program_cache", {})
+    cache = backend.run_program_cache
     key = (program, slot)
     if key not in cache:
         cache[key] = backend.record(program, slot)

@@ -6,9 +6,16 @@ plan that reuses memory too early gives wrong numbers here too).
 
 ``precision="float64"`` widens every 4-byte element to 8 bytes (doubling offsets), for
 finite-difference gradient checks of whole programs.
+
+Its memory is the machine's own (:func:`host_memory`): the heap's size is the physical memory and
+its budget what can be had now, as VK_EXT_memory_budget reports them for a GPU, so a plan that would
+not fit is refused before it swaps or meets the OOM killer.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -21,8 +28,79 @@ _NATIVE = {"float32": np.float32, "int32": np.int32, "uint32": np.uint32, "float
 _WIDE = {"float32": np.float64, "int32": np.int64, "uint32": np.uint64, "float16": np.float32}
 
 
-def cpu_facts(memory_bytes: int = 8 * 2**30) -> DeviceFacts:
-    """Facts for the numpy device."""
+# Only where the machine says nothing (no sysconf figure): the size this backend once assumed.
+FALLBACK_MEMORY_BYTES = 8 * 2**30
+
+
+def _read_int(path: Path) -> int | None:
+    """An integer file such as cgroup's memory.max; None when absent, unreadable or "max"."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _mem_available(proc: Path) -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux 3.14+); None elsewhere."""
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB, meaning KiB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_memory(
+    proc: str | os.PathLike = "/proc", cgroup: str | os.PathLike = "/sys/fs/cgroup"
+) -> tuple[int, int | None]:
+    """This machine's memory for the CPU backend: (size, budget).
+
+    The size is the physical memory, ``sysconf(SC_PHYS_PAGES) * sysconf(SC_PAGE_SIZE)``. The budget
+    is ``MemAvailable`` from /proc/meminfo: free memory plus the page cache and buffers the kernel
+    can reclaim, i.e. what a run can allocate now without swapping. It, not the physical size, is
+    what a plan must fit in: other processes hold the rest. Inside a container with a memory limit
+    (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), the limit caps the size and the limit
+    minus the group's current use caps the budget, because the host's figures do not apply there.
+
+    Args:
+        proc: where procfs is mounted (tests point it at a folder of their own).
+        cgroup: where the process's cgroup hierarchy is mounted.
+
+    Returns:
+        (size, budget) in bytes; the budget is None where the system does not report one, and the
+        size falls back to FALLBACK_MEMORY_BYTES where sysconf has no figure.
+    """
+    try:
+        size: int | None = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # a platform without these names
+        size = None
+    budget = _mem_available(Path(proc))
+    root = Path(cgroup)
+    for limit_file, usage_file in (
+        (root / "memory.max", root / "memory.current"),
+        (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes"),
+    ):
+        limit = _read_int(limit_file)
+        if limit is None:
+            continue
+        size = limit if size is None else min(size, limit)
+        left = max(0, limit - (_read_int(usage_file) or 0))
+        budget = left if budget is None else min(budget, left)
+        break
+    return (size if size else FALLBACK_MEMORY_BYTES), budget
+
+
+def cpu_facts(memory_bytes: int | None = None) -> DeviceFacts:
+    """Facts for the numpy device.
+
+    Args:
+        memory_bytes: the heap's size; None reads this machine's memory (:func:`host_memory`).
+
+    Returns:
+        The facts.
+    """
+    size, budget = host_memory() if memory_bytes is None else (memory_bytes, None)
     return DeviceFacts(
         index=-1,
         name="cpu (numpy)",
@@ -31,7 +109,7 @@ def cpu_facts(memory_bytes: int = 8 * 2**30) -> DeviceFacts:
         vendor_id=0,
         api_version="-",
         driver_version=np.__version__,
-        heaps=(MemoryHeap(index=0, size=memory_bytes, device_local=True),),
+        heaps=(MemoryHeap(index=0, size=size, device_local=True, budget=budget),),
         # Tensor-core GEMMs are emulated (inputs rounded to float16), so mixed-precision plans run here too.
         features=("timeline_semaphore", "cooperative_matrix"),
     )
@@ -53,6 +131,7 @@ class CpuBackend:
         self._staging: dict[tuple[str, int], np.ndarray] = {}
         self._ticket = 0
         self.slots = 0
+        self.run_program_cache: dict[tuple[Program, int], int] = {}  # run_program's; dies with the layout
 
     def open_layout(self, layout: Layout, slots: int = 1) -> None:
         self._layout = layout
@@ -60,7 +139,7 @@ class CpuBackend:
         self._arenas = {}
         self._recorded = []
         self._staging = {}
-        self.__dict__.pop("_run_program_cache", None)
+        self.run_program_cache = {}
         for arena in layout.arenas:
             for slot in range(slots if arena.per_slot else 1):
                 self._arenas[(arena.name, slot)] = np.zeros(arena.nbytes * self._scale, dtype=np.uint8)

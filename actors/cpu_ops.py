@@ -23,7 +23,8 @@ _erfc = np.vectorize(math.erfc, otypes=[np.float64])
 
 
 def activate(x: np.ndarray, code: int, slope: float) -> np.ndarray:
-    """Apply an activation by its ACTIVATIONS code."""
+    """Apply an activation by its ACTIVATIONS code; NaN in gives NaN out (numpy's maximum and
+    arithmetic propagate it)."""
     if code == ACTIVATIONS["none"]:
         return x
     if code == ACTIVATIONS["relu"]:
@@ -43,12 +44,15 @@ def activate(x: np.ndarray, code: int, slope: float) -> np.ndarray:
 
 def activation_derivative(saved: np.ndarray, code: int, slope: float) -> np.ndarray:
     """f'(.) from the saved tensor: the forward *output* for relu, leaky_relu, sigmoid and tanh,
-    the forward *input* for gelu (its derivative cannot be recovered from the output)."""
+    the forward *input* for gelu (its derivative cannot be recovered from the output). f' at NaN
+    is NaN for every activation but none, as in the shader."""
     one = saved.dtype.type(1)
     if code == ACTIVATIONS["relu"]:
-        return (saved > 0).astype(saved.dtype)
+        # A comparison with NaN is False, which would make f'(NaN) 0 and hide the NaN.
+        return np.where(np.isnan(saved), saved, saved > 0).astype(saved.dtype, copy=False)
     if code == ACTIVATIONS["leaky_relu"]:
-        return np.where(saved > 0, one, saved.dtype.type(slope))
+        kink = np.where(saved > 0, one, saved.dtype.type(slope))
+        return np.where(np.isnan(saved), saved, kink)
     if code == ACTIVATIONS["sigmoid"]:
         return saved * (one - saved)
     if code == ACTIVATIONS["tanh"]:
@@ -207,42 +211,55 @@ def softmax_backward(arrays: list[np.ndarray], p: Params) -> None:
     dx[: rows * cols] = result.reshape(-1)
 
 
+def _real_rows(stepvals: np.ndarray, capacity: int) -> int:
+    """The batch's real rows, stepvals[4], clamped to [1, capacity] as batch_rows.glsl does."""
+    return min(max(int(stepvals[4]), 1), capacity)
+
+
 def softmax_xent(arrays: list[np.ndarray], p: Params) -> None:
-    logits, labels, loss_rows, correct_rows, dlogits = arrays
+    logits, labels, loss_rows, correct_rows, dlogits, stepvals = arrays
     rows, cols = int(p["rows"]), int(p["cols"])
-    matrix = logits[: rows * cols].reshape(rows, cols)
-    target = labels[:rows].astype(np.int64)
+    n = _real_rows(stepvals, rows)
+    matrix = logits[: n * cols].reshape(n, cols)
+    target = labels[:n].astype(np.int64)
     # As the shader: a label outside [0, cols) gives a NaN loss, counts as wrong and adds no
     # one-hot term to the gradient.
     valid = (target >= 0) & (target < cols)
     safe = np.where(valid, target, 0)
     log_probs = _log_softmax_rows(matrix)
-    picked = np.arange(rows)
-    loss_rows[:rows] = np.where(valid, -log_probs[picked, safe], np.nan)
-    correct_rows[:rows] = (valid & (matrix.argmax(axis=1) == target)).astype(correct_rows.dtype)
+    picked = np.arange(n)
+    scale = matrix.dtype.type(1.0 / n)
+    loss_rows[:n] = np.where(valid, -log_probs[picked, safe], np.nan) * scale
+    loss_rows[n:rows] = 0
+    correct_rows[:n] = (valid & (matrix.argmax(axis=1) == target)).astype(correct_rows.dtype)
+    correct_rows[n:rows] = 0
     if p.get("write_grad"):
         grad = np.exp(log_probs)
         grad[picked[valid], target[valid]] -= 1
-        dlogits[: rows * cols] = (grad * grad.dtype.type(p["scale"])).reshape(-1)
+        dlogits[: n * cols] = (grad * scale).reshape(-1)
+        dlogits[n * cols : rows * cols] = 0
 
 
 def softmax_xent_totals(arrays: list[np.ndarray], p: Params) -> None:
-    logits, labels, loss, correct, dlogits = arrays
+    logits, labels, loss, correct, dlogits, stepvals = arrays
     rows = int(p["rows"])
     loss_rows = np.empty(rows, np.float64)
     correct_rows = np.empty(rows, np.float64)
-    softmax_xent([logits, labels, loss_rows, correct_rows, dlogits], p)
-    loss[0] = loss_rows.sum() * float(p["loss_scale"])
+    softmax_xent([logits, labels, loss_rows, correct_rows, dlogits, stepvals], p)
+    loss[0] = loss_rows.sum()
     correct[0] = correct_rows.sum()
 
 
 def mse(arrays: list[np.ndarray], p: Params) -> None:
-    y, t, loss_rows, dy = arrays
+    y, t, loss_rows, dy, stepvals = arrays
     rows, cols = int(p["rows"]), int(p["cols"])
-    diff = y[: rows * cols].reshape(rows, cols) - t[: rows * cols].reshape(rows, cols)
-    loss_rows[:rows] = (diff * diff).mean(axis=1)
+    n = _real_rows(stepvals, rows)
+    diff = y[: n * cols].reshape(n, cols) - t[: n * cols].reshape(n, cols)
+    loss_rows[:n] = (diff * diff).mean(axis=1) / n
+    loss_rows[n:rows] = 0
     if p.get("write_grad"):
-        dy[: rows * cols] = (diff * diff.dtype.type(p["scale"])).reshape(-1)
+        dy[: n * cols] = (diff * diff.dtype.type(2.0 / (n * cols))).reshape(-1)
+        dy[n * cols : rows * cols] = 0
 
 
 def _conv_dims(p: Params) -> tuple[int, ...]:
@@ -313,14 +330,15 @@ def maxpool2d(arrays: list[np.ndarray], p: Params) -> None:
     planes = x[: n * c * h * w].reshape(n, c, h * w)
     best = np.full((n, c, oh, ow), -np.inf, dtype=x.dtype)
     best_idx = np.zeros((n, c, oh, ow), dtype=np.int32)
-    # Row-major scan with strict '>' keeps the first maximum, as the shader does.
+    # Row-major scan with strict '>' keeps the first maximum, as the shader does. NaN counts above
+    # every number (the first NaN wins, as numpy's argmax), so a NaN input gives a NaN output.
     for i in range(kernel):
         for j in range(kernel):
             rows = np.arange(oh) * stride + i
             cols = np.arange(ow) * stride + j
             flat = (rows[:, None] * w + cols[None, :]).astype(np.int32)
             values = planes[:, :, flat]
-            better = values > best
+            better = (values > best) | (np.isnan(values) & ~np.isnan(best))
             best = np.where(better, values, best)
             best_idx = np.where(better, flat, best_idx)
     y[: n * c * oh * ow] = best.reshape(-1)

@@ -51,7 +51,7 @@ from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction,
 from actors.statistics import Meter
 from flow.spec import CrossEntropy
 
-_PROGRAMS = {"train": "train", "val": "eval", "predict": "predict"}
+_PROGRAMS = {"train": "train", "val": "eval", "test": "eval", "predict": "predict"}
 
 # How long the completer polls an idle event loop before it waits in a thread. A hop to a thread
 # and back costs ~50-100 µs, a quarter of a small step on a fast GPU, and with K = 2 the next
@@ -287,7 +287,7 @@ class DeviceActor:
         sums, self._eval = self._eval, _EvalSums()
         rows = max(sums.rows, 1)
         accuracy = sums.correct / rows if self.classifies else math.nan
-        return EvalDone(batch.step, batch.epoch, sums.loss / rows, accuracy, sums.rows)
+        return EvalDone(batch.step, batch.epoch, sums.loss / rows, accuracy, sums.rows, batch.split)
 
     async def _snapshot(self, barrier: _Barrier) -> None:
         if self.inline:

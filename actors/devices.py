@@ -13,7 +13,7 @@ def list_devices() -> tuple[list[DeviceFacts], str]:
         (devices, message): message is empty when at least one Vulkan device was found.
     """
     try:
-        from actors.vulkan_backend import VulkanUnavailable, enumerate_devices
+        from actors.vulkan import VulkanUnavailable, enumerate_devices
     except ImportError as error:
         return [], f"the vulkan Python package is missing ({error}); pip install vulkan"
     try:
@@ -46,7 +46,7 @@ def open_backend(select: int | str = "auto", memory_fraction: float = 0.9) -> tu
     if select == "cpu":
         return CpuBackend(), ""
     try:
-        from actors.vulkan_backend import VulkanBackend, VulkanUnavailable
+        from actors.vulkan import VulkanBackend, VulkanUnavailable
     except ImportError as error:
         if select != "auto":
             raise LookupError(f"device {select!r} asked for, but Vulkan is unavailable: {error}") from error

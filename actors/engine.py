@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.backend import Backend
-from flow.plan import DevicePlan, init_parameters
+from flow.planning import DevicePlan, init_parameters
 from flow.spec import SGD, Adam, AdamW, CrossEntropy, learning_rate
 
 
@@ -56,18 +56,30 @@ class StepResult:
     rows: int
 
 
-def step_values(optimiser, step: int) -> np.ndarray:
-    """[lr, 1 - beta1^t, 1 - beta2^t, t] for the update with 0-based index ``step`` (t = step + 1).
+def step_values(optimiser, step: int | None, rows: int) -> np.ndarray:
+    """The slot's step values (flow.program.STEP_VALUES) for one submit.
 
-    Computed in float64 on the host then rounded once, so every backend sees identical values.
+    For a training step with 0-based index ``step`` (t = step + 1): [lr, 1 - beta1^t, 1 - beta2^t,
+    t, rows], computed in float64 on the host then rounded once, so every backend sees identical
+    values. For evaluation and prediction (``step`` None) only ``rows`` matters.
+
+    Args:
+        optimiser: the spec's optimiser.
+        step: the update's index, or None when nothing is updated.
+        rows: the batch's real rows.
+
+    Returns:
+        float32 [len(STEP_VALUES)].
     """
+    if step is None:
+        return np.array([0.0, 1.0, 1.0, 0.0, rows], dtype=np.float32)
     t = step + 1
     lr = learning_rate(optimiser, step)
     if isinstance(optimiser, Adam | AdamW):
         beta1, beta2 = optimiser.betas
-        return np.array([lr, 1.0 - beta1**t, 1.0 - beta2**t, t], dtype=np.float32)
+        return np.array([lr, 1.0 - beta1**t, 1.0 - beta2**t, t, rows], dtype=np.float32)
     assert isinstance(optimiser, SGD)
-    return np.array([lr, 1.0, 1.0, t], dtype=np.float32)
+    return np.array([lr, 1.0, 1.0, t, rows], dtype=np.float32)
 
 
 class Engine:
@@ -147,23 +159,33 @@ class Engine:
             self.backend.write(name, value)
 
     # -- steps ----------------------------------------------------------------------------------
-    def _handle(self, kind: str, rows: int, slot: int) -> int:
-        key = (kind, rows, slot)
+    def _handle(self, kind: str, slot: int) -> int:
+        key = (kind, slot)
         if key not in self._handles:
-            self._handles[key] = self.backend.record(self.plan.program(kind, rows), slot)
+            self._handles[key] = self.backend.record(self.plan.program(kind), slot)
         return self._handles[key]
 
     def prepare(self, kinds: tuple[str, ...] = ("train", "eval", "predict")) -> None:
-        """Record the full-batch programs for every slot up front, so the first steps don't pay."""
+        """Record the programs of ``kinds`` for every slot up front, so no step records: with
+        these, every batch the run can send (any row count) has its program ready."""
         for kind in kinds:
             for slot in range(self.slots):
-                self._handle(kind, self.plan.batch_size, slot)
+                self._handle(kind, slot)
 
-    def write_batch(self, slot: int, x: np.ndarray, y: np.ndarray | None = None) -> int:
-        """Copy a batch into a slot's io tensors; returns its row count."""
-        rows = int(x.shape[0])
+    def _check_rows(self, rows: int) -> None:
         if not 1 <= rows <= self.plan.batch_size:
             raise ValueError(f"batch of {rows} rows; this plan takes 1..{self.plan.batch_size}")
+
+    def write_batch(self, slot: int, x: np.ndarray, y: np.ndarray | None = None) -> int:
+        """Copy a batch into a slot's io tensors; returns its row count. A partial batch is padded
+        with zero rows: the programs run on the full batch, and zeros keep the padding's
+        gradients exactly 0 (stale rows could hold a NaN, and 0 * NaN is NaN)."""
+        rows = int(x.shape[0])
+        self._check_rows(rows)
+        if rows < self.plan.batch_size:
+            padded = np.zeros((self.plan.batch_size, *x.shape[1:]), np.float32)
+            padded[:rows] = x
+            x = padded
         self.backend.write("x", x, slot)  # the backend picks how to move a large array
         if y is not None:
             views = self._views[slot]
@@ -175,21 +197,36 @@ class Engine:
         return rows
 
     def submit(self, kind: str, slot: int, rows: int, step: int | None = None) -> int:
-        """Submit a recorded program on a slot whose batch is already written; returns a ticket."""
+        """Submit a recorded program on a slot whose batch is already written; returns a ticket.
+
+        Args:
+            kind: ``train``, ``eval`` or ``predict``.
+            slot: the input slot.
+            rows: the batch's real rows (1..batch_size).
+            step: the update's 0-based index (``train`` only).
+        """
+        self._check_rows(rows)
         if kind == "train":
             assert step is not None, "a train step needs its step index"
-            values = step_values(self.plan.optimiser, step)
-            views = self._views[slot]
-            if views is not None:
-                views.stepvals[:] = values
-            else:
-                self.backend.write("stepvals", values, slot)
-        return self.backend.submit(self._handle(kind, rows, slot))
+        values = step_values(self.plan.optimiser, step if kind == "train" else None, rows)
+        views = self._views[slot]
+        if views is not None:
+            views.stepvals[:] = values
+        else:
+            self.backend.write("stepvals", values, slot)
+        return self.backend.submit(self._handle(kind, slot))
 
     def submit_filled(self, kind: str, slot: int, rows: int, step: int | None = None) -> int:
         """Submit on a slot whose batch a producer wrote through :meth:`input_views`: first the
         DMA upload of the staged inputs where the backend stages them (the program is ordered
-        after it by the backend), then the program; returns the program's ticket."""
+        after it by the backend), then the program; returns the program's ticket. The rows past
+        ``rows`` are zeroed first, as :meth:`write_batch` pads."""
+        self._check_rows(rows)
+        if rows < self.plan.batch_size:
+            if self._staged:
+                self.backend.staging_view("x", slot)[rows:] = 0  # type: ignore[attr-defined]
+            else:
+                self._views[slot].x[rows:] = 0  # type: ignore[union-attr]
         if self._staged:
             self.backend.upload("x", slot)  # type: ignore[attr-defined]
         return self.submit(kind, slot, rows, step)

@@ -1,7 +1,8 @@
 """The loader actor: turns a source and a sampler into the run's stream of messages.
 
 The loader is the one place that knows the run's schedule, so it emits all of it, in order:
-training batches, an evaluation round (the whole validation split) where one is due, a
+training batches, an evaluation round (the whole validation split) where one is due, one round
+over the test split after the last step, a
 :class:`CheckpointMark` where a checkpoint is due, and a final mark at the end. Deciding what comes
 next is pure (:class:`Schedule`, :func:`next_cursor`, :func:`after_step`, :func:`jobs`); the actor
 only reads and sends. Because every actor keeps stream order, a mark reaches the device exactly
@@ -130,7 +131,9 @@ class Read:
 Job = Read | CheckpointMark
 
 
-def jobs(start: Cursor, schedule: Schedule, train: Sampler, val: Sampler | None) -> Iterator[Job]:
+def jobs(
+    start: Cursor, schedule: Schedule, train: Sampler, val: Sampler | None, test: Sampler | None = None
+) -> Iterator[Job]:
     """The whole stream from ``start`` to the end of the run, as reads and marks (pure: no I/O).
 
     Args:
@@ -138,24 +141,28 @@ def jobs(start: Cursor, schedule: Schedule, train: Sampler, val: Sampler | None)
         schedule: the run's schedule.
         train: the training sampler.
         val: the validation sampler, when there is a validation split.
+        test: the test sampler, when there is a test split: scored once, after the last training
+            step (and its validation round), before the final mark.
 
     Yields:
         Reads and marks in stream order.
     """
     seq = 0
 
-    def eval_round(step: int, epoch: int) -> Iterator[Read]:
+    def eval_round(sampler: Sampler | None, split: str, step: int, epoch: int) -> Iterator[Read]:
         nonlocal seq
-        assert val is not None
-        count = val.batches_per_epoch()
-        for position, (_, indices) in enumerate(val.batches(SamplerState(0, 0))):
-            yield Read(seq, "val", step, epoch, position, indices, last=position == count - 1)
+        if sampler is None:
+            return
+        count = sampler.batches_per_epoch()
+        for position, (_, indices) in enumerate(sampler.batches(SamplerState(0, 0))):
+            yield Read(seq, split, step, epoch, position, indices, last=position == count - 1)
             seq += 1
 
     cursor = next_cursor(start, schedule)
     if cursor is None:  # resuming a finished run: report where it ended
-        if schedule.has_val and val is not None:
-            yield from eval_round(start.step, start.epoch)
+        if schedule.has_val:
+            yield from eval_round(val, "val", start.step, start.epoch)
+        yield from eval_round(test, "test", start.step, start.epoch)
         yield CheckpointMark(start, final=True)
         return
     while cursor is not None:
@@ -165,8 +172,10 @@ def jobs(start: Cursor, schedule: Schedule, train: Sampler, val: Sampler | None)
             seq += 1
             cursor = Cursor(cursor.step + 1, state.epoch, state.position)
             actions = after_step(cursor, schedule)
-            if "eval" in actions and val is not None:
-                yield from eval_round(cursor.step, cursor.epoch)
+            if "eval" in actions:
+                yield from eval_round(val, "val", cursor.step, cursor.epoch)
+            if "final" in actions:
+                yield from eval_round(test, "test", cursor.step, cursor.epoch)
             if "checkpoint" in actions or "final" in actions:
                 yield CheckpointMark(cursor, final="final" in actions)
             if "final" in actions:

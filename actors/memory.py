@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from actors.backend import MemoryType
+from actors.backend import DeviceFacts, MemoryType
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
 
@@ -94,6 +94,25 @@ def choose_staging_type(types: Sequence[MemoryType], allowed_bits: int) -> Memor
         if candidates:
             return candidates[0]
     raise MemoryError(f"no host-visible coherent memory type for staging (allowed bits {allowed_bits:#x})")
+
+
+def has_rebar(facts: DeviceFacts) -> bool:
+    """Whether the largest device-local heap is also host-visible and coherent (ReBAR), so every
+    arena can be mapped and weights and batches move without staging copies.
+
+    Args:
+        facts: the device.
+
+    Returns:
+        True where some memory type of that heap is device-local, host-visible and coherent.
+    """
+    largest = max((h for h in facts.heaps if h.device_local), key=lambda h: h.size, default=None)
+    if largest is None:
+        return False
+    return any(
+        {"device_local", "host_visible", "host_coherent"} <= set(t.flags) and t.heap == largest.index
+        for t in facts.memory_types
+    )
 
 
 @dataclass(frozen=True)

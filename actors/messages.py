@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-Split = Literal["train", "val", "predict"]
+Split = Literal["train", "val", "test", "predict"]
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ class Batch:
         indices: the sample indices (into the source), or the rows of a fed array.
         x: float32 inputs [n, *input_shape].
         y: labels or targets [n, ...]; None for prediction.
-        split: "train", "val" (evaluation) or "predict".
-        step: for "train", the step it is; for "val", the steps done when the evaluation runs.
+        split: "train", "val" or "test" (evaluation) or "predict".
+        step: for "train", the step it is; for "val" and "test", the steps done when the evaluation
+            runs.
         last: the last batch of its evaluation round, or of its fed array.
         tag: for "predict", which fed array it belongs to.
         slot: the device input slot ``x`` and ``y`` were read straight into (views of its memory),
@@ -115,14 +116,15 @@ class StepDone:
 
 @dataclass(frozen=True)
 class EvalDone:
-    """One evaluation over the validation split.
+    """One evaluation over the validation split (during the run) or the test split (at its end).
 
     Attributes:
         step: training steps done when it ran.
         epoch: the epoch of the last training batch before it.
         loss: mean loss per sample.
-        accuracy: correct / samples (0 for regression).
+        accuracy: correct / samples (NaN for regression).
         samples: rows evaluated.
+        split: "val" or "test".
     """
 
     step: int
@@ -130,6 +132,7 @@ class EvalDone:
     loss: float
     accuracy: float
     samples: int
+    split: str = "val"
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,6 +152,30 @@ class Snapshot:
     interrupted: bool = False
 
 
+@dataclass(frozen=True)
+class InputStatistics:
+    """The range of one training batch's inputs after preprocessing (what the model sees): the
+    preprocess actor measures the run's first training batch and sends this ahead of it.
+
+    Attributes:
+        step: the batch's step.
+        epoch: its epoch.
+        rows: its rows.
+        min: the smallest input value.
+        max: the largest.
+        mean: the mean value.
+        std: the standard deviation of the values.
+    """
+
+    step: int
+    epoch: int
+    rows: int
+    min: float
+    max: float
+    mean: float
+    std: float
+
+
 @dataclass(frozen=True, eq=False)
 class Prediction:
     """The predict program's output for one fed batch.
@@ -166,4 +193,4 @@ class Prediction:
     outputs: np.ndarray
 
 
-Message = Batch | CheckpointMark | StepDone | EvalDone | Snapshot | Prediction
+Message = Batch | CheckpointMark | StepDone | EvalDone | InputStatistics | Snapshot | Prediction

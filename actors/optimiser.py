@@ -1,9 +1,9 @@
 """The optimiser: its learning-rate schedule, the lifecycle of its state, and its actor.
 
 The update math runs on the device inside the recorded training step; what lives here is what
-the host owns. :func:`step_values` is the schedule's per-step input to the shaders (learning rate
-and bias corrections; the Engine writes them into the slot's ``stepvals`` at submit, so nothing is
-re-recorded). :func:`start` initialises or restores weights and optimiser state on an Engine and
+the host owns. The schedule's per-step input to the shaders (learning rate and bias corrections)
+is ``actors.engine.step_values``, which the Engine writes into the slot's ``stepvals`` at submit,
+so nothing is re-recorded. :func:`start` initialises or restores weights and optimiser state on an Engine and
 says where the run stands; :func:`describe` and :func:`check_compatible` are what a checkpoint
 records about the optimiser and what a restore checks. The :class:`OptimiserActor` follows the
 completed steps: it checks that every update is applied exactly once and in order (a lost or
@@ -18,23 +18,9 @@ from typing import Any
 import numpy as np
 
 from actors.engine import Engine
-from actors.engine import step_values as engine_step_values
 from actors.messages import Cursor, StepDone
 from actors.statistics import ActorStatistics, Meter
 from flow.spec import Optimiser, learning_rate
-
-
-def step_values(optimiser: Optimiser, step: int) -> np.ndarray:
-    """The shaders' per-step values for the update with 0-based index ``step``.
-
-    Args:
-        optimiser: the spec's optimiser.
-        step: the update's index.
-
-    Returns:
-        float32 [lr, 1 - beta1^t, 1 - beta2^t, t] (t = step + 1), the same on every backend.
-    """
-    return engine_step_values(optimiser, step)
 
 
 def lr(optimiser: Optimiser, step: int) -> float:

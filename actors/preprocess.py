@@ -7,6 +7,9 @@ sits in the run, so a resumed run augments exactly as an uninterrupted one. The 
 event loop stays free, or inline when it has measured it to be cheaper than the hop to a thread
 (:class:`actors.statistics.InlinePolicy`). A batch no transform applies to, already float32 and of
 the model's shape, passes through untouched, as does every other message, in order.
+
+Ahead of the run's first training batch the actor sends its :class:`actors.messages.InputStatistics`
+(the inputs' range after preprocessing), which the sink reports and checks (:mod:`actors.health`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from actors.health import input_statistics
 from actors.messages import Batch
 from actors.statistics import InlinePolicy, Meter
 from loaders import apply_transforms, batch_rng
@@ -87,6 +91,7 @@ class Preprocess:
         self.inline = inline
         self.policy = InlinePolicy(forced=True if inline else None)
         self.limiter = trio.CapacityLimiter(1)
+        self.measured = False  # the first training batch's InputStatistics has been sent
 
     def _untouched(self, batch: Batch) -> bool:
         """Whether no transform applies and the batch already is what the device takes."""
@@ -120,6 +125,13 @@ class Preprocess:
                             item = await trio.to_thread.run_sync(
                                 self._transform_in_thread, item, limiter=self.limiter
                             )
+                if not self.measured and isinstance(item, Batch) and item.split == "train" and item.rows:
+                    # Once a run: a source and transforms that give the model nonsense (inputs
+                    # scaled twice, all zeros) train at chance without an error, unless measured.
+                    self.measured = True
+                    with self.meter.busy():
+                        stats = input_statistics(item)
+                    await self.meter.send(stats)
                 await self.meter.send(item)
 
     def statistics(self):

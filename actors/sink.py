@@ -6,8 +6,22 @@ Metrics are JSON lines, one per event: ``{"event": "step", "step", "epoch", "los
 "step", "path"}``. Every step has its line. Each actor's statistics (``"statistics": {actor:
 {...}}``, cumulative counters) ride on the first step's line, then on one step line a second
 (``STATISTICS_EVERY_S``) and on the run's last step: gathering them costs more than a whole step on
-a fast GPU. The file is opened for appending and written line by line, so a resumed run continues
-it and a killed run loses at most the line being written.
+a fast GPU. Bad items the source skipped (``on_error="skip"``) ride on the same lines as
+``"skipped": {"count", "examples"}`` once there are any, and the run ends with one ``{"event":
+"skipped", "step", "count", "examples"}`` line, so a user finds them without reading the log.
+The file is opened for appending and written line by line, so a resumed run continues it and a
+killed run loses at most the line being written. Each process's lines follow the ``{"event":
+"run", "run", "step", "resumed", "pid", "time"}`` record that claiming the file wrote
+(actors.outputs), so one run's lines never run on into another's.
+
+The sink also acts on the run's health checks (:mod:`actors.health`). It writes the first training
+batch's input range as ``{"event": "inputs", "step", "epoch", "rows", "min", "max", "mean",
+"std"}``; whatever looks wrong (inputs constant or tiny, an epoch's mean loss at ln(classes), a
+non-finite loss under ``on_nonfinite="continue"``) becomes one ``{"event": "warning", "kind",
+"step", "message"}`` line and one warning on the ``vkflow`` logger. A non-finite loss under
+``on_nonfinite="raise"`` writes its step line and ``{"event": "error", ...}``, then stops the run
+with :class:`actors.health.NonFiniteLoss`. Per step this costs one ``math.isfinite`` and, for
+CrossEntropy, a running sum.
 
 Checkpoints are written where the device's snapshots arrive: at the loader's scheduled marks
 (every ``checkpoint_every`` steps) and at the end. Writing (encode, fsync, rename) runs in a worker
@@ -17,6 +31,7 @@ thread under the sink's own limiter, so the event loop keeps moving.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -26,12 +41,15 @@ from typing import Any
 import trio
 
 from actors import checkpoint as checkpoints
-from actors.messages import EvalDone, Snapshot, StepDone
+from actors import health
+from actors.messages import EvalDone, InputStatistics, Snapshot, StepDone
 from actors.progress import Progress, ProgressState, Rate
 from actors.statistics import ActorStatistics, Meter
 from flow.spec import Spec
 
 STATISTICS_EVERY_S = 1.0
+
+logger = logging.getLogger("vkflow")
 
 # One encoder for every line: json.dumps with an option builds a new encoder on each call.
 _encode = json.JSONEncoder(allow_nan=False).encode
@@ -87,6 +105,7 @@ def eval_record(done: EvalDone, elapsed: float) -> dict[str, Any]:
     """
     return {
         "event": "eval",
+        "split": done.split,
         "step": done.step,
         "epoch": done.epoch,
         "loss": _number(done.loss),
@@ -109,8 +128,11 @@ class Sink:
         checkpoint_dir: where checkpoints go; None writes none.
         metrics_file: the JSON-lines file; None writes none.
         progress: the progress line.
-        keep: checkpoints to keep.
+        keep: checkpoints to keep (``run.keep_checkpoints``); None keeps every one.
+        run: the run's id, which its checkpoints carry; None draws one (a run of its own).
         inline: write checkpoints on the event loop (deterministic tests; no threads).
+        skipped: returns the source's distinct skipped items and where the first few are; None
+            when there is no source (predicting).
     """
 
     def __init__(
@@ -124,8 +146,10 @@ class Sink:
         checkpoint_dir: str | Path | None = None,
         metrics_file: str | Path | None = None,
         progress: Progress | None = None,
-        keep: int = 3,
+        keep: int | None = 3,
+        run: str | None = None,
         inline: bool = False,
+        skipped: Callable[[], tuple[int, tuple[str, ...]]] | None = None,
     ) -> None:
         self.meter = meter
         self.spec = spec
@@ -137,7 +161,9 @@ class Sink:
         self.metrics_path = Path(metrics_file) if metrics_file else None
         self.progress = progress or Progress(enabled=False)
         self.keep = keep
+        self.run_id = run or checkpoints.new_run_id()
         self.inline = inline
+        self.skipped = skipped
         self.limiter = trio.CapacityLimiter(1)
         self.rate = Rate()
         self.started = time.monotonic()
@@ -149,10 +175,64 @@ class Sink:
         self.checkpoint: Path | None = None
         self._metrics = None
         self._next_statistics = 0.0  # monotonic time the next step line carries statistics
+        # Health checks (actors.health), each reported once: warnings go to the log and the file.
+        self.inputs: InputStatistics | None = None
+        self.warnings: list[str] = []
+        self.on_nonfinite = spec.run.on_nonfinite
+        self._nonfinite_seen = False
+        classes = health.classes_of(spec.model)
+        self._chance = health.ChanceWatch(classes) if classes else None  # None once it has warned
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._metrics is not None:
             self._metrics.write(_encode(record) + "\n")
+
+    def _skipped(self) -> dict[str, Any] | None:
+        """The source's skipped items for a metrics line; None when it has skipped none."""
+        if self.skipped is None:
+            return None
+        count, examples = self.skipped()
+        return {"count": count, "examples": list(examples)} if count else None
+
+    def _warn(self, kind: str, step: int | None, message: str) -> None:
+        """Report something that looks wrong, once: on the log (stderr by default) and in the file."""
+        self.warnings.append(message)
+        logger.warning("vkflow: %s", message)
+        self._write({"event": "warning", "kind": kind, "step": step, "message": message})
+
+    def _inputs(self, stats: InputStatistics) -> None:
+        self.inputs = stats
+        self._write(
+            {
+                "event": "inputs",
+                "step": stats.step,
+                "epoch": stats.epoch,
+                "rows": stats.rows,
+                "min": _number(stats.min),
+                "max": _number(stats.max),
+                "mean": _number(stats.mean),
+                "std": _number(stats.std),
+            }
+        )
+        for message in health.input_warnings(stats):
+            self._warn("inputs", stats.step, message)
+
+    def _nonfinite(self, item: StepDone) -> None:
+        """A step's loss is NaN or infinite: stop the run, or warn once and go on."""
+        self._nonfinite_seen = True
+        if self.on_nonfinite == "continue":
+            self._warn("nonfinite", item.step, health.nonfinite_message(item, continuing=True))
+            return
+        message = health.nonfinite_message(item, continuing=False)
+        # The file shows the step and why the run ended before the error unwinds the actors.
+        self._write(step_record(item, self.samples_per_second, time.monotonic() - self.started))
+        self._write({"event": "error", "kind": "nonfinite", "step": item.step, "message": message})
+        raise health.NonFiniteLoss(message, item.step, item.epoch, item.loss)
+
+    def _chance_verdict(self, message: str | None, step: int | None) -> None:
+        if message is not None:
+            self._chance = None
+            self._warn("chance", step, message)
 
     def _state(self) -> ProgressState:
         step = self.last_step.step + 1 if self.last_step else self.first_step
@@ -167,7 +247,7 @@ class Sink:
         )
 
     async def _save(self, snapshot: Snapshot) -> Path:
-        checkpoint = checkpoints.from_snapshot(self.spec, snapshot, self.optimiser)
+        checkpoint = checkpoints.from_snapshot(self.spec, snapshot, self.optimiser, self.run_id)
         if self.inline:
             return checkpoints.save(self.checkpoint_dir, checkpoint, self.keep)
         return await trio.to_thread.run_sync(
@@ -176,6 +256,10 @@ class Sink:
 
     def _step(self, item: StepDone) -> None:
         self.last_step = item
+        if not math.isfinite(item.loss) and item.rows and not self._nonfinite_seen:
+            self._nonfinite(item)
+        if self._chance is not None:
+            self._chance_verdict(self._chance.add(item), item.step)
         if self._metrics is None and not self.progress.enabled:
             return  # nothing listens: the result needs only the last step
         now = time.monotonic()
@@ -186,7 +270,10 @@ class Sink:
             if last or now >= self._next_statistics:
                 statistics = self.all_statistics()
                 self._next_statistics = now + STATISTICS_EVERY_S
-            self._write(step_record(item, self.samples_per_second, now - self.started, statistics))
+            record = step_record(item, self.samples_per_second, now - self.started, statistics)
+            if statistics is not None and (skipped := self._skipped()):
+                record["skipped"] = skipped
+            self._write(record)
         if self.progress.due(force=last):  # building the state costs: only when it is drawn
             self.progress.update(self._state(), force=last)
 
@@ -198,9 +285,11 @@ class Sink:
             self.evals.append(item)
             self._write(eval_record(item, elapsed))
             self.progress.note(
-                f"step {item.step}  epoch {item.epoch}  eval loss {item.loss:.4f}  "
+                f"step {item.step}  epoch {item.epoch}  {item.split} loss {item.loss:.4f}  "
                 f"accuracy {item.accuracy:.4f}"
             )
+        elif isinstance(item, InputStatistics):
+            self._inputs(item)
         elif isinstance(item, Snapshot):
             if item.final:
                 self.final = item
@@ -230,6 +319,12 @@ class Sink:
                             await self._handle(item)
                     if self.meter.outboxes:
                         await self.meter.send(item)
+            if self._chance is not None:  # the last epoch ends with the stream
+                self._chance_verdict(self._chance.finish(), self.last_step.step if self.last_step else None)
+            # After the stream's end every read is done, evaluations included: the final count.
+            if skipped := self._skipped():
+                step = self.last_step.step if self.last_step else None
+                self._write({"event": "skipped", "step": step, **skipped})
         finally:
             if self._metrics is not None:
                 self._metrics.close()

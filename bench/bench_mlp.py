@@ -152,7 +152,7 @@ class VkTrainer:
         precision: str = "float32",
     ) -> None:
         from actors.engine import Engine, step_values
-        from flow.plan import plan
+        from flow.planning import plan
 
         self.backend, self.batch, self.slots = backend, batch, in_flight
         self.plan = plan(vk_spec(sizes, batch, opt, in_flight, precision)).devices[0]
@@ -182,7 +182,7 @@ class VkTrainer:
         ]
 
         def submit(slot: int, step: int) -> int:
-            backend.write("stepvals", step_values(self.plan.optimiser, step), slot)
+            backend.write("stepvals", step_values(self.plan.optimiser, step, self.plan.batch_size), slot)
             pool = self.pools[slot]
             if pool is not None and pool.host_reset:
                 backend.reset_timestamps(pool)  # the slot's last step is done: its queries are free

@@ -156,7 +156,7 @@ def open_vulkan(device: str = "auto"):
     """(VulkanBackend, None) or (None, why not): never raises, so a machine without Vulkan still
     gets the torch figures."""
     try:
-        from actors.vulkan_backend import VulkanBackend
+        from actors.vulkan import VulkanBackend
 
         select: int | str = int(device) if device.isdigit() else device
         return VulkanBackend(select), None

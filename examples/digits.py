@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from actors.checkpoint import checkpoints  # noqa: E402
 from flow.codec import load  # noqa: E402
 from flow.run_command import summary  # noqa: E402
 from flow.runner import run  # noqa: E402
@@ -32,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     # place from wherever it is started.
     checkpoint_dir = ROOT / settings.checkpoint_dir
     metrics_file = ROOT / settings.metrics_file
-    metrics_file.unlink(missing_ok=True)  # a fresh run: don't append to the last demo's metrics
+    # The demo starts over each time, so it removes its own last outputs: flow.run refuses to mix
+    # a fresh run into another run's checkpoints or metrics.
+    metrics_file.unlink(missing_ok=True)
+    for old in checkpoints(checkpoint_dir):
+        old.unlink()
     spec = dataclasses.replace(
         spec,
         run=dataclasses.replace(settings, checkpoint_dir=str(checkpoint_dir), metrics_file=str(metrics_file)),

@@ -1,47 +1,71 @@
 """vkflow: train and run small ML models on any Vulkan GPU, with the job described as data.
 
-The pure layers (spec, codec, validation, plan) hold the job as data; the runtime (``run``,
-``open_pipeline``, ``predict``) runs it as trio actors.
+The package is in three tiers, each importing only those below it (tests/test_layers.py checks):
+
+- records: ``flow.spec`` (the job), ``flow.errors``, ``flow.program`` (launches, layouts) and the
+  device facts; frozen data with no behaviour.
+- pure decisions: ``flow.codec``, ``flow.validation``, ``flow.shapes``, ``flow.autodiff``,
+  ``flow.planning`` and the other modules that decide from records without effects.
+- entry: this package's top level, ``flow.__main__``, ``flow.runner`` (``run``, ``open_pipeline``),
+  ``flow.inference`` (``predict``), ``flow.run_command`` and ``flow.testing``: the only flow modules
+  that import ``actors``, the runtime that does the effects.
+
+Every name below is loaded on first use (PEP 562), so ``import flow.spec`` stays a records-only
+import (no trio, no Vulkan, no msgpack), while ``dir(flow)`` and ``help(flow)`` still list and
+document the whole API.
 """
 
-from flow.codec import dumps, load, loads, save
-from flow.errors import FlowError, PlanError, Problem, SpecError
-from flow.plan import Plan, plan
-from flow.validate import check, summarize, validate
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "FlowError": "flow.errors",
+    "PlanError": "flow.errors",
+    "Problem": "flow.errors",
+    "SpecError": "flow.errors",
+    "dumps": "flow.codec",
+    "load": "flow.codec",
+    "loads": "flow.codec",
+    "save": "flow.codec",
+    "check": "flow.validation",
+    "summarize": "flow.validation",
+    "validate": "flow.validation",
+    "Plan": "flow.planning",
+    "plan": "flow.planning",
+    "ActorError": "flow.runner",
+    "NonFiniteLoss": "flow.runner",
+    "RunResult": "flow.runner",
+    "open_pipeline": "flow.runner",
+    "run": "flow.runner",
+    "predict": "flow.inference",
+}
 
 __all__ = [
-    "ActorError",
-    "FlowError",
-    "Plan",
-    "PlanError",
-    "Problem",
-    "SpecError",
-    "check",
-    "dumps",
-    "load",
-    "loads",
-    "open_pipeline",
-    "plan",
-    "predict",
-    "run",
-    "RunResult",
-    "save",
-    "summarize",
+    "ActorError", "FlowError", "NonFiniteLoss", "Plan", "PlanError", "Problem", "RunResult", "SpecError",
+    "check", "dumps", "load", "loads", "open_pipeline", "plan", "predict", "run", "save", "summarize",
     "validate",
-]
+]  # fmt: skip
 
-
-_RUNTIME = ("ActorError", "RunResult", "open_pipeline", "predict", "run")
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from flow.codec import dumps, load, loads, save
+    from flow.errors import FlowError, PlanError, Problem, SpecError
+    from flow.inference import predict
+    from flow.planning import Plan, plan
+    from flow.runner import ActorError, NonFiniteLoss, RunResult, open_pipeline, run
+    from flow.validation import check, summarize, validate
 
 
 def __getattr__(name: str):
-    # The runtime (flow.runner) sits above the actors, which import flow's pure modules; loading
-    # it on first use keeps that layering free of import cycles.
-    if name in _RUNTIME:
-        import importlib
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        module = "flow.inference" if name == "predict" else "flow.runner"
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'flow' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,7 +1,8 @@
 """Command line: ``python -m flow devices|check|plan|run|bench``.
 
 Each command is a thin shell over the library: it parses arguments, calls one function, prints,
-and returns an exit status (0 ok, 1 a problem with the input, 2 a usage error).
+and returns an exit status (0 ok, 1 a problem with the input, 2 a usage error). A problem with the
+input is reported in words, never as a traceback (see flow.run_command.user_error).
 """
 
 from __future__ import annotations
@@ -64,17 +65,26 @@ def _report(file: str, work):
 
 
 def _check(args: argparse.Namespace) -> int:
-    from flow.validate import check, summarize
+    from flow.preflight import preflight
+    from flow.validation import summarize
 
     spec = _report(args.file, lambda: load(args.file))
-    if spec is None or _report(args.file, lambda: check(spec) or True) is None:
+    if spec is None:
+        return 1
+    # The spec's problems and, when its source can be read, the data's: all of them at once.
+    problems, about = preflight(spec)
+    if problems:
+        print(f"{args.file}: {len(problems)} problem(s)")
+        for problem in problems:
+            print(f"  {problem}")
         return 1
     print(summarize(spec))
+    print(f"source: {about}")
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from flow.plan import plan
+    from flow.planning import plan
 
     the_plan = _report(args.file, lambda: plan(load(args.file), budget=args.budget))
     if the_plan is None:

@@ -1,5 +1,5 @@
 """From a model to groups of launches: forward, loss, backward (derived by one rule per layer) and
-the optimiser update. Pure: it names tensors and launches; flow.plan places them in memory.
+the optimiser update. Pure: it names tensors and launches; flow.planning places them in memory.
 
 Launches inside one group are independent (dW, db and dX of a layer share a group), and groups
 run in order with one barrier between them. Fusions that pay at MLP scale are made here: bias and
@@ -411,7 +411,10 @@ class _Builder:
 
     # loss ----------------------------------------------------------------------------------------
     def loss(self, output: str, labels: str, write_grad: bool) -> str | None:
-        """Emit the fused loss; returns the name of d(output) when write_grad."""
+        """Emit the fused loss; returns the name of d(output) when write_grad.
+
+        The loss kernels average over the batch's real rows, which the engine writes into
+        ``stepvals`` each step, so one program serves every row count up to the batch size."""
         b, g = self.b, self.g
         out_shape = g.tensors[output].shape
         cols = math.prod(out_shape[1:])
@@ -421,12 +424,10 @@ class _Builder:
             g.emit(
                 launch(
                     "softmax_xent_totals",
-                    (output, labels, "loss", "correct", grad or output),
+                    (output, labels, "loss", "correct", grad or output, "stepvals"),
                     rows=b,
                     cols=cols,
                     write_grad=int(write_grad),
-                    scale=1.0 / b,
-                    loss_scale=1.0 / b,
                 )
             )
         elif isinstance(self.model.loss, CrossEntropy):
@@ -435,17 +436,14 @@ class _Builder:
             g.emit(
                 launch(
                     "softmax_xent",
-                    (output, labels, loss_rows, correct_rows, grad or loss_rows),
+                    (output, labels, loss_rows, correct_rows, grad or loss_rows, "stepvals"),
                     rows=b,
                     cols=cols,
                     write_grad=int(write_grad),
-                    scale=1.0 / b,
                 )
             )
             g.emit(
-                launch(
-                    "reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0 / b
-                ),
+                launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0),
                 launch(
                     "reduce", (correct_rows, "correct"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0
                 ),
@@ -455,16 +453,13 @@ class _Builder:
             g.emit(
                 launch(
                     "mse",
-                    (output, labels, loss_rows, grad or loss_rows),
+                    (output, labels, loss_rows, grad or loss_rows, "stepvals"),
                     rows=b,
                     cols=cols,
                     write_grad=int(write_grad),
-                    scale=2.0 / (b * cols),
                 )
             )
-            g.emit(
-                launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0 / b)
-            )
+            g.emit(launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0))
         else:
             raise PlanError([Problem("model.loss", "training needs a loss (CrossEntropy or MSE)")])
         return grad

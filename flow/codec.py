@@ -22,7 +22,7 @@ import msgpack
 
 from flow.errors import Problem, SpecError
 from flow.spec import SCHEMA_VERSION, Spec, file_key
-from flow.validate import alternatives, validate
+from flow.validation import alternatives, validate
 
 _JSON = (".json",)
 _MSGPACK = (".msgpack", ".mpk")
@@ -46,7 +46,7 @@ def encode(spec: Spec) -> dict[str, Any]:
     """A spec as plain maps, lists and scalars, keys sorted.
 
     Args:
-        spec: the spec (encoded as it is; see flow.validate to check it).
+        spec: the spec (encoded as it is; see flow.validation to check it).
 
     Returns:
         The tree that dumps and save write.

@@ -5,6 +5,7 @@ The spec's preprocessing is applied to the inputs, as in training."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ from actors.engine import Engine
 from actors.messages import Batch
 from actors.preprocess import transform_batch
 from flow.codec import load as load_spec
-from flow.plan import plan
+from flow.inputs import as_inputs
+from flow.planning import plan
 from flow.runner import open_backend
 from flow.spec import Spec
 
@@ -48,15 +50,25 @@ def predict(
 
     Args:
         model: a checkpoint (file, directory or loaded), or a spec (file or record: fresh weights).
-        data: inputs [n, *input_shape], or a source spec record (e.g. ``Digits()``: every sample,
-            in index order). The spec's ``data.preprocess`` is applied either way.
+        data: inputs [n, *input_shape] or one sample [*input_shape] of real numbers (bools and
+            ints are cast to float32, complex is refused: see flow.inputs), or a source spec record
+            (e.g. ``Digits()``: every sample, in index order). The spec's ``data.preprocess`` is
+            applied either way.
         stream: yield one array per batch instead of returning one array.
         backend: a backend to use and keep open; None opens the one the spec selects.
 
     Returns:
         [n, *output_shape] (probabilities for CrossEntropy models), or a generator of such arrays.
+
+    Raises:
+        TypeError: inputs that are not real numbers (None, text, complex).
+        ValueError: inputs of another shape, naming the shapes the model takes.
     """
     spec, state = _load_model(model)
+    # Checked here, not in the generator, so that a bad input fails at the call even when streaming,
+    # and before any device is opened.
+    if not (is_dataclass(data) and not isinstance(data, type)):
+        data = as_inputs(data, tuple(spec.model.input_shape))
     outputs = _predict_stream(spec, state, data, backend)
     if stream:
         return outputs
@@ -77,10 +89,8 @@ def _predict_stream(spec: Spec, state, data, backend: Backend | None) -> Iterato
         )
         optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state)
         size = spec.data.batch_size
-        if isinstance(data, np.ndarray) or isinstance(data, list):
-            array = np.asarray(data, dtype=np.float32)
-            if array.shape == tuple(spec.model.input_shape):
-                array = array[None]
+        if isinstance(data, np.ndarray):
+            array = data
 
             def read(start: int) -> np.ndarray:
                 return array[start : start + size]

@@ -3,7 +3,7 @@ launches with the barriers between them."""
 
 from __future__ import annotations
 
-from flow.plan import Plan
+from flow.planning import Plan
 from flow.program import Barrier
 
 

@@ -21,6 +21,13 @@ ITEM_BYTES: dict[str, int] = {"float32": 4, "int32": 4, "uint32": 4, "float16": 
 # device we know of; aligning every tensor to it lets one layout serve all devices.
 TENSOR_ALIGNMENT = 256
 
+# What each slot's ``stepvals`` io tensor holds, in order. The engine writes them before every
+# submit and the shaders read them, so per-step values never need a program re-recorded:
+# the optimiser's learning rate, bias corrections and 1-based step count (train only), and the
+# batch's real rows (every program: the loss kernels average over those and ignore the padding
+# of a partial batch, so one program per kind serves every row count).
+STEP_VALUES = ("lr", "one_minus_beta1_t", "one_minus_beta2_t", "t", "rows")
+
 
 def align_up(value: int, alignment: int = TENSOR_ALIGNMENT) -> int:
     """Round ``value`` up to a multiple of ``alignment``.

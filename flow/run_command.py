@@ -1,5 +1,11 @@
 """The ``python -m flow run FILE [--resume DIR] [--device SELECT]`` command and the summary it
-prints (the demo prints it too)."""
+prints (the demo prints it too).
+
+A mistake in what the user gave (the spec, its data, a checkpoint, a device that is not there)
+ends the command with one ``error: ...`` line per mistake on stderr and exit status 1, never a
+traceback: :func:`user_error` decides which errors those are. Anything else is a bug in vkflow,
+and its traceback is what a bug report needs, so it is left to propagate.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
+from actors.health import NonFiniteLoss
 from flow.codec import load as load_spec
+from flow.errors import FlowError
 from flow.runner import ActorError, RunResult, run
+from loaders.errors import LoaderError
 
 
 def summary(result: RunResult) -> str:
@@ -27,10 +36,48 @@ def summary(result: RunResult) -> str:
         lines.append(f"final loss: {result.loss:.4f}")
     if result.checkpoint:
         lines.append(f"checkpoint: {result.checkpoint}")
+    if result.skipped:
+        shown = ", ".join(result.skipped_examples)
+        more = ", ..." if result.skipped > len(result.skipped_examples) else ""
+        lines.append(f"skipped: {result.skipped} bad item(s) (on_error='skip'): {shown}{more}")
+    if result.inputs is not None:
+        x = result.inputs
+        lines.append(
+            f"inputs: [{x.min:.4g}, {x.max:.4g}], mean {x.mean:.4g}, std {x.std:.3g} "
+            "(first training batch, after preprocessing)"
+        )
+    lines += [f"warning: {message}" for message in result.warnings]
     lines.append(f"time: {result.seconds:.1f} s")
     if result.accuracy is not None:
         lines.append(f"accuracy: {result.accuracy:.4f}")
     return "\n".join(lines)
+
+
+def user_error(error: BaseException, spec_file: str = "") -> list[str] | None:
+    """The lines to print for a mistake in the user's input, or None for an error of vkflow's own.
+
+    User mistakes are: a spec that does not load, validate or plan (FlowError: one line a problem,
+    each naming the spec file), bad data (LoaderError), a checkpoint that cannot be resumed
+    (CheckpointError and the resume checks, which are ValueErrors), a file that cannot be read
+    (OSError), a device that is not there (the plain LookupError of device selection; KeyError and
+    IndexError are LookupErrors too, but there they are bugs), a run that diverged (NonFiniteLoss: a
+    learning rate too high, or NaN in the data), and an actor failing with one of these.
+
+    Args:
+        error: what the run raised.
+        spec_file: the spec's file name, to prefix the spec's problems with.
+
+    Returns:
+        The lines without the ``error:`` prefix, each one line; None to let the error propagate.
+    """
+    if isinstance(error, ActorError):
+        return user_error(error.error, spec_file)
+    if isinstance(error, FlowError):
+        prefix = f"{spec_file}: " if spec_file else ""
+        return [prefix + " ".join(str(problem).split()) for problem in error.problems]
+    if isinstance(error, LoaderError | ValueError | OSError | NonFiniteLoss) or type(error) is LookupError:
+        return [" ".join(str(error).split()) or type(error).__name__]
+    return None
 
 
 def main_run(argv: Sequence[str]) -> int:
@@ -40,7 +87,11 @@ def main_run(argv: Sequence[str]) -> int:
         argv: the arguments after ``run``.
 
     Returns:
-        The exit status: 0 done, 1 failed, 130 interrupted (after writing a checkpoint).
+        The exit status: 0 done, 1 a mistake in the input (one ``error:`` line each on stderr), 130
+        interrupted (after writing a checkpoint).
+
+    Raises:
+        Exception: an error of vkflow's own (a bug), with its traceback.
     """
     parser = argparse.ArgumentParser(prog="python -m flow run", description="Train a spec.")
     parser.add_argument("file", help="the spec (.json, .msgpack or .mpk)")
@@ -65,8 +116,12 @@ def main_run(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 130
-    except (ActorError, ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except Exception as error:
+        lines = user_error(error, args.file)
+        if lines is None:
+            raise
+        for line in lines:
+            print(f"error: {line}", file=sys.stderr)
         return 1
     print(summary(result))
     return 0

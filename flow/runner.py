@@ -11,9 +11,12 @@ Shutdown is structured. At the end of the data every actor drains its inbox and 
 outboxes, so the end flows downstream: the loader's final mark makes the device snapshot, the sink
 writes the final checkpoint, and the nursery exits. When an actor raises, the nursery cancels
 every other actor and the original error comes back as :class:`ActorError` naming the actor (the
-original is its ``__cause__``). On KeyboardInterrupt the actors are cancelled, the device is
-drained and a checkpoint is written before the interrupt propagates. Sources and backends opened
-here are closed in ``finally``.
+original is its ``__cause__``), except for a run that stops itself: a non-finite training loss
+raises :class:`actors.health.NonFiniteLoss` as it is. On KeyboardInterrupt the actors are
+cancelled, the device is drained and a checkpoint is written before the interrupt propagates.
+Sources and backends opened here are closed in ``finally``. A training run first claims its
+checkpoint directory and metrics file (actors.outputs: another run's, or a live run's, are
+refused) and releases them last, after an interrupt's checkpoint.
 """
 
 from __future__ import annotations
@@ -36,18 +39,21 @@ from actors import optimiser as optim
 from actors.backend import Backend, memory_budget
 from actors.device import DeviceActor, InputSlots
 from actors.engine import Engine
+from actors.health import NonFiniteLoss
 from actors.loader import Loader, Schedule, jobs, total_steps
-from actors.messages import Batch, Cursor, EvalDone, Prediction
+from actors.messages import Batch, Cursor, EvalDone, InputStatistics, Prediction
 from actors.optimiser import OptimiserActor
+from actors.outputs import Outputs, open_outputs
 from actors.preprocess import Preprocess
 from actors.progress import Progress
 from actors.sink import Sink
 from actors.statistics import ActorStatistics, HookList, Hooks, Meter
 from flow.codec import load as load_spec
 from flow.errors import SpecError
-from flow.plan import plan
+from flow.inputs import as_inputs, expected
+from flow.planning import plan
 from flow.spec import Devices, Pipeline, Spec, default_pipeline
-from flow.validate import data_problems
+from flow.validation import data_problems
 
 logger = logging.getLogger("vkflow")
 
@@ -76,8 +82,9 @@ class RunResult:
         steps: training steps done (the run's step counter; a resumed run counts from 0).
         epochs: epochs completed.
         loss: the last training step's loss.
-        accuracy: the last evaluation's accuracy (None without a validation split or for regression).
-        evals: every evaluation of this process, in order.
+        accuracy: the last validation round's accuracy (None without a validation split or for
+            regression).
+        evals: every evaluation of this process (validation and test rounds), in order.
         checkpoint: the last checkpoint written, if any.
         metrics_file: the metrics file, if any.
         parameters: the final weights by parameter name.
@@ -85,6 +92,14 @@ class RunResult:
         seconds: wall time of this process's run, setup included.
         statistics: every actor's final statistics.
         resumed_from: the step the run resumed at (0 for a fresh run).
+        test: the test split's score after the last step (None without a test split).
+        skipped: distinct bad items the source left out under ``on_error="skip"`` in this process
+            (a bad file met in every epoch counts once).
+        skipped_examples: where the first few of them are (file, or file and row).
+        inputs: the range of the first training batch after preprocessing (None when no
+            preprocess node saw one), as the ``"inputs"`` metrics event records it.
+        warnings: what looked wrong, in order (inputs constant or tiny, a loss at chance, a
+            non-finite loss under ``on_nonfinite="continue"``), each also logged and in the file.
     """
 
     steps: int
@@ -99,6 +114,11 @@ class RunResult:
     seconds: float = 0.0
     statistics: dict[str, ActorStatistics] = field(default_factory=dict, repr=False)
     resumed_from: int = 0
+    test: EvalDone | None = None
+    skipped: int = 0
+    skipped_examples: tuple[str, ...] = ()
+    inputs: InputStatistics | None = None
+    warnings: tuple[str, ...] = ()
 
 
 # -- decisions (pure) ------------------------------------------------------------------------------
@@ -288,6 +308,9 @@ class _Runtime:
         self.total = 0
         self.per_epoch = 1
         self.inline = False
+        # A resumed run is the same run: its checkpoints and metrics lines carry the saved id.
+        self.run_id = saved.run if saved is not None else checkpoints.new_run_id()
+        self.outputs: Outputs | None = None
 
     async def _blocking(self, fn, *args):
         """Setup work that may take a while (device creation, recording, opening a source): in a
@@ -297,9 +320,18 @@ class _Runtime:
         return await trio.to_thread.run_sync(fn, *args)
 
     async def open(self) -> None:
+        """Open what the run needs, refusing every mistake as early as it can be seen: the
+        pipeline's shape first; then the data against the model, from the source's header (opening
+        a source is cheap: a header, an index, a listing), before any device is opened; then the
+        plan (memory, device features) before the first sample is read or any device memory is
+        allocated."""
         spec = self.spec
+        pipeline = _pipeline_of(spec)
+        wiring(pipeline)
         if self.mode == "train":
-            # The data must fit the model before any device is touched.
+            # Another run's checkpoints or metrics, or a live run writing them: refused at once.
+            start = self.saved.cursor.step if self.saved is not None else None
+            self.outputs = open_outputs(self.run_id, spec.run.checkpoint_dir, spec.run.metrics_file, start)
             from loaders import open_source
 
             self.source = await self._blocking(open_source, spec.data.source)
@@ -311,6 +343,7 @@ class _Runtime:
         self.inline = bool(getattr(self.backend, "runs_inline", False))
         budget = memory_budget(self.backend.facts, spec.devices.memory_fraction)
         device_plan = plan(spec, budget=budget, features=self.backend.facts.features).devices[0]
+        stream = self._stream() if self.mode == "train" else None
         self.engine = await self._blocking(Engine, device_plan, self.backend)
         saved = self.saved
         self.start_cursor = optim.start(
@@ -320,17 +353,18 @@ class _Runtime:
             saved.state if saved else None,
             saved.cursor if saved else None,
         )
+        # Every program the run will launch, for every slot, before the first step: partial
+        # batches run these same programs (see flow.planning.DevicePlan).
         kinds = ("train", "eval") if self.mode == "train" else ("predict",)
         await self._blocking(self.engine.prepare, kinds)
-        self._wire(_pipeline_of(spec), await self._stream() if self.mode == "train" else None)
+        self._wire(pipeline, stream(self.start_cursor) if stream is not None else None)
 
-    async def _stream(self):
-        """Open the source and lay out the run: splits, samplers, schedule, the loader's jobs."""
-        from loaders import Sampler, open_source, split_indices
+    def _stream(self):
+        """Lay out the run on the open source: splits, samplers, schedule. Returns the loader's
+        jobs as a function of the cursor the run starts at (known once a checkpoint is restored)."""
+        from loaders import Sampler, split_indices
 
         spec, data = self.spec, self.spec.data
-        if self.source is None:
-            self.source = await self._blocking(open_source, data.source)
         split = data.split
         parts = split_indices(
             len(self.source),
@@ -342,7 +376,12 @@ class _Runtime:
             split.stratify,
         )
         train = Sampler(parts["train"], data.batch_size, data.shuffle, data.seed, data.drop_last)
-        val = Sampler(parts["val"], data.batch_size, False, data.seed, False) if parts["val"].size else None
+
+        def scored(split_name: str) -> Sampler | None:
+            indices = parts[split_name]
+            return Sampler(indices, data.batch_size, False, data.seed, False) if indices.size else None
+
+        val, test = scored("val"), scored("test")
         self.per_epoch = per_epoch = train.batches_per_epoch()
         if per_epoch == 0:
             raise ValueError(
@@ -353,7 +392,7 @@ class _Runtime:
         schedule = Schedule(
             per_epoch, self.total, spec.run.eval_every, spec.run.checkpoint_every, val is not None
         )
-        return jobs(self.start_cursor, schedule, train, val)
+        return lambda start: jobs(start, schedule, train, val, test)
 
     def _wire(self, pipeline: Pipeline, stream) -> None:
         inbound, outbound = wiring(pipeline)
@@ -415,7 +454,10 @@ class _Runtime:
                 spec.run.checkpoint_dir if self.mode == "train" else None,
                 spec.run.metrics_file if self.mode == "train" else None,
                 self.progress if self.mode == "train" else Progress(enabled=False),
+                keep=spec.run.keep_checkpoints,
+                run=self.run_id,
                 inline=self.inline,
+                skipped=self.skipped if self.mode == "train" else None,
             )
             return self.sink
         return _Relay(meter)
@@ -456,7 +498,8 @@ class _Runtime:
             return None
         snapshot = self.device.snapshot_now()
         describe = optim.describe(self.spec.optimiser, self.engine.plan.state_names)
-        return checkpoints.save(directory, checkpoints.from_snapshot(self.spec, snapshot, describe))
+        checkpoint = checkpoints.from_snapshot(self.spec, snapshot, describe, self.run_id)
+        return checkpoints.save(directory, checkpoint, self.spec.run.keep_checkpoints)
 
     def result(self) -> RunResult:
         sink = self.sink
@@ -469,7 +512,10 @@ class _Runtime:
         elif sink is not None and sink.last_step is not None:
             steps, epochs = sink.last_step.step + 1, sink.last_step.epoch
         evals = tuple(sink.evals) if sink else ()
-        accuracy = evals[-1].accuracy if evals and math.isfinite(evals[-1].accuracy) else None
+        vals = [e for e in evals if e.split == "val"]
+        accuracy = vals[-1].accuracy if vals and math.isfinite(vals[-1].accuracy) else None
+        test = next((e for e in reversed(evals) if e.split == "test"), None)
+        skipped, examples = self.skipped()
         return RunResult(
             steps=steps,
             epochs=epochs,
@@ -483,14 +529,33 @@ class _Runtime:
             seconds=time.monotonic() - self.started,
             statistics=self.statistics(),
             resumed_from=self.start_cursor.step,
+            test=test,
+            skipped=skipped,
+            skipped_examples=examples,
+            inputs=sink.inputs if sink else None,
+            warnings=tuple(sink.warnings) if sink else (),
         )
 
+    def skipped(self) -> tuple[int, tuple[str, ...]]:
+        """The source's distinct bad items so far and where the first few are."""
+        # A source of a test's own making may keep no statistics, or none of these counters.
+        statistics = getattr(self.source, "statistics", None)
+        stats = statistics() if callable(statistics) else None
+        return getattr(stats, "skipped_items", 0), tuple(getattr(stats, "skipped_examples", ()))
+
     def close(self) -> None:
-        if self.source is not None:
-            self.source.close()
-            self.source = None
-        if self.owns_backend and self.backend is not None:
-            self.backend.close()
+        try:
+            if self.source is not None:
+                self.source.close()
+                self.source = None
+            if self.owns_backend and self.backend is not None:
+                self.backend.close()
+        finally:
+            # Last: the interrupt's checkpoint is written under the lock. Always: a claim left
+            # behind would refuse every later run of this process into these outputs.
+            if self.outputs is not None:
+                self.outputs.close()
+                self.outputs = None
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
@@ -557,11 +622,9 @@ class PipelineHandle:
         if feed is None:
             raise RuntimeError("feed() needs open_pipeline(..., mode='predict')")
         input_shape = tuple(self.spec.model.input_shape)
-        x = np.asarray(x, dtype=np.float32)
-        if x.shape == input_shape:
-            x = x[None]
-        if x.shape[1:] != input_shape or x.shape[0] == 0:
-            raise ValueError(f"feed takes [n >= 1, *{input_shape}] inputs, got shape {x.shape}")
+        x = as_inputs(x, input_shape, what="feed")
+        if x.shape[0] == 0:
+            raise ValueError(f"feed takes at least one sample of shape {expected(input_shape)}, got none")
         tag, self._tags = self._tags, self._tags + 1
         size = self.spec.data.batch_size
         starts = range(0, x.shape[0], size)
@@ -658,6 +721,8 @@ async def open_pipeline(
 
     Raises:
         ActorError: an actor failed (``__cause__`` is the original error).
+        NonFiniteLoss: a training step's loss was NaN or infinite (``run.on_nonfinite="raise"``);
+            it names the step.
         KeyboardInterrupt: after a checkpoint, when the spec has a checkpoint_dir.
     """
     spec, saved = _resolve(spec, resume)
@@ -682,8 +747,14 @@ async def open_pipeline(
 
 def _cause(runtime: _Runtime, error: BaseException) -> BaseException | None:
     if runtime.failure is not None and not any(isinstance(e, KeyboardInterrupt) for e in _leaves(error)):
-        return runtime.failure.error
+        return None if _stopped(runtime.failure) else runtime.failure.error
     return error.__cause__
+
+
+def _stopped(failure: ActorError) -> bool:
+    """Whether the run stopped itself (its loss went non-finite): no actor failed, so the run raises
+    that error as its own, not as an ActorError."""
+    return isinstance(failure.error, NonFiniteLoss)
 
 
 def _translate(runtime: _Runtime, error: BaseException) -> BaseException:
@@ -691,7 +762,7 @@ def _translate(runtime: _Runtime, error: BaseException) -> BaseException:
     leaves = [e for e in _leaves(error) if not isinstance(e, trio.Cancelled)]
     interrupt = next((e for e in leaves if isinstance(e, KeyboardInterrupt)), None)
     if runtime.failure is not None and interrupt is None:
-        return runtime.failure
+        return runtime.failure.error if _stopped(runtime.failure) else runtime.failure
     if interrupt is not None:
         path = runtime.interrupted()
         if path is not None:
@@ -727,6 +798,8 @@ def run(
 
     Raises:
         ActorError: an actor failed.
+        NonFiniteLoss: a training step's loss was NaN or infinite (``run.on_nonfinite="raise"``);
+            it names the step.
         KeyboardInterrupt: interrupted (a checkpoint is written first when the spec has a directory).
     """
 

@@ -2,7 +2,7 @@
 
 Shapes exclude the batch dimension. The validator uses :func:`trace` to turn a bad layer into a
 problem; the planner uses :func:`infer_shapes`, which raises on a model that does not fit together.
-Inputs are assumed well typed (see flow.validate).
+Inputs are assumed well typed (see flow.validation).
 """
 
 import math

@@ -5,6 +5,10 @@ raw file (or ``.npy``) of ``n`` values. IDX is the format MNIST ships in: two ze
 the number of dimensions, each dimension as a big-endian uint32, then big-endian data.
 :func:`write_idx` writes it, so that the reader can be tested by round trip. Records are mapped,
 not read: only the rows asked for are touched.
+
+Values follow the one convention of every source (``flow.spec``'s module docstring): uint8 records
+are divided by 255, so they arrive in [0, 1] like decoded images; every other dtype is cast to
+float32 unchanged.
 """
 
 from __future__ import annotations
@@ -148,7 +152,8 @@ class _ArraySource:
         Returns:
             The statistics so far.
         """
-        return self._stats.snapshot(self._policy.skipped)
+        policy = self._policy
+        return self._stats.snapshot(policy.skipped, policy.items, policy.examples)
 
     def read(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
         """Copy records out as float32.
@@ -183,7 +188,8 @@ class _ArraySource:
 
 
 class RawBinarySource(_ArraySource):
-    """Raw fixed-size records through ``np.memmap``; values are cast to float32 unscaled.
+    """Raw fixed-size records through ``np.memmap``: uint8 values are scaled to [0, 1] (/ 255), as
+    IDX and image files are; other dtypes are cast to float32 unscaled.
 
     Args:
         path: the records file.
@@ -232,7 +238,7 @@ class RawBinarySource(_ArraySource):
             labels = _load_labels(labels_path, np.dtype(label_dtype))
             if labels.shape != (n,):
                 raise LoaderError(str(labels_path), f"{labels.size} labels for {n} records in {where}")
-        super().__init__(where, records, labels, 1.0, policy)
+        super().__init__(where, records, labels, 1.0 / 255.0 if dtype == np.uint8 else 1.0, policy)
 
 
 def _load_labels(path: str | os.PathLike, dtype: np.dtype) -> np.ndarray:

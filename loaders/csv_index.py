@@ -287,8 +287,12 @@ def scan_csv(
             carry_base += consumed
             if eof:
                 break
-    if columns is None or all_labels is None:
-        raise LoaderError(path, "no data rows")
+    if columns is None:
+        raise LoaderError(path, "empty file: no header and no data rows")
+    if all_labels is None:
+        if skipped:
+            raise LoaderError(path, f"no data rows left: all {skipped} had a bad label and were skipped")
+        raise LoaderError(path, "no data rows under the header" if header else "no data rows")
     labels = all_labels.finish()
     classes = None
     if parser.kind == "names":

@@ -98,7 +98,8 @@ class CSVSource:
         Returns:
             The statistics so far.
         """
-        return self._stats.snapshot(self._policy.skipped)
+        policy = self._policy
+        return self._stats.snapshot(policy.skipped, policy.items, policy.examples)
 
     def _line_of(self, row: int) -> int:
         """1-based line number of a row: counts newlines up to it (only done for error messages)."""
@@ -225,7 +226,7 @@ class CSVSource:
             where = (
                 f"{self.path}: row {row} (line {self._line_of(row)})" if first else f"{self.path}: row {row}"
             )
-            self._policy.handle(LoaderError(where, why[int(inverse[pos])]))
+            self._policy.handle(LoaderError(where, why[int(inverse[pos])]), item=f"{self.path}: row {row}")
         x, y = xu[inverse[ok]], self.labels[idx[ok]]
         self._stats.add(samples=int(x.shape[0]))
         return x, y, skipped

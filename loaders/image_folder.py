@@ -186,7 +186,7 @@ class ImageFolderSource:
             raise ValueError(f"workers must be >= 0, got {workers}")
         self.root = Path(root).resolve()
         if not self.root.is_dir():
-            raise LoaderError(str(root), "not a directory")
+            raise LoaderError(str(root), "not a directory" if self.root.exists() else "no such directory")
         self.workers = int(workers)
         self._policy = ErrorPolicy(on_error, str(self.root))
         self._stats = StatsRecorder()
@@ -284,7 +284,8 @@ class ImageFolderSource:
         Returns:
             The statistics so far.
         """
-        return self._stats.snapshot(self._policy.skipped)
+        policy = self._policy
+        return self._stats.snapshot(policy.skipped, policy.items, policy.examples)
 
     def close(self) -> None:
         """Stop the decode threads (a later ``read`` starts new ones)."""

@@ -28,12 +28,16 @@ class SourceStatistics:
         skipped: bad items left out under ``on_error="skip"`` (each time one is met).
         bytes_read: bytes taken from storage.
         decode_seconds: time spent decoding/parsing, summed over worker threads.
+        skipped_items: distinct bad items left out (a bad file met in every epoch counts once).
+        skipped_examples: where the first few of them are (file, or file and row), in the order met.
     """
 
     samples_read: int = 0
     skipped: int = 0
     bytes_read: int = 0
     decode_seconds: float = 0.0
+    skipped_items: int = 0
+    skipped_examples: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -76,17 +80,23 @@ class StatsRecorder:
             self._bytes += bytes_read
             self._seconds += seconds
 
-    def snapshot(self, skipped: int) -> SourceStatistics:
+    def snapshot(
+        self, skipped: int, skipped_items: int = 0, skipped_examples: tuple[str, ...] = ()
+    ) -> SourceStatistics:
         """Freeze the counters.
 
         Args:
             skipped: the error policy's skip count.
+            skipped_items: its count of distinct bad items.
+            skipped_examples: where its first few bad items are.
 
         Returns:
             The statistics so far.
         """
         with self._lock:
-            return SourceStatistics(self._samples, skipped, self._bytes, self._seconds)
+            return SourceStatistics(
+                self._samples, skipped, self._bytes, self._seconds, skipped_items, skipped_examples
+            )
 
 
 def check_indices(indices: Sequence[int], n: int, where: str) -> np.ndarray:

@@ -55,14 +55,17 @@ class SyntheticSource:
         self.sample_shape: tuple[int, ...] = tuple(int(f) for f in features)
         self._n = int(samples)
         self._stats = StatsRecorder()
-        base = np.random.default_rng([self.seed, 0])
+        # The class centres (or the regression direction) are made on the first read, not here:
+        # opening stays as cheap as reading a file's header (a run opens its source before the
+        # device plan can refuse a model too big for it, and 10 centres of 3 x 2048 x 2048 are
+        # 500 MB).
+        self._classes = int(classes)
+        self._basis: np.ndarray | None = None
         if task == "classification":
-            self._centres = base.standard_normal((classes, *self.sample_shape)).astype(np.float32)
             labels = np.arange(self._n, dtype=np.int32) % classes
             np.random.default_rng([self.seed, 1]).shuffle(labels)
             self.num_classes: int | None = int(classes)
         else:
-            self._direction = base.standard_normal(self.sample_shape).astype(np.float32)
             labels = np.random.default_rng([self.seed, 1]).standard_normal(self._n).astype(np.float32)
             self.num_classes = None
         self.labels = readonly(labels)
@@ -73,6 +76,7 @@ class SyntheticSource:
         self._ready = np.zeros(self._n, dtype=bool)
         self._missing = self._n  # samples not generated yet
         self._lock = threading.Lock()  # concurrent loader threads generate each sample once
+        self._basis_lock = threading.Lock()  # taken inside _lock, so a lock of its own
 
     def __len__(self) -> int:
         return self._n
@@ -148,12 +152,25 @@ class SyntheticSource:
                     self._ready[missing] = True
                     self._missing -= int(missing.size)
 
+    def _centres_or_direction(self) -> np.ndarray:
+        """The class centres [classes, *sample_shape] (classification) or the direction
+        [*sample_shape] (regression), made once from the data's seed."""
+        if self._basis is None:
+            with self._basis_lock:
+                if self._basis is None:
+                    base = np.random.default_rng([self.seed, 0])
+                    classification = self.task == "classification"
+                    shape = (self._classes, *self.sample_shape) if classification else self.sample_shape
+                    self._basis = base.standard_normal(shape).astype(np.float32)
+        return self._basis
+
     def _generate(self, idx: np.ndarray) -> np.ndarray:
         """Samples ``idx`` from their own generators (the values that define the dataset)."""
         noise = np.empty((idx.size, *self.sample_shape), dtype=np.float32)
         for k, i in enumerate(idx.tolist()):
             np.random.default_rng([self.seed, 2, i]).standard_normal(dtype=np.float32, out=noise[k])
         y = self.labels[idx]
+        basis = self._centres_or_direction()
         if self.task == "classification":
-            return self._centres[y] + NOISE * noise
-        return y.reshape(-1, *(1,) * len(self.sample_shape)) * self._direction + 0.1 * noise
+            return basis[y] + NOISE * noise
+        return y.reshape(-1, *(1,) * len(self.sample_shape)) * basis + 0.1 * noise

@@ -60,7 +60,8 @@ def normalize(x: np.ndarray, mean: float | Sequence[float], std: float | Sequenc
 
 
 def scale(x: np.ndarray, factor: float) -> np.ndarray:
-    """Multiply by a constant (e.g. 1/255 for raw bytes).
+    """Multiply by a constant. Not for 8-bit data: every source already gives it in [0, 1], and
+    a further 1/255 leaves [0, 1/255], where a model trains at chance (see ``flow.spec.Scale``).
 
     Args:
         x: batch.

@@ -5,6 +5,11 @@
 // Codes follow shaders/registry.py ACTIVATIONS: 0 none, 1 relu, 2 leaky_relu, 3 sigmoid, 4 tanh,
 // 5 gelu (exact, erf-based). Semantics match actors/cpu_ops.py activate / activation_derivative.
 //
+// NaN in gives NaN out, forward and backward, as in numpy: GLSL leaves max() undefined for a NaN
+// operand (lavapipe's max(NaN, 0.0) is 0) and a comparison with NaN is false, so each function
+// tests isnan first. Without it a NaN input row came out of a relu model as finite probabilities
+// on Vulkan but NaN on the CPU backend.
+//
 // GLSL has no erf, and drivers implement tanh from exp with cancellation near zero, so both are
 // written here to about 1 ulp in fp32 (erf: max abs error 6e-8 over the reals; tanh: relative
 // error < 1.5e-7), the same on every driver.
@@ -85,11 +90,14 @@ float tanh_accurate(float x) {
 }
 
 float activate(float x, uint code, float slope) {
+    if (isnan(x)) {
+        return x;
+    }
     switch (code) {
         case ACT_NONE:
             return x;
         case ACT_RELU:
-            return max(x, 0.0);
+            return max(x, 0.0);  // x is not NaN here
         case ACT_LEAKY_RELU:
             return x > 0.0 ? x : x * slope;
         case ACT_SIGMOID:
@@ -106,6 +114,10 @@ float activate(float x, uint code, float slope) {
 // f'(.) from the saved tensor: the forward OUTPUT for relu, leaky_relu, sigmoid and tanh, the
 // forward INPUT for gelu (its derivative cannot be recovered from the output).
 float activation_derivative(float saved, uint code, float slope) {
+    // f' at NaN is NaN (relu's and leaky_relu's comparisons would say 0 or slope); none's stays 1.
+    if (isnan(saved) && code != ACT_NONE) {
+        return saved;
+    }
     switch (code) {
         case ACT_NONE:
             return 1.0;

@@ -1,6 +1,8 @@
 // Y[n,c,oh,ow] = max of the kernel x kernel window at (oh*stride, ow*stride), no padding;
 // idx = flat h*W + w of that maximum within its channel plane. The window is scanned row-major
-// with a strict '>', so the first maximum wins (as in cpu_ops.maxpool2d).
+// with a strict '>', so the first maximum wins (as in cpu_ops.maxpool2d). NaN counts above every
+// number, the first NaN winning (numpy's argmax), so a NaN input gives a NaN output: a plain '>'
+// is false for NaN and would skip it.
 #version 450
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
@@ -37,7 +39,7 @@ void main() {
         for (uint h = oh * p.stride; h < h1; ++h) {
             for (uint w = ow * p.stride; w < w1; ++w) {
                 float v = X[base + h * p.W + w];
-                if (v > best) {
+                if (v > best || (isnan(v) && !isnan(best))) {
                     best = v;
                     best_idx = h * p.W + w;
                 }

@@ -22,6 +22,11 @@ const uint FN_MAX = 2u;
 
 shared float partial[gl_WorkGroupSize.x];
 
+// max that keeps NaN, as numpy's: GLSL's max() is undefined for a NaN operand.
+float max_nan(float a, float b) {
+    return isnan(a) || a > b ? a : b;
+}
+
 // Smallest power of two >= the workgroup size, halved: the first stride of the tree.
 uint first_stride() {
     uint p = 1u;
@@ -47,7 +52,7 @@ void main() {
         if (is_max) {
             acc = uintBitsToFloat(0xff800000u);  // -inf
             for (uint k = lid; k < len; k += size) {
-                acc = max(acc, X[base + k * step]);
+                acc = max_nan(acc, X[base + k * step]);
             }
         } else {
             // precise keeps the compiler from folding the compensation away.
@@ -66,7 +71,7 @@ void main() {
         for (uint s = top; s > 0u; s >>= 1) {
             if (lid < s && lid + s < size) {
                 float other = partial[lid + s];
-                partial[lid] = is_max ? max(partial[lid], other) : partial[lid] + other;
+                partial[lid] = is_max ? max_nan(partial[lid], other) : partial[lid] + other;
             }
             barrier();
         }

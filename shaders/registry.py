@@ -490,32 +490,34 @@ _OPS: tuple[OpDef, ...] = (
         _rows_groups,
         local_size=(64, 1, 1),
     ),
-    # Fused softmax + cross-entropy on int labels: loss_rows[r], correct_rows[r] (1.0 if argmax == label),
-    # and when write_grad, dlogits = scale * (softmax - onehot).
+    # Fused softmax + cross-entropy on int labels over the first n = stepvals[4] rows (the rest are
+    # padding): loss_rows[r] = row loss / n, correct_rows[r] (1.0 if argmax == label), and when
+    # write_grad, dlogits = (softmax - onehot) / n; padding rows get 0.
     OpDef(
         "softmax_xent",
         "softmax_xent.comp",
-        ("logits", "labels", "loss_rows", "correct_rows", "dlogits"),
-        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("scale", "f")),
+        ("logits", "labels", "loss_rows", "correct_rows", "dlogits", "stepvals"),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u")),
         _rows_groups,
         local_size=(64, 1, 1),
     ),
-    # softmax_xent for narrow rows with the batch totals fused: loss = loss_scale * sum of the row
-    # losses, correct = count of right rows; one workgroup (see the shader).
+    # softmax_xent for narrow rows with the batch totals fused: loss = mean of the first n row
+    # losses, correct = count of right rows among them; one workgroup (see the shader).
     OpDef(
         "softmax_xent_totals",
         "softmax_xent_totals.comp",
-        ("logits", "labels", "loss", "correct", "dlogits"),
-        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("scale", "f"), ("loss_scale", "f")),
+        ("logits", "labels", "loss", "correct", "dlogits", "stepvals"),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u")),
         lambda params, local, spec: (1, 1, 1),
         local_size=(256, 1, 1),
     ),
-    # loss_rows[r] = mean_c (Y - T)^2; when write_grad, dY = scale * (Y - T).
+    # Over the first n = stepvals[4] rows: loss_rows[r] = mean_c (Y - T)^2 / n; when write_grad,
+    # dY = 2 (Y - T) / (n * cols); padding rows get 0.
     OpDef(
         "mse",
         "mse.comp",
-        ("Y", "T", "loss_rows", "dY"),
-        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("scale", "f")),
+        ("Y", "T", "loss_rows", "dY", "stepvals"),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u")),
         _rows_groups,
         local_size=(64, 1, 1),
     ),

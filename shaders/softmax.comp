@@ -17,6 +17,12 @@ layout(push_constant) uniform Push {
 
 shared float partial[gl_WorkGroupSize.x];
 
+// max that keeps NaN, as numpy's: GLSL's max() is undefined for a NaN operand, so a row holding
+// NaN could come out finite on one driver and NaN on another.
+float max_nan(float a, float b) {
+    return isnan(a) || a > b ? a : b;
+}
+
 uint first_stride() {
     uint p = 1u;
     while (p < gl_WorkGroupSize.x) {
@@ -33,7 +39,7 @@ float group_reduce(float v, bool take_max) {
     for (uint s = first_stride(); s > 0u; s >>= 1) {
         if (lid < s && lid + s < gl_WorkGroupSize.x) {
             float other = partial[lid + s];
-            partial[lid] = take_max ? max(partial[lid], other) : partial[lid] + other;
+            partial[lid] = take_max ? max_nan(partial[lid], other) : partial[lid] + other;
         }
         barrier();
     }
@@ -49,7 +55,7 @@ void main() {
         uint base = row * pc.cols;
         float m = uintBitsToFloat(0xff800000u);  // -inf
         for (uint c = lid; c < pc.cols; c += size) {
-            m = max(m, X[base + c]);
+            m = max_nan(m, X[base + c]);
         }
         m = group_reduce(m, true);
         float sum = 0.0;

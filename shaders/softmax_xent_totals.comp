@@ -1,7 +1,8 @@
-// softmax_xent for narrow logits (a classifier's few classes), with the batch totals fused in:
-//   loss[0] = loss_scale * sum_r (log(sum_c exp(x_rc - max_r)) - (x_r,label - max_r))
-//   correct[0] = number of rows whose FIRST maximum is at the label (numpy argmax)
-//   dlogits = scale * (softmax - onehot(label)), only when write_grad != 0.
+// softmax_xent for narrow logits (a classifier's few classes), with the batch totals fused in,
+// over the first n = stepvals[4] rows of the batch (the rest are padding of a partial batch):
+//   loss[0] = (1 / n) * sum_{r<n} (log(sum_c exp(x_rc - max_r)) - (x_r,label - max_r))
+//   correct[0] = number of rows r < n whose FIRST maximum is at the label (numpy argmax)
+//   dlogits = (softmax - onehot(label)) / n for r < n and 0 for padding rows, when write_grad != 0.
 // Same per-row semantics as softmax_xent.comp (a label outside [0, cols) gives a NaN loss and
 // counts as wrong), but one workgroup does it all: each invocation owns whole rows (its columns
 // in a serial loop, which is cheap when cols is small) and the totals come from one shared-memory
@@ -17,26 +18,37 @@ layout(std430, set = 0, binding = 1) readonly buffer LabelsBuf { int labels[]; }
 layout(std430, set = 0, binding = 2) writeonly buffer LossBuf { float loss[]; };
 layout(std430, set = 0, binding = 3) writeonly buffer CorrectBuf { float correct[]; };
 layout(std430, set = 0, binding = 4) writeonly buffer DLogitsBuf { float dlogits[]; };
+layout(std430, set = 0, binding = 5) readonly buffer StepBuf { float stepvals[]; };
 
 layout(push_constant) uniform Push {
     uint rows;
     uint cols;
     uint write_grad;
-    float scale;
-    float loss_scale;
 } pc;
 
 shared float partial[gl_WorkGroupSize.x];
 shared uint partial_index[gl_WorkGroupSize.x];
 
 #include "row_reduce.glsl"
+#include "batch_rows.glsl"
 
 void main() {
     uint lid = gl_LocalInvocationID.x;
+    uint n = valid_rows(stepvals[4], pc.rows);
+    float scale = 1.0 / float(n);
     float loss_sum = 0.0;
     float correct_sum = 0.0;
     for (uint row = lid; row < pc.rows; row += gl_WorkGroupSize.x) {
         uint base = row * pc.cols;
+        if (row >= n) {
+            // Padding: no loss, and a zero gradient so its rows add nothing to dW and db.
+            if (pc.write_grad != 0u) {
+                for (uint c = 0u; c < pc.cols; ++c) {
+                    dlogits[base + c] = 0.0;
+                }
+            }
+            continue;
+        }
         float m = uintBitsToFloat(0xff800000u);  // -inf
         uint best = NO_INDEX;
         for (uint c = 0u; c < pc.cols; ++c) {
@@ -61,14 +73,14 @@ void main() {
                 if (valid && c == uint(label)) {
                     p -= 1.0;
                 }
-                dlogits[base + c] = pc.scale * p;
+                dlogits[base + c] = scale * p;
             }
         }
     }
     loss_sum = group_sum(loss_sum);
     correct_sum = group_sum(correct_sum);
     if (lid == 0u) {
-        loss[0] = pc.loss_scale * loss_sum;
+        loss[0] = scale * loss_sum;
         correct[0] = correct_sum;
     }
 }

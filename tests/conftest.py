@@ -3,22 +3,36 @@ pytest-trio fixtures are per test), so it is a plain sync session fixture.
 
 Vulkan tests are never skipped silently in CI: with VKFLOW_REQUIRE_VULKAN=1 (set by .ci/run) a
 missing driver fails the run instead of skipping.
+
+Random inputs are seeded from the test's id (``rng``, ``stable_seed``) and hypothesis is
+derandomized, so a test that passes once passes on every run; floats from different computation
+orders (batch splits, CPU against Vulkan, two programs) are compared within tolerances
+(``relative_error``, ``near_ties``), bit for bit only where the order is the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from actors.cpu_backend import CpuBackend
+
+# Hypothesis draws from a seed derived from each test function, never fresh entropy, and keeps no
+# example database between runs: a run's outcome depends on the code alone. HYPOTHESIS_PROFILE=explore
+# searches afresh (and remembers what it found).
+settings.register_profile("vkflow", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vkflow"))
 
 
 @pytest.fixture(scope="session")
 def vulkan_backend():
     try:
-        from actors.vulkan_backend import VulkanBackend, VulkanUnavailable
+        from actors.vulkan import VulkanBackend, VulkanUnavailable
     except ImportError as error:  # the vulkan package itself is missing
         if os.environ.get("VKFLOW_REQUIRE_VULKAN") == "1":
             raise
@@ -41,13 +55,51 @@ def backend(request):
     return request.getfixturevalue("vulkan_backend")
 
 
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` (a test id, an index...): the same in every process and on
+    every machine (unlike ``hash``, which PYTHONHASHSEED salts), different for different parts.
+    VKFLOW_TEST_SEED=<n>, when set, is mixed in: every test then draws other inputs, and the same
+    n replays them.
+
+    Args:
+        parts: anything whose ``str`` names the draw.
+
+    Returns:
+        The seed.
+    """
+    salt = os.environ.get("VKFLOW_TEST_SEED")
+    text = "\0".join(str(part) for part in (*parts, *([salt] if salt else [])))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
 @pytest.fixture
 def rng(request):
-    """Fresh random inputs on every run; the seed is printed, so pytest shows it on failure and
-    VKFLOW_TEST_SEED=<seed> replays it."""
-    seed = int(os.environ.get("VKFLOW_TEST_SEED") or np.random.SeedSequence().entropy % 2**63)
+    """Random inputs seeded from the test's id, never from fresh entropy: a failure fails again on
+    the next run and on every machine. The seed is printed, so pytest shows it on failure."""
+    seed = stable_seed(request.node.nodeid)
     print(f"rng seed for {request.node.nodeid}: {seed}")
     return np.random.default_rng(seed)
+
+
+def near_ties(scores: np.ndarray, gap: float = 1e-4) -> int:
+    """Rows whose two largest scores lie within ``gap`` of each other (relative to the row's
+    largest magnitude, at least 1): where two correct float32 computations in different orders may
+    pick different classes. A correct count from one computation may differ from another's by at
+    most this many.
+
+    Args:
+        scores: [rows, classes] logits or probabilities.
+        gap: the relative closeness that counts as a tie.
+
+    Returns:
+        The number of such rows.
+    """
+    scores = np.asarray(scores, dtype=np.float64).reshape(len(scores), -1)
+    if scores.shape[1] < 2:
+        return 0
+    top = np.sort(scores, axis=1)[:, -2:]
+    scale = np.maximum(np.abs(scores).max(axis=1), 1.0)
+    return int(np.sum(top[:, 1] - top[:, 0] <= gap * scale))
 
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -56,3 +108,20 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     expected = np.asarray(expected, dtype=np.float64)
     denom = np.linalg.norm(expected)
     return float(np.linalg.norm(actual - expected) / (denom if denom > 0 else 1.0))
+
+
+def assert_nans_match(actual: np.ndarray, expected: np.ndarray, tol: float = 1e-5) -> None:
+    """NaN exactly where ``expected`` has NaN (NaN propagates the same way on every backend, as in
+    numpy), and the rest within ``relative_error`` ``tol``.
+
+    Args:
+        actual: the op's output.
+        expected: the float64 oracle's, NaN included.
+        tol: the relative error allowed on the non-NaN values.
+    """
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    nan = np.isnan(expected)
+    assert nan.any() and not nan.all(), "the case must hold both NaN and numbers"
+    np.testing.assert_array_equal(np.isnan(actual), nan)
+    assert relative_error(actual[~nan], expected[~nan]) <= tol

@@ -1,24 +1,43 @@
 """Checkpoint files: a faithful round trip, corruption detected, and atomic writes (a failure or a
 SIGKILL in the middle of writing never leaves a partial file under a checkpoint's name, and the
-previous checkpoint stays loadable)."""
+previous checkpoint stays loadable). Then whole runs of the bundled Digits: every flipped bit is
+refused naming the file, a damaged newest checkpoint names the newest intact one, each run owns its
+checkpoint folder and metrics file (no mixing, no two live writers), and retention is a setting."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
+import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
+import trio
 
 from actors import checkpoint as checkpoints
 from actors.checkpoint import Checkpoint, CheckpointError
-from actors.messages import Cursor, Snapshot
-from flow.spec import SGD, CrossEntropy, Data, Linear, Model, Spec, Synthetic
+from actors.messages import Cursor, Snapshot, StepDone
+from actors.outputs import LOCK_NAME, OutputError, open_outputs
+from actors.statistics import Hooks
+from flow.codec import load as load_spec
+from flow.errors import SpecError
+from flow.inference import predict
+from flow.runner import run
+from flow.spec import SGD, CrossEntropy, Data, Devices, Linear, Model, Spec, Synthetic
+from flow.testing import FakeDevice
+from flow.validation import check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,3 +200,362 @@ def test_sigkill_during_writes_never_leaves_a_partial_checkpoint(tmp_path, rng):
     # A later save clears the temporary files the killed writers left.
     checkpoints.save(tmp_path, checkpoint(10**6, rng))
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+# -- whole runs: integrity, ownership, retention ---------------------------------------------------
+
+DIGITS = ROOT / "examples" / "digits.json"
+
+
+def digits(tmp: Path, name: str = "a", **run) -> Spec:
+    """The bundled Digits example for one epoch (23 steps) on the CPU, writing under ``tmp/name``."""
+    spec = load_spec(DIGITS)
+    settings = {"epochs": 1, "checkpoint_every": 5, "checkpoint_dir": str(tmp / name),
+                "metrics_file": str(tmp / name / "metrics.jsonl"), **run}  # fmt: skip
+    return dataclasses.replace(spec, devices=Devices("cpu"), run=dataclasses.replace(spec.run, **settings))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """One finished Digits run's folder: step-15, -20 and -23 (final) and its metrics file."""
+    folder = tmp_path_factory.mktemp("trained")
+    run(digits(folder), backend=FakeDevice())
+    return folder / "a"
+
+
+def copy_of(trained: Path, tmp_path: Path) -> tuple[Path, Spec]:
+    """A copy of the trained run's folder as ``tmp_path/a``, and the spec that writes there."""
+    shutil.copytree(trained, tmp_path / "a", ignore=shutil.ignore_patterns(LOCK_NAME))
+    return tmp_path / "a", digits(tmp_path)
+
+
+def test_every_single_bit_flip_is_refused_naming_the_file(trained, tmp_path, rng):
+    folder, _ = copy_of(trained, tmp_path)
+    path = folder / "step-00000023.ckpt"
+    original = path.read_bytes()
+    saved = checkpoints.load(path)
+    # Every bit of the header, of the cursor, of the embedded spec's lr and seeds, and of the
+    # digest, then random bits anywhere: the places where a flip used to load as another run.
+    payload_at = 36  # magic 8 + version 4 + run id 16 + length 8
+    cursor_at = original.index(b"\xa6cursor", payload_at)
+    lr = struct.pack(">d", saved.spec.optimiser.lr)
+    spec_at = original.index(b"\xa4spec", payload_at)
+    seeds = [at + 5 for at in range(spec_at, len(original)) if original.startswith(b"\xa4seed", at)]
+    spans = [(0, payload_at), (cursor_at, cursor_at + 40), (original.index(lr), original.index(lr) + 8),
+             *((at, at + 2) for at in seeds[:4]), (len(original) - 32, len(original))]  # fmt: skip
+    bits = {byte * 8 + bit for start, end in spans for byte in range(start, end) for bit in range(8)}
+    bits |= set(rng.integers(0, len(original) * 8, 400).tolist())
+    assert len(seeds) >= 2 and len(bits) > 1000
+    for bit in sorted(bits):
+        damaged = bytearray(original)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointError) as caught:
+            checkpoints.load(path)
+        message = str(caught.value)
+        assert message.startswith(f"{path}: ") and "\n" not in message, (bit, message)
+        assert "corrupt" in message or "not a vkflow checkpoint" in message, (bit, message)
+    path.write_bytes(original)
+    assert checkpoints.load(path).cursor == saved.cursor  # the same bytes, whole again, load
+    # The entry points a user calls name the file too.
+    path.write_bytes(original[:-1] + bytes([original[-1] ^ 4]))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: corrupt")):
+        run(resume=path, backend=FakeDevice())
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: corrupt")):
+        predict(path, np.zeros((1, 1, 8, 8), np.float32), backend=FakeDevice())
+
+
+def reseal(data: bytes, change=None, version: int = checkpoints.VERSION) -> bytes:
+    """A checkpoint's bytes with its payload changed and a valid digest: what a bug could write."""
+    header = checkpoints._HEADER
+    magic, _, run_id, _ = header.unpack_from(data)
+    tree = msgpack.unpackb(data[header.size : -32], raw=False)
+    if change is not None:
+        change(tree)
+    payload = msgpack.packb(tree, use_bin_type=True)
+    body = header.pack(magic, version, run_id, len(payload)) + payload
+    return body + hashlib.blake2b(body, digest_size=32).digest()
+
+
+def _set(*keys, value):
+    def change(tree):
+        for key in keys[:-1]:
+            tree = tree[key]
+        if value is KeyError:
+            del tree[keys[-1]]
+        else:
+            tree[keys[-1]] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (_set("arrays", "params:all", "dtype", value="<g4"), "arrays['params:all'].dtype: must name"),
+        (_set("arrays", "params:all", "shape", value=[7, 7]), "arrays['params:all'].data: 256 bytes, but"),
+        (_set("arrays", "params:all", "data", value=KeyError), "arrays['params:all']: must be a map of"),
+        (_set("cursor", value=KeyError), "keys: missing ['cursor']"),
+        (_set("cursor", "step", value=-1), "cursor.step: must be an int >= 0, got -1"),
+        (_set("cursor", "position", value=True), "cursor.position: must be an int >= 0, got True"),
+        (_set("cursor", "epoch", value=3), "its rng block"),
+        (_set("final", value=1), "final: must be true or false"),
+        (_set("spec", value=b"\x93junk"), "its spec does not load"),
+    ],
+)
+def test_a_well_sealed_but_malformed_file_names_the_file_and_the_field(tmp_path, rng, change, expected):
+    path = checkpoints.save(tmp_path, checkpoint(7, rng))
+    path.write_bytes(reseal(path.read_bytes(), change))
+    with pytest.raises(CheckpointError) as caught:
+        checkpoints.load(path)
+    assert str(caught.value).startswith(f"{path}: ") and expected in str(caught.value)
+
+
+def test_other_files_and_formats_are_named(tmp_path, rng):
+    path = checkpoints.save(tmp_path, checkpoint(7, rng))
+    good = path.read_bytes()
+    cases = {
+        reseal(good, version=3): "checkpoint format 3; this vkflow reads format 2",
+        good[: len(good) // 2]: "corrupt: its contents do not match their checksum (its header declares",
+        b"": "not a vkflow checkpoint",
+        b"PK\x03\x04 a zip file": "not a vkflow checkpoint",
+        # What format 1 wrote: a bare msgpack map.
+        msgpack.packb(
+            {"format": "vkflow-checkpoint", "version": 1, "arrays": {}}
+        ): "written by an older vkflow",
+    }
+    for data, expected in cases.items():
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=re.escape(f"{path}: ") + ".*" + re.escape(expected)):
+            checkpoints.load(path)
+    # A renamed file would resume at another step than its name says.
+    renamed = tmp_path / checkpoints.file_name(9)
+    renamed.write_bytes(good)
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{renamed}: its name says step 9 but it holds step 7")
+    ):
+        checkpoints.load(renamed)
+
+
+def test_a_damaged_newest_checkpoint_names_the_newest_intact_one(trained, tmp_path):
+    folder, spec = copy_of(trained, tmp_path)
+    names = [p.name for p in checkpoints.checkpoints(folder)]
+    assert names == ["step-00000015.ckpt", "step-00000020.ckpt", "step-00000023.ckpt"]
+    newest, middle, oldest = (folder / n for n in reversed(names))
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))
+    middle.write_bytes(middle.read_bytes()[:1000])  # cut short
+    x = np.zeros((2, 1, 8, 8), np.float32)
+    for attempt in (
+        lambda: checkpoints.load(folder),
+        lambda: run(spec, resume=folder, backend=FakeDevice()),
+        lambda: predict(folder, x, backend=FakeDevice()),
+    ):
+        with pytest.raises(CheckpointError) as caught:
+            attempt()
+        message = str(caught.value)
+        assert message.startswith(f"{folder}: its newest checkpoint is damaged ({newest}: corrupt")
+        assert f"the newest intact one is {oldest}" in message and "\n" not in message
+        assert caught.value.intact == oldest
+    assert checkpoints.load(oldest).cursor.step == 15  # named, and loadable when asked for by name
+    oldest.unlink()
+    with pytest.raises(CheckpointError, match="no older checkpoint there is intact either") as caught:
+        checkpoints.load(folder)
+    assert caught.value.intact is None
+
+
+def test_two_writers_in_two_threads_of_one_process_do_not_collide(tmp_path, rng):
+    # Large enough that the two writes overlap: both threads save the same steps at the same time.
+    made = [checkpoint(step, rng, size=400_000) for step in range(1, 7)]
+    barrier, errors = threading.Barrier(2), []
+
+    def writer() -> None:
+        try:
+            for one in made:
+                barrier.wait(timeout=30)
+                checkpoints.save(tmp_path, one, keep=None)
+        except BaseException as error:  # reported by the assertion below
+            errors.append(error)
+            barrier.abort()  # the other writer stops waiting for this one
+
+    threads = [threading.Thread(target=writer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoints.file_name(s) for s in range(1, 7)]
+    for one in made:
+        loaded = checkpoints.load(tmp_path / checkpoints.file_name(one.cursor.step))
+        assert loaded.state["params:all"].tobytes() == one.state["params:all"].tobytes()
+
+
+class Hold(Hooks):
+    """Holds the run at its 4th step until released."""
+
+    def __init__(self) -> None:
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    async def received(self, actor, item) -> None:
+        if actor == "sink" and isinstance(item, StepDone) and item.step == 3:
+            self.holding.set()
+            await trio.to_thread.run_sync(self.release.wait, 30)
+
+
+def test_two_live_runs_in_one_process_never_write_one_output(tmp_path):
+    spec, hold, outcome = digits(tmp_path), Hold(), []
+    first = threading.Thread(target=lambda: outcome.append(run(spec, hooks=[hold])))
+    first.start()
+    try:
+        assert hold.holding.wait(30)
+        same_dir = dataclasses.replace(spec, run=dataclasses.replace(spec.run, metrics_file=None))
+        with pytest.raises(OutputError, match=re.escape(f"checkpoint_dir {tmp_path / 'a'} is being written")):
+            run(same_dir)
+        same_metrics = digits(tmp_path, "b", metrics_file=spec.run.metrics_file)
+        with pytest.raises(
+            OutputError, match=re.escape(f"metrics_file {spec.run.metrics_file} is being written")
+        ):
+            run(same_metrics)
+        assert not (tmp_path / "b" / "step-00000023.ckpt").exists()
+    finally:
+        hold.release.set()
+        first.join(60)
+    assert [r.steps for r in outcome] == [23]
+    # The first run's files are its own alone, and its end released them: it can be resumed.
+    assert {checkpoints.run_of(p) for p in checkpoints.checkpoints(tmp_path / "a")} == {
+        checkpoints.load(tmp_path / "a").run}  # fmt: skip
+    longer = dataclasses.replace(spec, run=dataclasses.replace(spec.run, epochs=2))
+    assert run(longer, resume=tmp_path / "a", backend=FakeDevice()).steps == 46
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    import time
+    from actors.outputs import open_outputs
+    outputs = open_outputs("ab" * 16, sys.argv[1], None, None)
+    print("held", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_live_run_in_another_process_holds_the_directory_until_it_dies(tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], env=env, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"held\n"
+        with pytest.raises(OutputError) as caught:
+            open_outputs(checkpoints.new_run_id(), tmp_path, None, None)
+        holder = f"(run {'ab' * 16}, pid {child.pid})"
+        assert str(caught.value) == f"checkpoint_dir {tmp_path} is being written by another live run {holder}"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    # The kernel dropped the dead run's lock: nothing stale to clear by hand.
+    with open_outputs(checkpoints.new_run_id(), tmp_path, None, None) as outputs:
+        assert outputs.run
+
+
+def test_a_fresh_run_never_mixes_into_another_runs_checkpoints(trained, tmp_path):
+    folder, spec = copy_of(trained, tmp_path)
+    owner = checkpoints.load(folder).run
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    other = dataclasses.replace(spec, data=dataclasses.replace(spec.data, seed=spec.data.seed + 1))
+    with pytest.raises(OutputError) as caught:
+        run(other, backend=FakeDevice())
+    assert str(caught.value).startswith(
+        f"checkpoint_dir {folder} already holds checkpoints of another run (newest step-00000023.ckpt)"
+    )
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != LOCK_NAME} == before
+    # In its own folder the other run trains; resume and predict from each folder take its own model.
+    elsewhere = dataclasses.replace(other, run=digits(tmp_path, "b").run)
+    run(elsewhere, backend=FakeDevice())
+    x = load_spec_source_images()
+    ours, theirs = (predict(f, x, backend=FakeDevice()) for f in (folder, tmp_path / "b"))
+    assert np.array_equal(ours, predict(folder / "step-00000023.ckpt", x, backend=FakeDevice()))
+    assert not np.allclose(ours, theirs)
+    assert checkpoints.load(folder).run == owner != checkpoints.load(tmp_path / "b").run
+    # A resumed run may not write into another run's folder, nor over its own newer checkpoints.
+    into_theirs = dataclasses.replace(spec, run=dataclasses.replace(elsewhere.run, epochs=2))
+    with pytest.raises(
+        OutputError, match=re.escape(f"checkpoint_dir {tmp_path / 'b'} holds checkpoints of another run")
+    ):
+        run(into_theirs, resume=folder, backend=FakeDevice())
+    with pytest.raises(
+        OutputError, match=re.escape(f"checkpoint_dir {folder} holds checkpoints past step 15")
+    ):
+        run(spec, resume=folder / "step-00000015.ckpt", backend=FakeDevice())
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != LOCK_NAME} == before
+
+
+def load_spec_source_images() -> np.ndarray:
+    from loaders import open_source
+
+    source = open_source(load_spec(DIGITS).data.source)
+    try:
+        return source.read(np.arange(64))[0]
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("keep", [1, 2, None])
+def test_keep_checkpoints_retains_that_many(tmp_path, keep):
+    spec = digits(tmp_path, checkpoint_every=4, keep_checkpoints=keep)
+    run(spec, backend=FakeDevice())
+    every = [4, 8, 12, 16, 20, 23]
+    expected = every if keep is None else every[-keep:]
+    assert [p.name for p in checkpoints.checkpoints(tmp_path / "a")] == [
+        checkpoints.file_name(s) for s in expected
+    ]
+
+
+def test_keep_checkpoints_is_validated(tmp_path, rng):
+    for bad in (0, -2):
+        with pytest.raises(
+            SpecError,
+            match=re.escape(
+                f"run.keep_checkpoints: must be > 0 (or null to keep every checkpoint), got {bad}"
+            ),
+        ):
+            check(digits(tmp_path, keep_checkpoints=bad))
+    with pytest.raises(ValueError, match="keep must be an int >= 1 or None"):
+        checkpoints.save(tmp_path, checkpoint(1, rng), keep=0)
+    assert load_spec(DIGITS).run.keep_checkpoints == 3  # a spec file without the field keeps 3
+
+
+def test_the_metrics_of_two_runs_never_mix(trained, tmp_path):
+    folder, spec = copy_of(trained, tmp_path)
+    metrics = folder / "metrics.jsonl"
+    owner, before = checkpoints.load(folder).run, metrics.read_bytes()
+    fresh = digits(tmp_path, "b", metrics_file=str(metrics))
+    with pytest.raises(
+        OutputError, match=re.escape(f"metrics_file {metrics} already holds the metrics of run {owner}")
+    ):
+        run(fresh, backend=FakeDevice())
+    assert metrics.read_bytes() == before and not checkpoints.checkpoints(tmp_path / "b")
+    # A resume appends after a record of its own; each stint's lines follow their record.
+    longer = dataclasses.replace(spec, run=dataclasses.replace(spec.run, epochs=2))
+    run(longer, resume=folder, backend=FakeDevice())
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    starts = [i for i, r in enumerate(records) if r["event"] == "run"]
+    assert starts == [0, starts[1]] and len(records) > starts[1] + 23
+    assert [(records[i]["run"], records[i]["step"], records[i]["resumed"]) for i in starts] == [
+        (owner, 0, False), (owner, 23, True)]  # fmt: skip
+    steps = [
+        [r["step"] for r in part if r["event"] == "step"]
+        for part in (records[: starts[1]], records[starts[1] :])
+    ]
+    assert steps == [list(range(23)), list(range(23, 46))]
+    # A file without a run record (an older vkflow's, or anything else) is another run's too.
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_text('{"event": "step", "step": 0}\n')
+    with pytest.raises(
+        OutputError, match=re.escape(f"metrics_file {legacy} already holds the metrics of another run")
+    ):
+        run(digits(tmp_path, "c", metrics_file=str(legacy)), backend=FakeDevice())
+    assert legacy.read_text() == '{"event": "step", "step": 0}\n'

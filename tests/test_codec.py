@@ -55,7 +55,7 @@ from flow.spec import (
     Tanh,
     default_pipeline,
 )
-from flow.validate import check, summarize, validate
+from flow.validation import check, summarize, validate
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -112,3 +112,17 @@ def test_raw_binary_partial_record_and_nan_follow_the_policy(
     np.testing.assert_array_equal(strict.read([0, 4])[0], data[[0, 4]])
     with pytest.raises(LoaderError, match=r"y\.bin: record 2: contains NaN"):
         strict.read([1, 2])
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "float32"])
+def test_raw_binary_follows_the_one_input_convention(tmp_path: Path, rng, dtype: str) -> None:
+    """uint8 records arrive in [0, 1] (/ 255), as IDX and image files do, so that no source needs a
+    Scale(1/255); every other dtype arrives as stored."""
+    top = {"uint8": 256, "uint16": 65536, "int16": 32768, "float32": 1000}[dtype]
+    data = rng.integers(0, top, (6, 4, 5)).astype(dtype)
+    data.tofile(tmp_path / "x.bin")
+    x, _, _ = RawBinarySource(tmp_path / "x.bin", dtype, (4, 5)).read([5, 0, 3])
+    expected = data[[5, 0, 3]].astype(np.float64) / (255.0 if dtype == "uint8" else 1.0)
+    np.testing.assert_allclose(x, expected, rtol=1e-7)
+    if dtype == "uint8":
+        assert 0.0 <= x.min() and x.max() <= 1.0 and x.max() > 0.5

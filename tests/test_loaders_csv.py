@@ -123,6 +123,10 @@ def test_bad_rows_are_skipped_counted_and_logged_once(
     np.testing.assert_array_equal(x[:, 0], expected)
     np.testing.assert_array_equal(y, [i % 2 for i in expected])
     assert src.statistics().skipped == 3
+    src.read(range(19))  # again: each bad row is met twice but counts once as an item
+    stats = src.statistics()
+    assert stats.skipped == 5 and stats.skipped_items == 3
+    assert stats.skipped_examples == (f"{path}: line 16", f"{path}: row 3", f"{path}: row 8")
     assert len([r for r in caplog.records if r.name == "vkflow.loaders"]) == 1
     with pytest.raises(
         LoaderError, match=r"line 16: column 'label': bad label '-3' \(negative class label\)"
@@ -136,8 +140,12 @@ def test_missing_columns_and_files_are_loader_errors(tmp_path: Path) -> None:
         CSVSource(path, label_column="z")
     with pytest.raises(LoaderError, match="cannot open"):
         CSVSource(tmp_path / "none.csv", label_column=0)
-    with pytest.raises(LoaderError, match="no data rows"):
+    with pytest.raises(LoaderError, match="h.csv: no data rows under the header"):
         CSVSource(_write(tmp_path / "h.csv", "a,b\n"), label_column="a")
+    with pytest.raises(LoaderError, match="e.csv: empty file: no header and no data rows"):
+        CSVSource(_write(tmp_path / "e.csv", "\n\n"), label_column=0, header=False)
+    with pytest.raises(LoaderError, match="no data rows left: all 2 had a bad label and were skipped"):
+        CSVSource(_write(tmp_path / "x.csv", "a,b\n1,-1\n2,x\n"), label_column="b", on_error="skip")
 
 
 _MEASURE = textwrap.dedent(

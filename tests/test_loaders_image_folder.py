@@ -195,6 +195,10 @@ def test_broken_files_are_skipped_counted_and_logged_once(
     for k in range(3):
         np.testing.assert_allclose(x[k, 0], good[k], atol=1e-6)
     assert src.statistics().skipped == 6 and src.statistics().samples_read == 6
+    # Read twice, each bad file still counts once as an item, named by its path in the order met.
+    names = [str(tmp_path / "d" / "a" / f"{kind}.png") for kind in ("empty", "text", "truncated")]
+    stats = src.statistics()
+    assert stats.skipped_items == 3 and sorted(stats.skipped_examples) == names
     warnings = [r for r in caplog.records if r.name == "vkflow.loaders"]
     assert len(warnings) == 1 and "empty.png" in warnings[0].getMessage()
 
@@ -281,8 +285,11 @@ def test_constructor_rejects_bad_settings(tmp_path: Path) -> None:
         ImageFolderSource(tmp_path / "data", mode="CMYK")
     with pytest.raises(ValueError):
         ImageFolderSource(tmp_path / "data", on_error="ignore")
-    with pytest.raises(LoaderError, match="not a directory"):
+    with pytest.raises(LoaderError, match="missing: no such directory"):
         ImageFolderSource(tmp_path / "missing")
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(LoaderError, match="file: not a directory"):
+        ImageFolderSource(tmp_path / "file")
     with pytest.raises(IndexError):
         ImageFolderSource(tmp_path / "data").read([9])
 

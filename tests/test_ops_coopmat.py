@@ -481,3 +481,21 @@ def test_mixed_operands(coop, rng, ah, bh):
     got = run_coopmat(coop, a, b, normal(rng, n), normal(rng, m, n), spec={"AH": ah, "BH": bh}, M=m, N=n, K=k)
     p16, p32 = oracles(a, b, 0, 0)
     check(got, p16, p32)
+
+
+@pytest.mark.parametrize("act", ["relu", "leaky_relu", "sigmoid", "tanh", "gelu"])
+@pytest.mark.parametrize("m,n,k", [(67, 45, 33), (256, 128, 96)])
+def test_epilogue_propagates_nan(coop, rng, act, m, n, k):
+    """NaN in A stays NaN through the fp16 rounding, the tensor-core sums and the epilogue's
+    activation (activations.glsl tests isnan before max()), so NaN rows come out NaN."""
+    a = normal(rng, m, k)
+    rows = rng.choice(m, size=3, replace=False)
+    a[rows, rng.integers(0, k, 3)] = np.nan
+    b, bias, slope = normal(rng, k, n), normal(rng, n), 0.13
+    got = run_coopmat(coop, a, b, bias, normal(rng, m, n), M=m, N=n, K=k, has_bias=1,
+                      act=ACTIVATIONS[act], slope=slope)  # fmt: skip
+    expected = act_oracle(f16(a) @ f16(b) + as64(bias), act, slope)
+    nan = np.isnan(expected)
+    assert nan[rows].all() and not nan.all()
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    assert relative_error(got[~nan], expected[~nan]) <= TOL_FP16_ORACLE

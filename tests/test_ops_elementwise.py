@@ -14,7 +14,7 @@ import math
 import numpy as np
 import oracles
 import pytest
-from conftest import relative_error
+from conftest import assert_nans_match, relative_error
 
 from actors.single_op import run_op
 from shaders import registry
@@ -325,69 +325,86 @@ def logits_and_labels_with_ties(rng, rows: int, cols: int) -> tuple[np.ndarray, 
     return x, labels
 
 
-def check_xent_dlogits(dlogits, log_probs, labels, scale: float, sentinel, write_grad: int) -> None:
-    """With write_grad, dlogits = (softmax - onehot) * scale; without, the buffer is untouched."""
+def check_xent_dlogits(dlogits, log_probs, labels, real: int, sentinel, write_grad: int) -> None:
+    """With write_grad, dlogits = (softmax - onehot) / real on the first ``real`` rows and 0 on
+    the padding rows after them; without, the buffer is untouched."""
     if write_grad:
         rows, cols = log_probs.shape
-        grad = np.exp(log_probs)
-        grad[np.arange(rows), labels] -= 1
-        check(dlogits.reshape(rows, cols), grad * scale, what="dlogits")
+        grad = np.exp(log_probs) / real
+        grad[np.arange(rows), labels] -= 1.0 / real
+        grad[real:] = 0.0
+        check(dlogits.reshape(rows, cols), grad, what="dlogits")
     else:
         np.testing.assert_array_equal(dlogits, sentinel)
 
 
+def real_rows(rng, rows: int, partial: bool) -> int:
+    """How many of ``rows`` are real: all, or (``partial``) a random 1..rows-1 where there is room."""
+    return int(rng.integers(1, rows)) if partial and rows > 1 else rows
+
+
+def step_values_for(real: int) -> np.ndarray:
+    """A slot's stepvals with only the real row count set (the loss kernels read nothing else)."""
+    return f32([0.0, 1.0, 1.0, 0.0, real])
+
+
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("write_grad", [0, 1])
-def test_softmax_xent(backend, rng, write_grad, shape):
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_softmax_xent(backend, rng, write_grad, shape, partial):
+    """Row losses pre-divided by the real rows (their sum is the mean), correct flags and dlogits;
+    padding rows past the real ones get 0 everywhere."""
     rows, cols = shape
+    real = real_rows(rng, rows, partial)
     x, labels = logits_and_labels_with_ties(rng, rows, cols)
     sentinel = f32(rng.standard_normal(rows * cols))
-    scale = 1.0 / rows
     out = run(
         backend,
         "softmax_xent",
         {
             "logits": x.reshape(-1),
             "labels": labels,
-            "loss_rows": np.zeros(rows, np.float32),
+            "loss_rows": f32(rng.standard_normal(rows)),
             "correct_rows": np.full(rows, 7, np.float32),
             "dlogits": sentinel,
+            "stepvals": step_values_for(real),
         },
         rows=rows,
         cols=cols,
         write_grad=write_grad,
-        scale=scale,
     )
     log_probs = oracle_log_softmax(x)
     picked = log_probs[np.arange(rows), labels]
-    check(out["loss_rows"], -picked, what="loss")
-    expected_correct = (np.argmax(x.astype(np.float64), axis=1) == labels).astype(np.float32)
-    np.testing.assert_array_equal(out["correct_rows"], expected_correct)
-    if cols >= 6 and rows >= 2:
+    expected_loss = np.where(np.arange(rows) < real, -picked / real, 0.0)
+    check(out["loss_rows"], expected_loss, what="loss")
+    expected_correct = (np.argmax(x.astype(np.float64), axis=1) == labels) & (np.arange(rows) < real)
+    np.testing.assert_array_equal(out["correct_rows"], expected_correct.astype(np.float32))
+    if cols >= 6 and real >= 2:
         assert out["correct_rows"][0] == 0 and out["correct_rows"][1] == 1
-    check_xent_dlogits(out["dlogits"], log_probs, labels, scale, sentinel, write_grad)
+    check_xent_dlogits(out["dlogits"], log_probs, labels, real, sentinel, write_grad)
     if torch is not None:
-        tx = torch.from_numpy(x.astype(np.float64)).requires_grad_(True)
+        tx = torch.from_numpy(x[:real].astype(np.float64)).requires_grad_(True)
         loss = torch.nn.functional.cross_entropy(
-            tx, torch.from_numpy(labels.astype(np.int64)), reduction="none"
+            tx, torch.from_numpy(labels[:real].astype(np.int64)), reduction="none"
         )
-        check(out["loss_rows"], loss.detach().numpy(), what="torch loss")
+        check(out["loss_rows"][:real] * real, loss.detach().numpy(), what="torch loss")
         if write_grad:
-            (loss.sum() * scale).backward()
-            check(out["dlogits"].reshape(rows, cols), tx.grad.numpy(), what="torch dlogits")
+            loss.mean().backward()
+            check(out["dlogits"].reshape(rows, cols)[:real], tx.grad.numpy(), what="torch dlogits")
 
 
 @pytest.mark.parametrize(
     "shape", [(1, 1), (3, 10), (256, 10), (257, 7), (1000, 32)], ids=lambda s: f"{s[0]}x{s[1]}"
 )
 @pytest.mark.parametrize("write_grad", [0, 1])
-def test_softmax_xent_totals(backend, rng, write_grad, shape):
-    """Narrow logits: the rows, the mean loss and the count of right rows in one launch (more
-    rows than the workgroup's 256 invocations loop; ties pick the first maximum)."""
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_softmax_xent_totals(backend, rng, write_grad, shape, partial):
+    """Narrow logits: the rows, the mean loss and the count of right rows over the real rows in one
+    launch (more rows than the workgroup's 256 invocations loop; ties pick the first maximum)."""
     rows, cols = shape
+    real = real_rows(rng, rows, partial)
     x, labels = logits_and_labels_with_ties(rng, rows, cols)
     sentinel = f32(rng.standard_normal(rows * cols))
-    scale = 1.0 / rows
     out = run(
         backend,
         "softmax_xent_totals",
@@ -397,66 +414,68 @@ def test_softmax_xent_totals(backend, rng, write_grad, shape):
             "loss": f32([7.0]),
             "correct": f32([-3.0]),
             "dlogits": sentinel,
+            "stepvals": step_values_for(real),
         },
         rows=rows,
         cols=cols,
         write_grad=write_grad,
-        scale=scale,
-        loss_scale=scale,
     )
     log_probs = oracle_log_softmax(x)
-    check(out["loss"], np.array([-log_probs[np.arange(rows), labels].mean()]), what="mean loss")
-    expected_correct = int((np.argmax(x.astype(np.float64), axis=1) == labels).sum())
+    picked = log_probs[np.arange(real), labels[:real]]
+    check(out["loss"], np.array([-picked.mean()]), what="mean loss")
+    expected_correct = int((np.argmax(x[:real].astype(np.float64), axis=1) == labels[:real]).sum())
     assert out["correct"][0] == expected_correct
-    check_xent_dlogits(out["dlogits"], log_probs, labels, scale, sentinel, write_grad)
+    check_xent_dlogits(out["dlogits"], log_probs, labels, real, sentinel, write_grad)
     if torch is not None:
-        tx = torch.from_numpy(x.astype(np.float64))
-        loss = torch.nn.functional.cross_entropy(tx, torch.from_numpy(labels.astype(np.int64)))
+        tx = torch.from_numpy(x[:real].astype(np.float64))
+        loss = torch.nn.functional.cross_entropy(tx, torch.from_numpy(labels[:real].astype(np.int64)))
         check(out["loss"], np.array([loss.item()]), what="torch loss")
 
 
 def test_softmax_xent_totals_bad_label_gives_nan_loss(backend):
-    """A label outside [0, cols) poisons the total loss (NaN) and counts as wrong, as in softmax_xent."""
-    x = f32([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
-    out = run(
-        backend,
-        "softmax_xent_totals",
-        {"logits": x.reshape(-1), "labels": np.array([2, 3], np.int32), "loss": f32([0.5]),
-         "correct": f32([9.0]), "dlogits": f32(np.ones(6))},
-        rows=2, cols=3, write_grad=0, scale=0.5, loss_scale=0.5,
-    )  # fmt: skip
+    """A label outside [0, cols) poisons the total loss (NaN) and counts as wrong, as in softmax_xent;
+    a bad label on a padding row is ignored."""
+    x = f32([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0], [1.0, 3.0, 2.0]])
+    labels = np.array([2, 3, -5], np.int32)
+    tensors = {"logits": x.reshape(-1), "labels": labels, "loss": f32([0.5]), "correct": f32([9.0]),
+               "dlogits": f32(np.ones(9))}  # fmt: skip
+    out = run(backend, "softmax_xent_totals", {**tensors, "stepvals": step_values_for(2)},
+              rows=3, cols=3, write_grad=0)  # fmt: skip
     assert np.isnan(out["loss"][0]) and out["correct"][0] == 1
+    out = run(backend, "softmax_xent_totals", {**tensors, "stepvals": step_values_for(1)},
+              rows=3, cols=3, write_grad=0)  # fmt: skip
+    assert out["loss"][0] == pytest.approx(-oracle_log_softmax(x)[0, 2], rel=1e-6) and out["correct"][0] == 1
 
 
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("write_grad", [0, 1])
-def test_mse(backend, rng, write_grad, shape):
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_mse(backend, rng, write_grad, shape, partial):
+    """Row losses pre-divided by the real rows, dY = 2 (Y - T) / (real * cols); padding rows 0."""
     rows, cols = shape
+    real = real_rows(rng, rows, partial)
     y, t = f32(rng.standard_normal(shape)), f32(rng.standard_normal(shape))
     sentinel = f32(rng.standard_normal(rows * cols))
-    scale = 2.0 / (rows * cols)
     out = run(
         backend,
         "mse",
-        {"Y": y, "T": t, "loss_rows": np.zeros(rows, np.float32), "dY": sentinel},
+        {"Y": y, "T": t, "loss_rows": f32(rng.standard_normal(rows)), "dY": sentinel,
+         "stepvals": step_values_for(real)},
         rows=rows,
         cols=cols,
         write_grad=write_grad,
-        scale=scale,
-    )
+    )  # fmt: skip
     diff = y.astype(np.float64) - t.astype(np.float64)
-    check(out["loss_rows"], (diff**2).mean(axis=1), what="loss")
+    diff[real:] = 0.0
+    check(out["loss_rows"], (diff**2).mean(axis=1) / real, what="loss")
     if write_grad:
-        check(out["dY"], (diff * scale).reshape(-1), what="dY")
+        check(out["dY"], (diff * 2.0 / (real * cols)).reshape(-1), what="dY")
     else:
         np.testing.assert_array_equal(out["dY"], sentinel)
-    if torch is not None:
-        ty = torch.from_numpy(y.astype(np.float64)).requires_grad_(True)
-        loss = torch.nn.functional.mse_loss(ty, torch.from_numpy(t.astype(np.float64)), reduction="mean")
-        (loss * rows).backward()  # mean over everything * rows = sum of row means; d/dy = 2 diff / cols
-        check(out["loss_rows"].mean(), loss.item(), what="torch loss")
-        if write_grad:
-            check(out["dY"].reshape(rows, cols), ty.grad.numpy() * scale * cols / 2, what="torch dY")
+    if torch is not None and write_grad:
+        ty = torch.from_numpy(y[:real].astype(np.float64)).requires_grad_(True)
+        torch.nn.functional.mse_loss(ty, torch.from_numpy(t[:real].astype(np.float64))).backward()
+        check(out["dY"].reshape(rows, cols)[:real], ty.grad.numpy(), what="torch dY")
 
 
 @pytest.mark.parametrize(
@@ -772,26 +791,26 @@ def test_capped_groups(backend, rng, monkeypatch):
             "loss_rows": np.zeros(rows, np.float32),
             "correct_rows": np.zeros(rows, np.float32),
             "dlogits": np.zeros_like(matrix),
+            "stepvals": step_values_for(rows),
         },
         rows=rows,
         cols=cols,
         write_grad=1,
-        scale=1.0,
     )
     log_probs = oracle_log_softmax(matrix)
-    check(out["loss_rows"], -log_probs[np.arange(rows), labels], what="softmax_xent loss")
+    check(out["loss_rows"] * rows, -log_probs[np.arange(rows), labels], what="softmax_xent loss")
     np.testing.assert_array_equal(out["correct_rows"], np.argmax(matrix, axis=1) == labels)
     target = f32(rng.standard_normal((rows, cols)))
     out = run(
         backend,
         "mse",
-        {"Y": matrix, "T": target, "loss_rows": np.zeros(rows, np.float32), "dY": np.zeros_like(matrix)},
+        {"Y": matrix, "T": target, "loss_rows": np.zeros(rows, np.float32), "dY": np.zeros_like(matrix),
+         "stepvals": step_values_for(rows)},
         rows=rows,
         cols=cols,
         write_grad=1,
-        scale=1.0,
-    )
-    check(out["loss_rows"], ((m64 - target) ** 2).mean(axis=1), what="mse")
+    )  # fmt: skip
+    check(out["loss_rows"] * rows, ((m64 - target) ** 2).mean(axis=1), what="mse")
     out = run(backend, "argmax", {"X": matrix, "out": np.zeros(rows, np.int32)}, rows=rows, cols=cols)
     np.testing.assert_array_equal(out["out"], np.argmax(matrix, axis=1))
 
@@ -855,3 +874,61 @@ def test_softmax_backward_matches_the_jacobian(backend, rng, rows, cols, log):
         log=log,
     )["dX"]
     assert relative_error(out, expected) <= 1e-5
+
+
+# ---- NaN propagates as in numpy ---------------------------------------------------------------
+
+
+def with_nans(rng, x: np.ndarray, fraction: float = 0.1) -> np.ndarray:
+    """A copy of ``x`` with NaN at about ``fraction`` of random places (at least one)."""
+    out = np.array(x, dtype=np.float32, copy=True)
+    flat = out.reshape(-1)
+    count = max(1, int(fraction * flat.size))
+    flat[rng.choice(flat.size, size=count, replace=False)] = np.nan
+    return out
+
+
+@pytest.mark.parametrize("n", [7, 1000])
+@pytest.mark.parametrize("name", ACTS)
+def test_activations_propagate_nan(backend, rng, name, n):
+    """GLSL max(NaN, 0.0) is undefined (lavapipe gives 0); every activation and its derivative
+    must give NaN for NaN, as numpy does, and the numbers around them as usual."""
+    x = with_nans(rng, straddling(rng, n))
+    slope = SLOPE if name == "leaky_relu" else 0.0
+    y = run(backend, "unary", {"X": x, "Y": f32(rng.standard_normal(n))}, n=n, fn=ACTIVATIONS[name], a=slope)
+    assert_nans_match(y["Y"], oracle_act(x, name), tol=TOL)
+
+    dy = f32(rng.standard_normal(n))
+    saved = x if name == "gelu" else f32(oracle_act(x, name))
+    bindings = {"dY": dy, "S": saved, "dX": np.zeros(n, np.float32)}
+    dx = run(backend, "unary_backward", bindings, n=n, fn=ACTIVATIONS[name], a=slope)["dX"]
+    if name == "none":  # the identity's derivative is 1 whatever the input
+        assert np.isfinite(dx).all()
+        check(dx, dy.astype(np.float64), what="none")
+        return
+    # f' at NaN is NaN: relu's and leaky_relu's comparisons would say 0 or slope and hide it.
+    s64 = saved.astype(np.float64)
+    derivative = np.where(np.isnan(s64), np.nan, oracle_derivative_from_saved(np.nan_to_num(s64), name))
+    assert_nans_match(dx, dy.astype(np.float64) * derivative, tol=TOL)
+
+
+@pytest.mark.parametrize("log", [0, 1])
+def test_softmax_row_with_nan_is_nan(backend, rng, log):
+    rows, cols = 9, 37
+    x = logits_with_extremes(rng, rows, cols)
+    x[[1, 6], rng.integers(0, cols, 2)] = np.nan
+    out = run(backend, "softmax", {"X": x, "Y": np.zeros_like(x)}, rows=rows, cols=cols, log=log)["Y"]
+    expected = oracle_log_softmax(x)  # numpy's row max is NaN for those rows: all NaN
+    assert_nans_match(out, expected if log else np.exp(expected))
+    assert np.isnan(out[[1, 6]]).all()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_max_reduce_keeps_nan(backend, rng, axis):
+    rows, cols = 33, 257  # several invocations per output: the tree joins partial maxima
+    x = f32(rng.standard_normal((rows, cols)))
+    x[rng.integers(0, rows, 3), rng.integers(0, cols, 3)] = np.nan
+    out_len = cols if axis == 0 else rows
+    bindings = {"X": x, "Y": np.zeros(out_len, np.float32)}
+    out = run(backend, "reduce", bindings, rows=rows, cols=cols, axis=axis, fn=REDUCE["max"], alpha=1.0)["Y"]
+    assert_nans_match(out, np.max(x.astype(np.float64), axis=axis))

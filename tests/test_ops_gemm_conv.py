@@ -14,7 +14,7 @@ import math
 import numpy as np
 import oracles
 import pytest
-from conftest import relative_error
+from conftest import assert_nans_match, relative_error
 
 from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op, single_op_layout
@@ -737,3 +737,120 @@ def test_gemm_tuning_table_is_used_for_its_device_only(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"table.json.*1x1x1:00.*BM"):
         tune_gemm({"M": 1, "N": 1, "K": 1}, Facts())
     gemm_tuning._table.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN propagates as in numpy through every epilogue, pooling window and split-K sum
+
+NAN_ACTS = ["relu", "leaky_relu", "sigmoid", "tanh", "gelu"]
+
+
+def with_nan_rows(rng, a: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """A copy of the [rows, cols] array ``a`` with one NaN in each of ``count`` random rows."""
+    out = a.copy()
+    rows = rng.choice(out.shape[0], size=count, replace=False)
+    out[rows, rng.integers(0, out.shape[1], count)] = np.nan
+    return out, rows
+
+
+def run_fused(target, arrays: dict[str, np.ndarray], **params) -> np.ndarray:
+    """One gemm launch on a fused_target (the CPU backend, or Vulkan with a forced tile); C."""
+    backend, tiles = target
+    backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        backend.write(name, array)
+    program = Program(name="gemm_nan", steps=(launch("gemm", tuple(arrays), **params),))
+    overrides = {"spec_overrides": {"gemm": tiles}} if tiles else {}
+    backend.wait(backend.submit(backend.record(program, 0, **overrides)))
+    return backend.read("C")
+
+
+@pytest.mark.parametrize("act", NAN_ACTS)
+@pytest.mark.parametrize("m,n,k", [(67, 45, 33), (68, 132, 40)])
+def test_gemm_epilogue_propagates_nan(fused_target, rng, act, m, n, k):
+    """A NaN input gives NaN rows after bias + activation, whichever tile and store width: GLSL's
+    max(NaN, 0.0) is undefined (lavapipe's is 0), which turned NaN rows into finite ones."""
+    a, rows = with_nan_rows(rng, normal(rng, m, k), 3)
+    b, bias, slope = normal(rng, k, n), normal(rng, n), 0.07
+    arrays = {"A": a, "B": b, "bias": bias, "C": normal(rng, m, n)}
+    params = dict(M=m, N=n, K=k, has_bias=1, act=ACTIVATIONS[act], slope=slope, alpha=1.0)
+    got = run_fused(fused_target, arrays, **params)
+    assert np.isnan(got[rows]).all()
+    assert_nans_match(got, act_oracle(as64(a) @ as64(b) + as64(bias), act, slope), tol=TOL)
+
+
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "sigmoid", "tanh"])
+def test_gemm_act_grad_propagates_nan(fused_target, rng, activation):
+    """dX = (dY @ W^T) * f'(D) is NaN where the saved activation D is NaN: f'(NaN) is NaN."""
+    m, n, k, slope = 67, 45, 33, 0.07
+    dy, w = normal(rng, m, k), normal(rng, n, k)
+    outputs = act_oracle(as64(normal(rng, m, n)), activation, slope).astype(np.float32)
+    saved, _ = with_nan_rows(rng, outputs, 4)
+    arrays = {"A": dy, "B": w, "bias": saved, "C": normal(rng, m, n)}
+    params = dict(M=m, N=n, K=k, trans_b=1, act_grad=ACTIVATIONS[activation], slope=slope, alpha=1.0)
+    got = run_fused(fused_target, arrays, **params)
+    s = as64(saved)
+    derivative = {
+        "relu": (s > 0).astype(np.float64),
+        "leaky_relu": np.where(s > 0, 1.0, slope),
+        "sigmoid": s * (1 - s),
+        "tanh": 1 - s * s,
+    }[activation]
+    derivative[np.isnan(s)] = np.nan
+    assert_nans_match(got, (as64(dy) @ as64(w).T) * derivative, tol=TOL)
+
+
+@pytest.mark.parametrize("act", NAN_ACTS)
+def test_conv2d_epilogue_propagates_nan(backend, rng, act):
+    n, c, h, w, k, r, stride, pad = 2, 3, 7, 9, 4, 3, 1, 1
+    x, wt, bias = normal(rng, n, c, h, w), normal(rng, k, c, r, r), normal(rng, k)
+    x[0, rng.integers(0, c), rng.integers(0, h), rng.integers(0, w)] = np.nan  # one pixel of sample 0
+    params = conv_params(n, c, h, w, k, r, stride, pad, has_bias=1, act=ACTIVATIONS[act], slope=0.2)
+    y = np.zeros((n, k, params["OH"], params["OW"]), np.float32)
+    got = run_op(backend, "conv2d", {"X": x, "Wt": wt, "bias": bias, "Y": y}, **params)["Y"]
+    expected = act_oracle(conv_oracle(x, wt, stride, pad) + as64(bias)[None, :, None, None], act, 0.2)
+    assert_nans_match(got, expected, tol=TOL)  # a 3x3 patch of every channel of sample 0
+
+
+def test_maxpool2d_window_with_nan_gives_nan(backend, rng):
+    """NaN counts above every number and the first NaN's index is kept (numpy's argmax), so the
+    backward sends the gradient there; a plain '>' skipped NaN and gave the window's number."""
+    n, c, h, w, kernel, stride = 2, 3, 7, 9, 3, 2
+    x = normal(rng, n, c, h, w)
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, size=6, replace=False)] = np.nan
+    params = pool_params(n, c, h, w, kernel, stride)
+    out_shape = (n, c, params["OH"], params["OW"])
+    bindings = {"X": x, "Y": np.zeros(out_shape, np.float32), "idx": np.zeros(out_shape, np.int32)}
+    forward = run_op(backend, "maxpool2d", bindings, **params)
+    y_ref, idx_ref = maxpool_oracle(x, kernel, stride)
+    assert np.isnan(y_ref).any() and not np.isnan(y_ref).all()
+    np.testing.assert_array_equal(forward["Y"], y_ref)
+    np.testing.assert_array_equal(forward["idx"], idx_ref)
+    two = np.array([[[[1.0, np.nan, 5.0], [np.nan, 0.0, 2.0], [3.0, 4.0, -1.0]]]], np.float32)
+    one = pool_params(1, 1, 3, 3, 3, 1)
+    bindings = {"X": two, "Y": np.zeros((1, 1, 1, 1), np.float32), "idx": np.zeros((1, 1, 1, 1), np.int32)}
+    out = run_op(backend, "maxpool2d", bindings, **one)
+    assert np.isnan(out["Y"]).all() and out["idx"].ravel().tolist() == [1]
+
+
+def test_split_k_epilogue_propagates_nan(backend, rng):
+    m, n, k, splits = 33, 10, 1024, 8
+    a, rows = with_nan_rows(rng, normal(rng, m, k), 2)
+    b, bias = normal(rng, n, k), normal(rng, n)
+    workspace = normal(rng, splits, m, n)
+    bindings = {"A": a, "B": b, "bias": bias, "C": workspace}
+    partial = run_op(backend, "gemm", bindings, M=m, N=n, K=k, trans_b=1, alpha=1.0, k_splits=splits)["C"]
+    out = run_op(
+        backend,
+        "splitk_epilogue",
+        {"W": partial, "bias": bias, "C": normal(rng, m, n)},
+        M=m,
+        N=n,
+        splits=splits,
+        has_bias=1,
+        act=ACTIVATIONS["relu"],
+        alpha=1.0,
+    )["C"]
+    assert np.isnan(out[rows]).all()
+    assert_nans_match(out, np.maximum(as64(a) @ as64(b).T + as64(bias), 0.0))

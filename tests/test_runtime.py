@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from conftest import near_ties
 
 from actors import checkpoint as checkpoints
 from actors.cpu_backend import CpuBackend
@@ -33,7 +34,7 @@ from actors.statistics import MAX_PROBE_GAP, Hooks, InlinePolicy, Meter
 from flow.codec import load as load_spec
 from flow.codec import save as save_spec
 from flow.inference import predict
-from flow.plan import plan
+from flow.planning import plan
 from flow.run_command import main_run
 from flow.runner import ActorError, open_pipeline, resume_conflicts, run
 from flow.spec import (
@@ -84,6 +85,8 @@ def image_spec(tmp: Path | None = None, **run) -> Spec:
 
 def digits_spec(**run) -> Spec:
     spec = load_spec(DIGITS)
+    # The example writes to runs/digits under the working directory: a test writes only where it says.
+    run = {"checkpoint_dir": None, "metrics_file": None, **run}
     return dataclasses.replace(spec, run=dataclasses.replace(spec.run, **run))
 
 
@@ -157,8 +160,11 @@ def test_digits_reach_the_target_on_vulkan(vulkan_backend, tmp_path):
     # The final checkpoint holds the final weights, and predicting from it reproduces the accuracy.
     saved = checkpoints.load(tmp_path / "ckpt")
     assert saved.final and saved.cursor.step == result.steps and str(result.checkpoint).endswith(".ckpt")
-    flat = saved.state["params:all"]
-    assert any(np.array_equal(flat[: v.size], v.reshape(-1)) for v in result.parameters.values())
+    flat, device_plan = saved.state["params:all"], plan(spec).devices[0]
+    assert result.parameters.keys() == {p.name for p in device_plan.parameters}
+    for name, value in result.parameters.items():  # each parameter at its own offset in the arena
+        start = device_plan.layout.tensor(name).offset // 4
+        assert np.array_equal(flat[start : start + value.size], value.reshape(-1)), name
     from loaders import open_source, split_indices
 
     source = open_source(spec.data.source)
@@ -167,7 +173,10 @@ def test_digits_reach_the_target_on_vulkan(vulkan_backend, tmp_path):
     source.close()
     probabilities = predict(tmp_path / "ckpt", x, backend=vulkan_backend)
     assert probabilities.shape == (len(y), 10)
-    assert np.mean(probabilities.argmax(axis=1) == y) == pytest.approx(result.accuracy, abs=1e-9)
+    # The eval and predict programs are two computations: only a row whose two best classes are
+    # within rounding of each other may go either way.
+    correct = int(np.sum(probabilities.argmax(axis=1) == y))
+    assert abs(correct - result.accuracy * len(y)) <= near_ties(probabilities) + 1e-6
 
 
 def test_cpu_and_vulkan_give_the_same_loss_curve(vulkan_backend):
@@ -291,7 +300,9 @@ async def test_a_slow_sink_blocks_the_loader_and_memory_stays_bounded(autojump_c
     # and the device's slots. Never more, however long the run.
     path = caps[("loader", "preprocess")] + caps[("preprocess", "device")] + caps[("device", "sink")]
     assert max(bound.ahead) <= path + 3 + 2
-    assert stats["sink"].items_in == stats["loader"].items_out  # the end drains everything
+    # The end drains everything: each item the loader sent, and the InputStatistics the preprocess
+    # node sends ahead of the first training batch.
+    assert stats["sink"].items_in == stats["loader"].items_out + 1
     # The sink's pace set the run's: one virtual second per item it took.
     assert trio.current_time() - start >= stats["sink"].items_in * 1.0
 
@@ -464,9 +475,11 @@ async def test_streaming_inference_through_the_pipeline(tmp_path):
 
             nursery.start_soon(feed_all)
             outputs = [out async for out in p.results()]
-    assert np.array_equal(first, expected)
+    assert np.array_equal(first, expected)  # the same batches of 16, 16 and 5 rows: the same bits
     assert [len(o) for o in outputs] == [3, 27, 7]
-    assert np.array_equal(np.concatenate(outputs), expected)
+    # Other batch splits (3, 16, 11 and 7 rows): nothing promises the same summation order for
+    # them (a BLAS blocks each shape its own way), so they agree within float32 rounding.
+    np.testing.assert_allclose(np.concatenate(outputs), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_predict_from_a_source_spec(tmp_path):
@@ -550,8 +563,9 @@ async def test_the_device_actor_reports_in_order_and_sums_evaluations(autojump_c
     assert (first.step, empty.step, third.step) == (0, 1, 2) and empty.rows == 0 and np.isnan(empty.loss)
     assert first.loss == reference.train_step(x[:16], y[:16], 0).loss
     assert third.loss == reference.train_step(x[16:32], y[16:32], 2).loss
-    expected = reference.evaluate(x[32:40], y[32:40])
-    assert evaluation.samples == 8 and evaluation.accuracy == expected.correct / 8
+    expected = reference.evaluate(x[32:40], y[32:40])  # one batch of 8 where the actor ran 5 and 3
+    assert evaluation.samples == 8
+    assert abs(evaluation.accuracy * 8 - expected.correct) <= near_ties(reference.predict(x[32:40])) + 1e-9
     assert evaluation.loss == pytest.approx(expected.loss, rel=1e-6)
     assert snapshot.cursor == Cursor(3, 0, 3)
     assert snapshot.state["params:all"].tobytes() == reference.state()["params:all"].tobytes()
@@ -731,3 +745,47 @@ def test_data_that_does_not_fit_the_model_is_refused_before_any_device_work(monk
     assert "10 classes" in message and "7 outputs" in message
     assert opened == []  # no device was opened
     assert vkflow_threads(existing) == []
+
+
+def test_skipped_items_are_counted_once_and_named_in_the_result_metrics_and_summary(tmp_path, rng):
+    from PIL import Image
+
+    from flow.run_command import summary
+    from flow.spec import ImageFolder
+
+    bad = set()
+    for index in range(40):
+        folder = tmp_path / "images" / f"class_{index % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{index:02d}.png"
+        if index % 5 == 3:  # 8 corrupt files, in both classes and in every split
+            path.write_bytes(b"not a png at all")
+            bad.add(str(path))
+        else:
+            Image.fromarray(rng.integers(0, 256, (4, 4), dtype=np.uint8), mode="L").save(path)
+    spec = Spec(
+        model=Model(input_shape=(1, 4, 4), layers=(Flatten(), Linear(2)), loss=CrossEntropy()),
+        optimiser=Adam(0.01),
+        data=Data(
+            ImageFolder(str(tmp_path / "images"), on_error="skip"),
+            batch_size=8,
+            split=Split(train=0.75, val=0.25),
+        ),
+        devices=Devices("cpu"),
+        run=RunSettings(epochs=3, metrics_file=str(tmp_path / "metrics.jsonl")),
+    )
+    result = run(spec)
+    # Three epochs meet each bad training file three times; each still counts once.
+    assert result.skipped == len(bad) == 8
+    assert len(result.skipped_examples) == 5 and set(result.skipped_examples) <= bad
+    lines = [json.loads(line) for line in Path(spec.run.metrics_file).read_text().splitlines()]
+    assert lines[-1] == {
+        "event": "skipped",
+        "step": result.steps - 1,
+        "count": 8,
+        "examples": list(result.skipped_examples),
+    }
+    carried = [r["skipped"]["count"] for r in lines if r["event"] == "step" and "skipped" in r]
+    assert carried and carried == sorted(carried) and carried[-1] <= 8  # the statistics lines carry it
+    text = summary(result)
+    assert f"skipped: 8 bad item(s) (on_error='skip'): {', '.join(result.skipped_examples)}, ..." in text

@@ -29,7 +29,7 @@ from flow.spec import (
     default_pipeline,
     learning_rate,
 )
-from flow.validate import validate
+from flow.validation import validate
 
 
 def test_positional_first_argument_and_defaults():

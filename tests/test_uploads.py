@@ -16,6 +16,7 @@ from test_backends import H100_TYPES
 
 from actors.backend import MemoryType, QueueFamily, run_program
 from actors.memory import choose_staging_type
+from actors.vulkan.queues_policy import UPLOAD_TICKETS, QueueOrder, choose_upload_queue
 from flow.program import Arena, Layout, Program, Tensor, align_up, launch
 
 SIZES = [1, 1023, (3 * 2**20 + 4) // 4]  # 3 MiB + 4 bytes of float32
@@ -170,8 +171,6 @@ async def test_uploads_from_trio_wait_in_a_worker_thread(backend, rng):
 
 
 def test_vulkan_upload_tickets_and_timestamps(vulkan_backend, rng):
-    from actors.vulkan_backend import UPLOAD_TICKETS
-
     n = (3 * 2**20 + 4) // 4
     vulkan_backend.open_layout(io_layout(n), slots=1)
     vulkan_backend.staging_view("x")[:] = fresh(rng, n)
@@ -224,8 +223,6 @@ def test_staging_memory_is_cached_host_memory_where_there_is_some():
 
 
 def test_uploads_prefer_a_transfer_only_family_then_a_second_compute_queue():
-    from actors.vulkan_backend import choose_upload_queue
-
     h100 = (
         QueueFamily(0, 16, graphics=True, compute=True, transfer=True, timestamp_bits=64),
         QueueFamily(1, 2, graphics=False, compute=False, transfer=True, timestamp_bits=64),
@@ -239,8 +236,6 @@ def test_uploads_prefer_a_transfer_only_family_then_a_second_compute_queue():
 
 
 def test_queue_order_waits_only_where_a_buffer_is_shared_and_only_once():
-    from actors.vulkan_backend import QueueOrder
-
     order = QueueOrder()
     assert order.upload(("batch", 0), 1) == 0  # nothing used the buffer yet
     assert order.upload(("batch", 1), 2) == 0
@@ -260,14 +255,15 @@ def test_without_timeline_semaphores_fences_order_uploads_and_programs(monkeypat
     run in submission order and a program sees the upload before it."""
     from actors.backend import DeviceFacts
 
-    vulkan_backend = pytest.importorskip("actors.vulkan_backend")
     has = DeviceFacts.has
     monkeypatch.setattr(
         DeviceFacts, "has", lambda self, feature: feature != "timeline_semaphore" and has(self, feature)
     )
     try:
-        backend = vulkan_backend.VulkanBackend()
-    except Exception as error:  # noqa: BLE001 - no driver here: nothing to test
+        from actors.vulkan import VulkanBackend
+
+        backend = VulkanBackend()
+    except Exception as error:  # noqa: BLE001 - no vulkan package or driver here: nothing to test
         pytest.skip(f"no Vulkan device: {error}")
     try:
         assert not backend.timeline

@@ -13,7 +13,7 @@ optimiser is a single launch over the flat arenas; ``work`` holds activations an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -29,10 +29,20 @@ from flow.autodiff import (
     parameters,
 )
 from flow.errors import PlanError, Problem
-from flow.program import ITEM_BYTES, Arena, Launch, Layout, Program, Tensor, align_up, with_barriers
+from flow.program import (
+    ITEM_BYTES,
+    STEP_VALUES,
+    Arena,
+    Launch,
+    Layout,
+    Program,
+    Tensor,
+    align_up,
+    with_barriers,
+)
 from flow.shapes import infer_shapes
 from flow.spec import Model, Spec, default_pipeline
-from flow.validate import check
+from flow.validation import check
 from shaders.registry import op as op_def
 
 PROGRAM_KINDS = ("train", "eval", "predict")
@@ -66,7 +76,15 @@ class MemoryReport:
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """What one device holds and runs."""
+    """What one device holds and runs.
+
+    ``programs`` holds every program the device will launch: one ``train``, ``eval`` and
+    ``predict`` program for the full batch. A partial batch (the end of an epoch or a split, a
+    batch with skipped samples, any row count to predict on) runs the same program: the engine
+    writes its row count into the slot's step values, the loss kernels average over those rows,
+    and the padding rows, whose inputs the engine zeroes, add nothing. So the set is known here,
+    and recorded before the first step.
+    """
 
     device: str
     model: Model
@@ -79,26 +97,14 @@ class DevicePlan:
     state_names: tuple[str, ...]
     memory: MemoryReport
     stages: tuple[str, ...]
+    programs: tuple[Program, ...]  # one per PROGRAM_KINDS, in that order
     precision: str = "float32"
-    _programs: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def program(self, kind: str, batch: int | None = None) -> Program:
-        """The ``train``, ``eval`` or ``predict`` program for ``batch`` rows (default: the full
-        batch). Smaller batches reuse the same layout: their tensors are prefixes."""
-        batch = self.batch_size if batch is None else batch
+    def program(self, kind: str) -> Program:
+        """The ``train``, ``eval`` or ``predict`` program (for any row count up to the batch size)."""
         if kind not in PROGRAM_KINDS:
             raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
-        if not 1 <= batch <= self.batch_size:
-            raise ValueError(f"batch must be in 1..{self.batch_size}, got {batch}")
-        key = (kind, batch)
-        if key not in self._programs:
-            graph = build_graph(self.model, self.optimiser, batch, kind, self.total_params, self.precision)
-            self._programs[key] = Program(name=f"{kind}[{batch}]", steps=with_barriers(graph.groups))
-        return self._programs[key]
-
-    @property
-    def programs(self) -> tuple[Program, ...]:
-        return tuple(self.program(kind) for kind in PROGRAM_KINDS)
+        return self.programs[PROGRAM_KINDS.index(kind)]
 
 
 @dataclass(frozen=True)
@@ -220,7 +226,7 @@ def _io_tensors(model: Model, batch: int) -> list[TensorDecl]:
     return [
         TensorDecl("x", (batch, *model.input_shape), "float32", "io"),
         TensorDecl("y", y_shape, y_dtype, "io"),
-        TensorDecl("stepvals", (4,), "float32", "io"),
+        TensorDecl("stepvals", (len(STEP_VALUES),), "float32", "io"),
         TensorDecl("loss", (1,), "float32", "io"),
         TensorDecl("correct", (1,), "float32", "io"),
         TensorDecl("output", (batch, *out_shape), "float32", "io"),
@@ -336,6 +342,9 @@ def plan_device(
             ]
         )
     names = tuple(f"layers[{i}] {type(layer).__name__}" for i, layer in enumerate(model.layers))
+    programs = tuple(
+        Program(name=f"{kind}[{batch}]", steps=with_barriers(graphs[kind].groups)) for kind in PROGRAM_KINDS
+    )
     return DevicePlan(
         device,
         model,
@@ -348,6 +357,7 @@ def plan_device(
         state_names,
         memory,
         names,
+        programs,
         precision,
     )
 

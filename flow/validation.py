@@ -94,17 +94,24 @@ def check(spec: Spec) -> None:
         raise SpecError(problems)
 
 
-def data_problems(spec: Spec, sample_shape: tuple[int, ...], num_classes: int | None) -> list[Problem]:
+def data_problems(
+    spec: Spec,
+    sample_shape: tuple[int, ...],
+    num_classes: int | None,
+    label_shape: tuple[int, ...] = (),
+) -> list[Problem]:
     """What is wrong between an opened source and the model, found before any device work.
 
     Args:
         spec: a valid spec.
         sample_shape: the source's decoded sample shape.
         num_classes: how many classes its labels hold (None for regression targets).
+        label_shape: the shape of one sample's label (every source today gives one number: ()).
 
     Returns:
         Every problem: a sample shape the model cannot take (checked when no transform resizes or
-        crops), and class labels beyond the last layer's units for CrossEntropy.
+        crops), class labels beyond the last layer's units for CrossEntropy, and labels that are
+        not one target per output for MSE.
     """
     problems = []
     transforms = (*spec.data.preprocess, *spec.data.augment)
@@ -128,6 +135,20 @@ def data_problems(spec: Spec, sample_shape: tuple[int, ...], num_classes: int | 
             Problem(
                 f"model.layers[{len(spec.model.layers) - 1}]",
                 f"the source has {num_classes} classes, but the model ends in {outputs[-1]} outputs",
+            )
+        )
+    # MSE compares each output with its own target. One label a sample against 10 outputs would
+    # fill only the first rows' targets and train on nonsense without a word, so it is an error.
+    if type(spec.model.loss).__name__ == "MSE" and math.prod(label_shape) != math.prod(outputs):
+        labels = math.prod(label_shape)
+        given = "one label" if labels == 1 else f"{labels} labels"
+        kind = f"class ids of {num_classes} classes" if num_classes is not None else "targets"
+        hint = "; for class labels use CrossEntropy()" if num_classes is not None else ""
+        problems.append(
+            Problem(
+                "model.loss",
+                f"MSE needs one target per output, but the model ends in {math.prod(outputs)} outputs "
+                f"and the source gives {given} a sample ({kind}){hint}",
             )
         )
     return problems
@@ -566,6 +587,7 @@ def _cycles(names: list[str], edges: list[Edge]) -> list[list[str]]:
 def _run(r: _Rule) -> None:
     for name in ("epochs", "steps", "eval_every", "checkpoint_every", "in_flight"):
         r.need(name, _positive, "must be > 0")
+    r.need("keep_checkpoints", _positive, "must be > 0 (or null to keep every checkpoint)")
     _path(r, "checkpoint_dir")
     _path(r, "metrics_file")
     obj = r.obj

@@ -34,7 +34,7 @@ from flow.spec import (
     Synthetic,
     default_pipeline,
 )
-from flow.validate import check, summarize, validate
+from flow.validation import check, summarize, validate
 
 
 def mlp(**model_changes) -> Spec:
@@ -273,3 +273,22 @@ def test_summarize():
     assert "[2] Flatten()" in text and "(512,)" in text
     # 3*8*9 + 8 = 224 and 512*10 + 10 = 5130 parameters, 4 bytes each.
     assert "parameters: 5,354 (21,416 bytes as float32)" in text
+
+
+def test_mse_needs_one_target_per_output_from_the_data():
+    from flow.validation import data_problems
+
+    ten = mlp(loss=MSE())
+    (problem,) = data_problems(ten, (1, 8, 8), 10)
+    assert problem == Problem(
+        "model.loss",
+        "MSE needs one target per output, but the model ends in 10 outputs and the source gives one "
+        "label a sample (class ids of 10 classes); for class labels use CrossEntropy()",
+    )
+    (problem,) = data_problems(ten, (1, 8, 8), None, (3,))
+    assert "gives 3 labels a sample (targets)" in problem.message and "CrossEntropy" not in problem.message
+    assert data_problems(ten, (1, 8, 8), None, (10,)) == []  # one target per output
+    one = mlp(layers=(Flatten(), Linear(1)), loss=MSE())
+    assert data_problems(one, (1, 8, 8), None) == []  # a regression target
+    assert data_problems(one, (1, 8, 8), 10) == []  # integer targets for one output: regression too
+    assert data_problems(mlp(), (1, 8, 8), 10) == []  # CrossEntropy takes class ids

@@ -1,0 +1,319 @@
+"""VulkanBackend: the Backend interface on one Vulkan device, assembled from the package's parts.
+
+It allocates a plan's arenas from large memory blocks (``memory``), records each Program into a
+command buffer once per slot (``recording``, with ``pipelines``) and replays it with one submit
+(``queues``, which it inherits so the per-step submit and wait run without delegation).
+Submissions signal a timeline semaphore (or a fence where the driver lacks timelines); ``wait``
+blocks, so the runtime calls it from a worker thread. Uploads (``staging_view`` + ``upload``) are
+DMA copies from pinned staging memory on the upload queue (``uploads``); host ``write``/``read``
+go straight through mapped memory where they can and through a staged copy otherwise. What is
+left here is that host access and the lifetime of everything: a layout's objects are freed when
+the next layout opens, the rest on ``close``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from actors.backend import memory_budget, upload_target
+from actors.vulkan import library
+from actors.vulkan.facts import select_device
+from actors.vulkan.memory import ArenaBuffer, DeviceMemory, Staging
+from actors.vulkan.pipelines import Pipelines
+from actors.vulkan.queues import Queues
+from actors.vulkan.recording import full_barrier, record_program
+from actors.vulkan.timing import TimestampPool, Timestamps
+from actors.vulkan.uploads import Uploads
+from flow.program import Layout, Program
+
+# Assigned, not imported by name: see library's docstring (3.11 method calls).
+ffi, lib = library.ffi, library.lib
+
+_DIRECT_READ_BYTES = 1 << 20
+_PARALLEL_WRITE_BYTES = 8 << 20
+_WRITE_THREADS = 4
+
+
+class VulkanBackend(Queues):
+    """Runs Programs on one Vulkan device. See the module docstring.
+
+    Args:
+        device: "auto" (the best device), an index or part of a name (see ``select_device``).
+        memory_fraction: share of the device's memory budget to use.
+        block_bytes: size of the memory blocks arenas are placed in.
+    """
+
+    def __init__(
+        self, device: int | str = "auto", memory_fraction: float = 0.9, block_bytes: int = 64 * 2**20
+    ) -> None:
+        self._closed = False
+        facts, physical = select_device(device)
+        super().__init__(physical, facts)
+        self.budget = memory_budget(facts, memory_fraction)
+        self.memory = DeviceMemory(
+            self.device, facts, self.budget, block_bytes, (self.queue_family, self.upload_family)
+        )
+        self.pipelines = Pipelines(self.device)
+        self._uploads = Uploads(self, self.memory)
+        self._timestamps = Timestamps(self)
+        self.tuning = True  # per-launch specialisation (tiles) from the registry's tune functions
+        # run_program's handles per (program, slot); they die with the layout.
+        self.run_program_cache: dict[tuple[Program, int], int] = {}
+
+    @property
+    def slots(self) -> int:
+        """The slots the open layout was opened with (0 before any)."""
+        return self.memory.slots
+
+    @property
+    def _staging(self) -> dict[tuple[str, int], Staging]:
+        """The staging buffers by (tensor, slot), as CpuBackend keeps them: tests check that a
+        refused upload made none."""
+        return self._uploads.staging
+
+    # -- layout and host access -----------------------------------------------------------------
+    def open_layout(self, layout: Layout, slots: int = 1) -> None:
+        """Allocate every arena (per-slot ones ``slots`` times). Replaces any earlier layout."""
+        self._release_layout()
+        self.memory.open_layout(layout, slots)
+
+    def write(self, tensor: str, data: np.ndarray, slot: int = 0) -> None:
+        memory = self.memory
+        assert memory.layout is not None, "open_layout first"
+        spec = memory.layout.tensor(tensor)
+        array = np.ascontiguousarray(data, dtype=np.dtype(spec.dtype))
+        if array.size > spec.size:
+            raise ValueError(
+                f"write to {tensor!r}: holds {spec.size} elements {spec.shape}, got {array.size}"
+            )
+        # A shorter write fills a prefix: a partial final batch uses only its first rows.
+        target = memory.arena_for(spec, slot)
+        if target.mapped is None:
+            self._staged_copy(target, spec.offset, array.nbytes, upload=array)
+        elif array.nbytes < _PARALLEL_WRITE_BYTES:
+            ffi.memmove(target.mapped + spec.offset, ffi.from_buffer(array), array.nbytes)
+        else:
+            _parallel_write(target.mapped + spec.offset, array)
+
+    def read(self, tensor: str, slot: int = 0) -> np.ndarray:
+        memory = self.memory
+        assert memory.layout is not None, "open_layout first"
+        spec = memory.layout.tensor(tensor)
+        out = np.empty(spec.shape, dtype=np.dtype(spec.dtype))
+        source = memory.arena_for(spec, slot)
+        # CPU reads of uncached (write-combined) VRAM crawl; bulk reads go through cached staging.
+        if source.mapped is not None and (source.cached or out.nbytes < _DIRECT_READ_BYTES):
+            ffi.memmove(ffi.from_buffer(out), source.mapped + spec.offset, out.nbytes)
+        else:
+            self._staged_copy(source, spec.offset, out.nbytes, download=out)
+        return out
+
+    def write_into(self, tensor: str, slot: int = 0) -> np.ndarray | None:
+        """A writable numpy view straight onto a host-visible tensor (no copy), or None when the
+        tensor's memory is not mappable. The loader fills batches in place through it."""
+        memory = self.memory
+        assert memory.layout is not None, "open_layout first"
+        spec = memory.layout.tensor(tensor)
+        target = memory.arena_for(spec, slot)
+        if target.mapped is None:
+            return None
+        buffer = ffi.buffer(target.mapped + spec.offset, spec.nbytes)
+        return np.frombuffer(buffer, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
+
+    def _staged_copy(self, arena: ArenaBuffer, offset: int, nbytes: int, upload=None, download=None) -> None:
+        """Copy between host data and an unmapped arena through a temporary host-visible buffer,
+        waiting for the copy (and for every upload queued before it)."""
+        staging = self.memory.create_buffer("staging", max(nbytes, 4), True, host_reads=download is not None)
+        try:
+            if upload is not None:
+                ffi.memmove(staging.mapped, ffi.from_buffer(upload), nbytes)
+            region = ffi.new(
+                "VkBufferCopy*",
+                {
+                    "srcOffset": 0 if upload is not None else offset,
+                    "dstOffset": offset if upload is not None else 0,
+                    "size": nbytes,
+                },
+            )
+            src, dst = (
+                (staging.buffer, arena.buffer) if upload is not None else (arena.buffer, staging.buffer)
+            )
+            command = self.begin_one_shot()
+            full_barrier(command)
+            lib.vkCmdCopyBuffer(command, src, dst, 1, region)
+            full_barrier(command)
+            self.finish_one_shot(command)
+            if download is not None:
+                ffi.memmove(ffi.from_buffer(download), staging.mapped, nbytes)
+        finally:
+            self.memory.free_buffer(staging)
+
+    # -- uploads: DMA from pinned staging memory on the upload queue ----------------------------
+    def staging_view(self, tensor: str, slot: int = 0) -> np.ndarray:
+        """A writable numpy view of pinned host staging memory for ``tensor``: fill it, then
+        ``upload``. Like a pinned host tensor in PyTorch: the copy engine reads it directly.
+
+        Allocated on first use (one per tensor and slot, in host memory, outside the device
+        budget), reused, and freed with the layout. Blocks until the previous upload from it has
+        read it, so the view returned may be refilled at once; a view kept across uploads must
+        not be written before that upload's ticket is done.
+
+        Args:
+            tensor: a tensor of the open layout.
+            slot: which per-slot copy of the tensor (and which staging buffer).
+
+        Returns:
+            An array shaped and typed as the tensor.
+        """
+        spec = upload_target(self.memory.layout, tensor, slot, self.memory.slots)
+        staging = self._uploads.staging_for(spec, slot)
+        if staging.ticket:
+            self.wait(staging.ticket)
+        return staging.view
+
+    def upload(
+        self,
+        tensor: str,
+        slot: int = 0,
+        data: np.ndarray | None = None,
+        *,
+        timestamps: TimestampPool | None = None,
+        query: int = 0,
+    ) -> int:
+        """Queue a DMA copy of ``tensor``'s staging memory into the tensor, on the upload queue.
+
+        Programs submitted afterwards that bind the tensor's buffer wait for the copy on the GPU
+        (a timeline semaphore), and the copy waits for programs submitted before it that bind
+        that buffer, so uploading the next batch never blocks the host on compute. Host access
+        (``read``, ``write``, ``write_into`` views) is not ordered: wait for the ticket first.
+
+        Args:
+            tensor: a tensor of the open layout.
+            slot: which per-slot copy of the tensor (and which staging buffer).
+            data: values to copy into the staging memory first (after the previous upload from
+                it is done): the tensor's dtype, and its shape or ``(size,)``.
+            timestamps: a pool from ``timestamp_pool``, reset with ``reset_timestamps``: the copy
+                writes its start and end into queries ``query`` and ``query + 1`` (benchmarks).
+            query: the first of the two queries.
+
+        Returns:
+            A ticket for ``wait`` and ``is_done``.
+
+        Raises:
+            KeyError, IndexError, TypeError, ValueError: bad arguments, before any device work.
+        """
+        memory = self.memory
+        spec = upload_target(memory.layout, tensor, slot, memory.slots, data)
+        if timestamps is not None:
+            if not self.upload_timestamps:
+                raise ValueError(f"upload to {tensor!r}: {self.upload_queue_name} cannot write timestamps")
+            if not 0 <= query < timestamps.count - 1:
+                raise IndexError(
+                    f"upload to {tensor!r}: queries {query} and {query + 1} are not both in the pool "
+                    f"of {timestamps.count}"
+                )
+        staging, command = self._uploads.prepare(spec, slot, timestamps, query)
+        if data is not None:
+            if staging.ticket:
+                self.wait(staging.ticket)
+            np.copyto(staging.view.reshape(-1), np.asarray(data).reshape(-1))
+        ticket = self.submit_upload(command, memory.buffer_key(spec, slot))
+        staging.ticket = ticket
+        return ticket
+
+    # -- recording ------------------------------------------------------------------------------
+    def record(
+        self,
+        program: Program,
+        slot: int = 0,
+        spec_overrides: dict[str, dict[str, int]] | None = None,
+        timestamps: TimestampPool | None = None,
+    ) -> int:
+        """Record ``program`` once, bound to ``slot``'s per-slot arenas.
+
+        Args:
+            program: what to run.
+            slot: which per-slot arenas to bind.
+            spec_overrides: op name -> specialisation constants, replacing the registry's
+                per-launch tuning for that op (benchmarks use it to compare tiles).
+            timestamps: a pool from ``timestamp_pool`` to write one timestamp before the first
+                launch and after each launch (for per-kernel GPU timing in benchmarks).
+
+        Returns:
+            A handle for ``submit``.
+        """
+        recorded = record_program(
+            self, self.memory, self.pipelines, program, slot, spec_overrides, timestamps, self.tuning
+        )
+        return self.add_program(recorded)
+
+    # -- timing ---------------------------------------------------------------------------------
+    def timestamp_pool(self, count: int, host_reset: bool = False) -> TimestampPool:
+        """A query pool of ``count`` timestamps for ``record(..., timestamps=pool)``.
+
+        With ``host_reset`` (and a device that resets queries from the host), programs recorded
+        with the pool do not reset it themselves: call ``reset_timestamps`` before each submission.
+        An in-buffer reset adds GPU work to every step (~6 µs on an H100), which a gap or step time
+        measured with it would wrongly include.
+        """
+        return self._timestamps.new_pool(count, host_reset)
+
+    def reset_timestamps(self, pool: TimestampPool) -> None:
+        """Make every query of ``pool`` writable again before ``upload(..., timestamps=pool)`` or
+        a submission of a program recorded with a ``host_reset`` pool. Call it only when no
+        submitted work still writes the pool."""
+        self._timestamps.reset(pool)
+
+    def read_timestamps_ns(self, pool: TimestampPool) -> np.ndarray:
+        """The pool's timestamps in nanoseconds (call after the submission is done)."""
+        return self._timestamps.read_ns(pool)
+
+    # -- teardown -------------------------------------------------------------------------------
+    def _release_layout(self) -> None:
+        if self._programs or self._uploads.has_objects():
+            lib.vkDeviceWaitIdle(self.device)
+        # The device is idle: no pending upload or program constrains the new layout's buffers.
+        self.free_programs()
+        self._uploads.release()
+        self.run_program_cache = {}
+        self.pipelines.free_descriptors()
+        self.memory.release_layout()
+
+    def close(self) -> None:
+        """Wait for the queues, then destroy every Vulkan object this backend made."""
+        if self._closed:
+            return
+        self._closed = True
+        lib.vkDeviceWaitIdle(self.device)
+        self._release_layout()
+        self._timestamps.close()
+        self.pipelines.close()
+        self.memory.close()
+        self.close_queues()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown, or a constructor that failed half way
+            pass
+
+
+def _parallel_write(pointer, array: np.ndarray) -> None:
+    """Copy a large array into mapped device memory from several threads. One core's writes
+    across PCIe into write-combined VRAM stall on the bus; numpy's copy releases the GIL, so a
+    few threads keep more writes in flight."""
+    flat = array.reshape(-1).view(np.uint8)
+    destination = np.frombuffer(ffi.buffer(pointer, flat.nbytes), dtype=np.uint8)
+    bounds = np.linspace(0, flat.nbytes, _WRITE_THREADS + 1).astype(np.int64) // 64 * 64
+    bounds[-1] = flat.nbytes
+    # A pool per call (a few hundred microseconds against a copy of milliseconds) leaves no
+    # threads behind between writes.
+    with ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="vkflow-write") as writers:
+        jobs = [
+            writers.submit(np.copyto, destination[start:end], flat[start:end])
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+        for job in jobs:
+            job.result()

@@ -1,0 +1,218 @@
+"""Pipelines and descriptors: compiled shaders as compute pipelines, and the descriptor sets that
+bind buffers to them.
+
+Building a pipeline compiles SPIR-V into machine code in the driver (milliseconds), so each is
+made once per op and specialisation and cached for the backend's life; shader modules and set
+layouts (one per binding count) are shared between them. Descriptor sets come from pools that
+grow as programs are recorded and are freed with the layout, whose buffers they point at.
+"""
+
+from __future__ import annotations
+
+from actors.vulkan import library
+from actors.vulkan.library import check
+from shaders.compiler import compile_shader
+from shaders.registry import OpDef
+
+# Assigned, not imported by name: see library's docstring (3.11 method calls).
+ffi, lib, vk = library.ffi, library.lib, library.vk
+
+
+class Pipelines:
+    """The pipelines, shader modules, set layouts and descriptor pools of one VkDevice."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self._pipelines: dict[tuple, tuple[object, object, dict[str, int]]] = {}
+        self._modules: dict[tuple, object] = {}
+        self._set_layouts: dict[int, object] = {}
+        self._descriptor_pools: list[object] = []
+
+    def set_layout(self, bindings: int):
+        """The VkDescriptorSetLayout of ``bindings`` storage buffers (bindings 0..n-1)."""
+        if bindings not in self._set_layouts:
+            entries = ffi.new(
+                "VkDescriptorSetLayoutBinding[]",
+                [
+                    {
+                        "binding": i,
+                        "descriptorType": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                        "descriptorCount": 1,
+                        "stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT,
+                    }
+                    for i in range(bindings)
+                ],
+            )
+            info = ffi.new(
+                "VkDescriptorSetLayoutCreateInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+                    "bindingCount": bindings,
+                    "pBindings": entries,
+                },
+            )
+            handle = ffi.new("VkDescriptorSetLayout*")
+            check(
+                lib.vkCreateDescriptorSetLayout(self.device, info, ffi.NULL, handle),
+                "vkCreateDescriptorSetLayout",
+            )
+            self._set_layouts[bindings] = handle[0]
+        return self._set_layouts[bindings]
+
+    def _module(self, shader: str, defines: tuple[tuple[str, str], ...]):
+        key = (shader, defines)
+        if key not in self._modules:
+            code = compile_shader(shader, dict(defines))
+            code_buffer = ffi.from_buffer(code)
+            info = ffi.new(
+                "VkShaderModuleCreateInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
+                    "codeSize": len(code),
+                    "pCode": ffi.cast("uint32_t*", code_buffer),
+                },
+            )
+            handle = ffi.new("VkShaderModule*")
+            check(
+                lib.vkCreateShaderModule(self.device, info, ffi.NULL, handle),
+                f"vkCreateShaderModule({shader})",
+            )
+            self._modules[key] = handle[0]
+        return self._modules[key]
+
+    def pipeline(
+        self,
+        definition: OpDef,
+        spec_overrides: dict[str, int] | None = None,
+        defines: tuple[tuple[str, str], ...] = (),
+    ) -> tuple[object, object, dict[str, int]]:
+        """(pipeline, pipeline layout, spec values) for an op, cached per op and specialisation.
+
+        Args:
+            definition: the op.
+            spec_overrides: specialisation constants replacing the op's defaults.
+            defines: preprocessor defines the shader is compiled with.
+
+        Returns:
+            The VkPipeline, its VkPipelineLayout and the specialisation values it was built with.
+        """
+        spec = definition.spec_values(spec_overrides)
+        local = definition.local(spec)
+        key = (definition.name, local, tuple(sorted(spec.items())), defines)
+        if key in self._pipelines:
+            return self._pipelines[key]
+        values = [*local, *(spec[name] for name, _ in definition.spec)]
+        entries = ffi.new(
+            "VkSpecializationMapEntry[]",
+            [{"constantID": i, "offset": 4 * i, "size": 4} for i in range(len(values))],
+        )
+        data = ffi.new("uint32_t[]", values)
+        spec_info = ffi.new(
+            "VkSpecializationInfo*",
+            {
+                "mapEntryCount": len(values),
+                "pMapEntries": entries,
+                "dataSize": 4 * len(values),
+                "pData": data,
+            },
+        )
+        set_layout = ffi.new("VkDescriptorSetLayout[]", [self.set_layout(len(definition.bindings))])
+        push_size = 4 * len(definition.push)
+        push_range = ffi.new(
+            "VkPushConstantRange*",
+            {"stageFlags": vk.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0, "size": push_size},
+        )
+        layout_info = ffi.new(
+            "VkPipelineLayoutCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+                "setLayoutCount": 1,
+                "pSetLayouts": set_layout,
+                "pushConstantRangeCount": 1 if push_size else 0,
+                "pPushConstantRanges": push_range,
+            },
+        )
+        layout_handle = ffi.new("VkPipelineLayout*")
+        check(
+            lib.vkCreatePipelineLayout(self.device, layout_info, ffi.NULL, layout_handle),
+            "vkCreatePipelineLayout",
+        )
+        # The stage is copied into ``info`` by value, but what it points at (the entry name, the
+        # specialisation info with its entries and data) is bound to names: each must outlive
+        # vkCreateComputePipelines, or the driver reads freed memory.
+        entry_name = ffi.new("char[]", b"main")
+        info = ffi.new(
+            "VkComputePipelineCreateInfo*",
+            {
+                "sType": vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
+                "stage": {
+                    "sType": vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
+                    "stage": vk.VK_SHADER_STAGE_COMPUTE_BIT,
+                    "module": self._module(definition.shader, defines),
+                    "pName": entry_name,
+                    "pSpecializationInfo": spec_info,
+                },
+                "layout": layout_handle[0],
+            },
+        )
+        handle = ffi.new("VkPipeline*")
+        check(
+            lib.vkCreateComputePipelines(self.device, ffi.NULL, 1, info, ffi.NULL, handle),
+            f"vkCreateComputePipelines({definition.name})",
+        )
+        self._pipelines[key] = (handle[0], layout_handle[0], spec)
+        return self._pipelines[key]
+
+    def descriptor_set(self, bindings: int):
+        """A fresh VkDescriptorSet for ``bindings`` storage buffers, from a new pool when the
+        current one is full."""
+        for _attempt in range(2):
+            if self._descriptor_pools:
+                set_layout = ffi.new("VkDescriptorSetLayout[]", [self.set_layout(bindings)])
+                info = ffi.new(
+                    "VkDescriptorSetAllocateInfo*",
+                    {
+                        "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+                        "descriptorPool": self._descriptor_pools[-1],
+                        "descriptorSetCount": 1,
+                        "pSetLayouts": set_layout,
+                    },
+                )
+                handle = ffi.new("VkDescriptorSet*")
+                if lib.vkAllocateDescriptorSets(self.device, info, handle) == 0:
+                    return handle[0]
+            sizes = ffi.new(
+                "VkDescriptorPoolSize*",
+                {"type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": 8192},
+            )
+            pool_info = ffi.new(
+                "VkDescriptorPoolCreateInfo*",
+                {
+                    "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+                    "maxSets": 1024,
+                    "poolSizeCount": 1,
+                    "pPoolSizes": sizes,
+                },
+            )
+            pool = ffi.new("VkDescriptorPool*")
+            check(
+                lib.vkCreateDescriptorPool(self.device, pool_info, ffi.NULL, pool), "vkCreateDescriptorPool"
+            )
+            self._descriptor_pools.append(pool[0])
+        raise RuntimeError("could not allocate a descriptor set")
+
+    def free_descriptors(self) -> None:
+        """Destroy every descriptor pool, so every set (the device must be idle)."""
+        for pool in self._descriptor_pools:
+            lib.vkDestroyDescriptorPool(self.device, pool, ffi.NULL)
+        self._descriptor_pools = []
+
+    def close(self) -> None:
+        """Destroy the pipelines, their layouts, the shader modules and the set layouts."""
+        for pipeline, layout, _ in self._pipelines.values():
+            lib.vkDestroyPipeline(self.device, pipeline, ffi.NULL)
+            lib.vkDestroyPipelineLayout(self.device, layout, ffi.NULL)
+        for module in self._modules.values():
+            lib.vkDestroyShaderModule(self.device, module, ffi.NULL)
+        for set_layout in self._set_layouts.values():
+            lib.vkDestroyDescriptorSetLayout(self.device, set_layout, ffi.NULL)

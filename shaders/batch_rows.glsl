@@ -1,0 +1,14 @@
+// The rows of a batch that are real. Every program is recorded once for the plan's full batch;
+// a partial batch (the end of an epoch or split, skipped samples, any row count to predict on)
+// runs the same program with its row count in the slot's step values (stepvals[4]), and the loss
+// kernels count, average and back-propagate over those rows only, leaving padding rows at 0.
+#ifndef VKFLOW_BATCH_ROWS_GLSL
+#define VKFLOW_BATCH_ROWS_GLSL
+
+// Clamped to [1, capacity]: the engine always writes 1..capacity, and the clamp keeps a stray
+// value from reading past the batch or dividing by zero.
+uint valid_rows(float n, uint capacity) {
+    return clamp(uint(n), 1u, capacity);
+}
+
+#endif
