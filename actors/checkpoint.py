@@ -91,7 +91,7 @@ class Checkpoint:
         spec: the run's spec.
         cursor: where the run stands: steps done and the sampler's epoch and position.
         state: ``params:all`` and ``state:<name>`` arrays (Engine.state()).
-        optimiser: {"kind", "state"} (see actors.optimiser.describe).
+        optimiser: {"kind", "state"} (see flow.optim.describe_optimiser).
         final: written at the end of the run.
         interrupted: written after an interruption rather than on schedule.
         created: Unix time of writing.
@@ -579,7 +579,7 @@ def from_snapshot(spec: Spec, snapshot, optimiser: dict[str, Any], run: str | No
     Args:
         spec: the run's spec.
         snapshot: an actors.messages.Snapshot.
-        optimiser: what actors.optimiser.describe returned.
+        optimiser: what flow.optim.describe_optimiser returned.
         run: the run's id; None draws a new one.
 
     Returns:

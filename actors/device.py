@@ -45,10 +45,10 @@ import numpy as np
 import trio
 from trio.lowlevel import ParkingLot, enable_ki_protection
 
-from actors import optimiser as optim
 from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
-from actors.statistics import Meter
+from actors.meter import Meter
+from flow.optim import device_learning_rate
 from flow.spec import CrossEntropy
 
 _PROGRAMS = {"train": "train", "val": "eval", "test": "eval", "predict": "predict"}
@@ -85,13 +85,18 @@ class InputSlots:
         """Whether a producer fills batches straight into the slots."""
         return self.views is not None
 
-    def take_nowait(self) -> int | None:
+    def take_nowait(self) -> int:
         """A free slot, now.
 
         Returns:
-            The slot (it is the caller's until given back), or None when every slot is in use.
+            The slot (it is the caller's until given back).
+
+        Raises:
+            trio.WouldBlock: every slot is in use (trio's convention for ``*_nowait``).
         """
-        return self._free.popleft() if self._free else None
+        if not self._free:
+            raise trio.WouldBlock
+        return self._free.popleft()
 
     async def take(self) -> int:
         """A free slot, waiting for one if need be (only one task may wait at a time).
@@ -218,8 +223,11 @@ class DeviceActor:
             with self.meter.busy():
                 ticket = self._submit_now(slot, batch, written=True)
         else:
-            slot = self.slots.take_nowait()
-            if slot is not None:
+            try:
+                slot = self.slots.take_nowait()
+            except trio.WouldBlock:
+                slot = -1  # every slot is busy (waited for below, outside the handler)
+            if slot >= 0:
                 with self.meter.busy():
                     ticket = self._submit_now(slot, batch)
             else:  # the completer submits it on the next slot it frees
@@ -232,7 +240,7 @@ class DeviceActor:
                     if self._handoff is handoff:  # cancelled before a slot came
                         self._handoff = None
                 slot, ticket = handoff.slot, handoff.ticket
-        lr = optim.lr(self.optimiser, batch.step) if batch.split == "train" else 0.0
+        lr = device_learning_rate(self.optimiser, batch.step) if batch.split == "train" else 0.0
         return _InFlight(slot, ticket, batch, lr)
 
     @enable_ki_protection

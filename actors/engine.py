@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.backend import Backend
+from flow.optim import check_compatible, step_values
 from flow.planning import DevicePlan, init_parameters
-from flow.spec import SGD, Adam, AdamW, CrossEntropy, learning_rate
+from flow.spec import CrossEntropy
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class SlotViews:
     Attributes:
         x: the inputs, [batch_size, *input_shape].
         y: the labels or targets, flat [batch_size * per_row].
-        stepvals: the per-step values [4].
+        stepvals: the per-step values [len(STEP_VALUES)] (flow.optim.step_values).
         loss: [1].
         correct: [1].
     """
@@ -54,32 +55,6 @@ class StepResult:
     loss: float
     correct: float
     rows: int
-
-
-def step_values(optimiser, step: int | None, rows: int) -> np.ndarray:
-    """The slot's step values (flow.program.STEP_VALUES) for one submit.
-
-    For a training step with 0-based index ``step`` (t = step + 1): [lr, 1 - beta1^t, 1 - beta2^t,
-    t, rows], computed in float64 on the host then rounded once, so every backend sees identical
-    values. For evaluation and prediction (``step`` None) only ``rows`` matters.
-
-    Args:
-        optimiser: the spec's optimiser.
-        step: the update's index, or None when nothing is updated.
-        rows: the batch's real rows.
-
-    Returns:
-        float32 [len(STEP_VALUES)].
-    """
-    if step is None:
-        return np.array([0.0, 1.0, 1.0, 0.0, rows], dtype=np.float32)
-    t = step + 1
-    lr = learning_rate(optimiser, step)
-    if isinstance(optimiser, Adam | AdamW):
-        beta1, beta2 = optimiser.betas
-        return np.array([lr, 1.0 - beta1**t, 1.0 - beta2**t, t, rows], dtype=np.float32)
-    assert isinstance(optimiser, SGD)
-    return np.array([lr, 1.0, 1.0, t, rows], dtype=np.float32)
 
 
 class Engine:
@@ -151,10 +126,13 @@ class Engine:
         return saved
 
     def load_state(self, saved: dict[str, np.ndarray]) -> None:
-        """Restore what ``state`` returned."""
-        expected = {"params:all", *(f"state:{s}" for s in self.plan.state_names)}
-        if set(saved) != expected:
-            raise ValueError(f"checkpoint holds {sorted(saved)}, this plan needs {sorted(expected)}")
+        """Restore what ``state`` returned, after checking that all of it fits this plan (see
+        flow.optim.check_compatible), so a refused state leaves the device as it was.
+
+        Raises:
+            ValueError: naming the arrays that are missing, extra, or of the wrong type or size.
+        """
+        check_compatible(saved, self.plan.state_names, self.plan.total_params)
         for name, value in saved.items():
             self.backend.write(name, value)
 

@@ -12,7 +12,7 @@ draining or reordering anything.
 Reads run in worker threads under the loader's own CapacityLimiter (``workers`` at once, so a
 slow disk overlaps with the device); results leave in stream order whatever order they finish in.
 A read measured to cost less than a hop to a thread (a gather from an in-memory source) runs on
-the event loop instead (:class:`actors.statistics.InlinePolicy`).
+the event loop instead (:class:`actors.inline.InlinePolicy`).
 Given the device's :class:`actors.device.InputSlots` with views (no transform between the loader
 and the device, a source with ``read_into``, device memory the host can map), the loader takes a
 free slot for each batch and reads the batch straight into it: no array of its own, and no copy
@@ -23,7 +23,6 @@ simply starts there.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -32,49 +31,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
+from actors.inline import InlineOrThread, InlinePolicy
 from actors.messages import Batch, CheckpointMark, Cursor
-from actors.statistics import InlinePolicy, Meter
+from actors.meter import Meter
+from flow.data_plan import StepSchedule
 from loaders import Sampler, SamplerState
 
 if TYPE_CHECKING:
     from actors.device import InputSlots
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """What a training run does, in steps.
-
-    Attributes:
-        batches_per_epoch: training batches per epoch.
-        total_steps: steps in the whole run.
-        eval_every: evaluate every this many steps; None: at the end of each epoch.
-        checkpoint_every: mark a checkpoint every this many steps; None: only at the end.
-        has_val: whether there is a validation split to evaluate on.
-    """
-
-    batches_per_epoch: int
-    total_steps: int
-    eval_every: int | None = None
-    checkpoint_every: int | None = None
-    has_val: bool = False
-
-
-def total_steps(epochs: int | None, steps: int | None, batches_per_epoch: int) -> int:
-    """Steps in a run that stops at ``epochs`` or ``steps``, whichever comes first.
-
-    Args:
-        epochs: epochs to run, or None.
-        steps: steps to run, or None.
-        batches_per_epoch: training batches per epoch.
-
-    Returns:
-        The number of training steps.
-    """
-    limits = [s for s in (steps, None if epochs is None else epochs * batches_per_epoch) if s is not None]
-    return min(limits) if limits else 0
-
-
-def next_cursor(cursor: Cursor, schedule: Schedule) -> Cursor | None:
+def next_cursor(cursor: Cursor, schedule: StepSchedule) -> Cursor | None:
     """Where the next training batch is drawn from.
 
     Args:
@@ -92,7 +59,7 @@ def next_cursor(cursor: Cursor, schedule: Schedule) -> Cursor | None:
     return cursor
 
 
-def after_step(cursor: Cursor, schedule: Schedule) -> tuple[str, ...]:
+def after_step(cursor: Cursor, schedule: StepSchedule) -> tuple[str, ...]:
     """What follows a training step, in order.
 
     Args:
@@ -132,7 +99,7 @@ Job = Read | CheckpointMark
 
 
 def jobs(
-    start: Cursor, schedule: Schedule, train: Sampler, val: Sampler | None, test: Sampler | None = None
+    start: Cursor, schedule: StepSchedule, train: Sampler, val: Sampler | None, test: Sampler | None = None
 ) -> Iterator[Job]:
     """The whole stream from ``start`` to the end of the run, as reads and marks (pure: no I/O).
 
@@ -229,8 +196,9 @@ class Loader:
         self.jobs = jobs
         self.workers = max(1, int(workers))
         self.inline = inline
-        self.policy = InlinePolicy(forced=True if inline else None)
-        self.limiter = trio.CapacityLimiter(self.workers)
+        self.offload = InlineOrThread(
+            self.read, InlinePolicy(forced=True if inline else None), trio.CapacityLimiter(self.workers)
+        )
         self.slots = slots if slots is not None and slots.in_place else None
 
     def read(self, job: Read, slot: int = -1) -> Batch:
@@ -262,12 +230,6 @@ class Loader:
             slot=slot,
         )
 
-    def _read_in_thread(self, job: Read, slot: int) -> Batch:
-        start = time.thread_time()
-        batch = self.read(job, slot)
-        self.policy.note_thread(time.thread_time() - start)
-        return batch
-
     def _filled(self, batch: Batch) -> Batch:
         """A batch whose every sample was skipped holds no slot: give it back at once."""
         if batch.slot >= 0 and batch.rows == 0:
@@ -277,18 +239,16 @@ class Loader:
 
     async def _read_into(self, job: Read, slot: int, pending: _Pending) -> None:
         with self.meter.busy():
-            batch = await trio.to_thread.run_sync(self._read_in_thread, job, slot, limiter=self.limiter)
+            batch = await self.offload.run_in_thread(job, slot)
             pending.set(self._filled(batch))
 
     def _start(self, job: Job, slot: int, nursery: trio.Nursery) -> _Pending:
         """Begin a job: a mark is ready at once, a cheap read is done inline, others go to a thread."""
         if isinstance(job, CheckpointMark):
             return _Pending(job)
-        if self.policy.inline():
+        if self.offload.inline():
             with self.meter.busy():
-                start = time.perf_counter()
-                pending = _Pending(self._filled(self.read(job, slot)))
-                self.policy.note_inline(time.perf_counter() - start)
+                pending = _Pending(self._filled(self.offload.run_inline(job, slot)))
             return pending
         pending = _Pending()
         nursery.start_soon(self._read_into, job, slot, pending)
@@ -303,15 +263,16 @@ class Loader:
         """A free device slot for the next read (-1 when batches are not read in place)."""
         if self.slots is None:
             return -1
-        slot = self.slots.take_nowait()
-        if slot is None:
-            # Every slot is held, by batches on their way to the device or by reads in the window:
-            # send the window's first, or the device could never give a slot back.
-            while window:
-                await self._send(window.popleft())
-            with self.meter.blocked():
-                slot = await self.slots.take()
-        return slot
+        try:
+            return self.slots.take_nowait()
+        except trio.WouldBlock:
+            pass
+        # Every slot is held, by batches on their way to the device or by reads in the window:
+        # send the window's first, or the device could never give a slot back.
+        while window:
+            await self._send(window.popleft())
+        with self.meter.blocked():
+            return await self.slots.take()
 
     async def run(self) -> None:
         """Produce the whole stream, then close the outboxes.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from actors.backend import DeviceFacts, MemoryType
+from flow.device_facts import DeviceFacts, MemoryType
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
 

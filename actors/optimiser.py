@@ -1,76 +1,26 @@
-"""The optimiser: its learning-rate schedule, the lifecycle of its state, and its actor.
+"""The optimiser's effects: the lifecycle of its state on a device, and its actor.
 
-The update math runs on the device inside the recorded training step; what lives here is what
-the host owns. The schedule's per-step input to the shaders (learning rate and bias corrections)
-is ``actors.engine.step_values``, which the Engine writes into the slot's ``stepvals`` at submit,
-so nothing is re-recorded. :func:`start` initialises or restores weights and optimiser state on an Engine and
-says where the run stands; :func:`describe` and :func:`check_compatible` are what a checkpoint
-records about the optimiser and what a restore checks. The :class:`OptimiserActor` follows the
-completed steps: it checks that every update is applied exactly once and in order (a lost or
-repeated step breaks exact resume) and reports the learning rate in its statistics.
+The update math runs on the device inside the recorded training step, and what the optimiser
+record means (schedules, step values, state arenas, the update launch, the checkpoint's
+compatibility check) is decided in flow.optim. What lives here is what the host does:
+:func:`start` initialises or restores weights and optimiser state on an Engine and says where the
+run stands. The :class:`OptimiserActor` follows the completed steps: it checks that every update is
+applied exactly once and in order (a lost or repeated step breaks exact resume) and reports the
+learning rate in its statistics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from actors.engine import Engine
 from actors.messages import Cursor, StepDone
-from actors.statistics import ActorStatistics, Meter
-from flow.spec import Optimiser, learning_rate
-
-
-def lr(optimiser: Optimiser, step: int) -> float:
-    """The learning rate of update ``step`` as the device sees it (rounded to float32).
-
-    Args:
-        optimiser: the spec's optimiser.
-        step: the update's index.
-
-    Returns:
-        The learning rate.
-    """
-    return float(np.float32(learning_rate(optimiser, step)))
-
-
-def describe(optimiser: Optimiser, state_names: tuple[str, ...]) -> dict[str, Any]:
-    """What a checkpoint records about the optimiser, besides its arrays.
-
-    Args:
-        optimiser: the spec's optimiser.
-        state_names: the plan's optimiser state arenas.
-
-    Returns:
-        {"kind": class name, "state": [arena names]}.
-    """
-    return {"kind": type(optimiser).__name__, "state": list(state_names)}
-
-
-def check_compatible(engine: Engine, state: dict[str, np.ndarray]) -> None:
-    """Refuse a saved state that does not fit this plan, before anything is written.
-
-    Args:
-        engine: the engine to restore into.
-        state: ``params:all`` and ``state:<name>`` arrays from a checkpoint.
-
-    Raises:
-        ValueError: naming the arrays that are missing, extra or of the wrong size.
-    """
-    expected = {"params:all", *(f"state:{s}" for s in engine.plan.state_names)}
-    problems = []
-    if set(state) != expected:
-        problems.append(f"holds {sorted(state)}, this plan needs {sorted(expected)}")
-    for name in sorted(expected & set(state)):
-        array = state[name]
-        if array.dtype != np.float32 or array.size != engine.plan.total_params:
-            problems.append(
-                f"{name}: {array.dtype} x {array.size}, needs float32 x {engine.plan.total_params}"
-            )
-    if problems:
-        raise ValueError("checkpoint does not fit this model and optimiser: " + "; ".join(problems))
+from actors.meter import Meter
+from actors.statistics import ActorStatistics
+from flow.optim import device_learning_rate
+from flow.spec import Optimiser
 
 
 def start(
@@ -91,12 +41,14 @@ def start(
 
     Returns:
         Where the run stands: Cursor() when fresh.
+
+    Raises:
+        ValueError: a saved state that does not fit the engine's plan (flow.optim.check_compatible).
     """
     engine.initialise(scheme, seed)  # also zeroes the gradient arena, which a restore does not hold
     if saved is None:
         return Cursor()
-    check_compatible(engine, saved)
-    engine.load_state(saved)
+    engine.load_state(saved)  # checks that the whole state fits before writing any of it
     return cursor or Cursor()
 
 
@@ -129,7 +81,7 @@ class OptimiserActor:
         self.optimiser = optimiser
         self.expected = first_step
         self.updates = 0
-        self.lr = lr(optimiser, first_step)
+        self.lr = device_learning_rate(optimiser, first_step)
 
     async def run(self) -> None:
         """Check each StepDone until the inbox ends; forward everything it receives."""

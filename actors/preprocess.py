@@ -5,7 +5,7 @@ The random ones draw from ``batch_rng(seed, epoch, position)``, a pure function 
 sits in the run, so a resumed run augments exactly as an uninterrupted one. The work itself is
 :func:`transform_batch` (pure); the actor runs it in a worker thread under its own limiter so the
 event loop stays free, or inline when it has measured it to be cheaper than the hop to a thread
-(:class:`actors.statistics.InlinePolicy`). A batch no transform applies to, already float32 and of
+(:class:`actors.inline.InlinePolicy`). A batch no transform applies to, already float32 and of
 the model's shape, passes through untouched, as does every other message, in order.
 
 Ahead of the run's first training batch the actor sends its :class:`actors.messages.InputStatistics`
@@ -14,7 +14,6 @@ Ahead of the run's first training batch the actor sends its :class:`actors.messa
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -23,8 +22,9 @@ import numpy as np
 import trio
 
 from actors.health import input_statistics
+from actors.inline import InlineOrThread, InlinePolicy
 from actors.messages import Batch
-from actors.statistics import InlinePolicy, Meter
+from actors.meter import Meter
 from loaders import apply_transforms, batch_rng
 
 
@@ -89,8 +89,9 @@ class Preprocess:
         self.seed = seed
         self.input_shape = input_shape
         self.inline = inline
-        self.policy = InlinePolicy(forced=True if inline else None)
-        self.limiter = trio.CapacityLimiter(1)
+        self.offload = InlineOrThread(
+            self._transform, InlinePolicy(forced=True if inline else None), trio.CapacityLimiter(1)
+        )
         self.measured = False  # the first training batch's InputStatistics has been sent
 
     def _untouched(self, batch: Batch) -> bool:
@@ -105,26 +106,16 @@ class Preprocess:
     def _transform(self, batch: Batch) -> Batch:
         return transform_batch(batch, self.preprocess, self.augment, self.seed, self.input_shape)
 
-    def _transform_in_thread(self, batch: Batch) -> Batch:
-        start = time.thread_time()
-        out = self._transform(batch)
-        self.policy.note_thread(time.thread_time() - start)
-        return out
-
     async def run(self) -> None:
         """Transform batches until the inbox ends, then close the outboxes."""
         async with self.meter:
             async for item in self.meter:
                 if isinstance(item, Batch) and not self._untouched(item):
                     with self.meter.busy():
-                        if self.policy.inline():
-                            start = time.perf_counter()
-                            item = self._transform(item)
-                            self.policy.note_inline(time.perf_counter() - start)
+                        if self.offload.inline():
+                            item = self.offload.run_inline(item)
                         else:
-                            item = await trio.to_thread.run_sync(
-                                self._transform_in_thread, item, limiter=self.limiter
-                            )
+                            item = await self.offload.run_in_thread(item)
                 if not self.measured and isinstance(item, Batch) and item.split == "train" and item.rows:
                     # Once a run: a source and transforms that give the model nonsense (inputs
                     # scaled twice, all zeros) train at chance without an error, unless measured.

@@ -43,8 +43,9 @@ import trio
 from actors import checkpoint as checkpoints
 from actors import health
 from actors.messages import EvalDone, InputStatistics, Snapshot, StepDone
+from actors.meter import Meter
 from actors.progress import Progress, ProgressState, Rate
-from actors.statistics import ActorStatistics, Meter
+from actors.statistics import ActorStatistics
 from flow.spec import Spec
 
 STATISTICS_EVERY_S = 1.0

@@ -229,7 +229,7 @@ def main() -> int:
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix="vkflow-bench-") as tmp:
             # Keep the manifest of this throwaway folder out of the user's real cache.
-            os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
+            os.environ["VKFLOW_CACHE"] = str(Path(tmp) / "cache")
             root = Path(tmp) / "images"
             t0 = time.perf_counter()
             make_images(root, args.images, size)

@@ -151,7 +151,8 @@ class VkTrainer:
         timestamps: bool = False,
         precision: str = "float32",
     ) -> None:
-        from actors.engine import Engine, step_values
+        from actors.engine import Engine
+        from flow.optim import step_values
         from flow.planning import plan
 
         self.backend, self.batch, self.slots = backend, batch, in_flight

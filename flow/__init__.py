@@ -5,7 +5,8 @@ The package is in three tiers, each importing only those below it (tests/test_la
 - records: ``flow.spec`` (the job), ``flow.errors``, ``flow.program`` (launches, layouts) and the
   device facts; frozen data with no behaviour.
 - pure decisions: ``flow.codec``, ``flow.validation``, ``flow.shapes``, ``flow.autodiff``,
-  ``flow.planning`` and the other modules that decide from records without effects.
+  ``flow.optim`` (the optimiser), ``flow.planning`` and the other modules that decide from records
+  without effects.
 - entry: this package's top level, ``flow.__main__``, ``flow.runner`` (``run``, ``open_pipeline``),
   ``flow.inference`` (``predict``), ``flow.run_command`` and ``flow.testing``: the only flow modules
   that import ``actors``, the runtime that does the effects.

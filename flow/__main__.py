@@ -8,6 +8,7 @@ input is reported in words, never as a traceback (see flow.run_command.user_erro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict
@@ -17,7 +18,7 @@ from flow.errors import FlowError
 
 
 def _devices(args: argparse.Namespace) -> int:
-    from actors.devices import list_devices
+    from actors.device_select import list_devices
 
     devices, message = list_devices()
     if args.json:
@@ -84,9 +85,30 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from flow.data_plan import header_of
     from flow.planning import plan
+    from flow.runner import select_facts
+    from loaders import LoaderError, open_source
 
-    the_plan = _report(args.file, lambda: plan(load(args.file), budget=args.budget))
+    spec = _report(args.file, lambda: load(args.file))
+    if spec is None:
+        return 1
+    # The whole run where its inputs can be had: the data from the source's header (no sample is
+    # read), the programs and memory for the device the spec selects (no device is opened).
+    header = None
+    try:
+        source = open_source(spec.data.source)
+    except (LoaderError, OSError) as error:
+        print(f"{args.file}: data not planned: {error}", file=sys.stderr)
+    else:
+        with contextlib.closing(source):
+            header = header_of(source)
+    try:
+        facts = select_facts(spec.devices)
+    except LookupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    the_plan = _report(args.file, lambda: plan(spec, facts=facts, header=header, budget=args.budget))
     if the_plan is None:
         return 1
     if args.json:
@@ -135,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check", help="validate a spec file; print every problem or a summary")
     check.add_argument("file")
     check.set_defaults(handler=_check)
-    plan = commands.add_parser("plan", help="print the plan (programs, tensors, memory) for a spec file")
+    plan = commands.add_parser(
+        "plan", help="print the whole run's plan (data, actors, channels, programs, memory) for a spec file"
+    )
     plan.add_argument("file")
     plan.add_argument("--json", action="store_true")
-    plan.add_argument("--budget", type=int, default=None, help="device memory budget in bytes")
+    plan.add_argument(
+        "--budget", type=int, default=None, help="device memory budget in bytes (default: the device's)"
+    )
     plan.set_defaults(handler=_plan)
     run = commands.add_parser("run", help="train a spec file: run FILE [--resume DIR]")
     run.add_argument("rest", nargs=argparse.REMAINDER)

@@ -1,5 +1,6 @@
 """From a model to groups of launches: forward, loss, backward (derived by one rule per layer) and
-the optimiser update. Pure: it names tensors and launches; flow.planning places them in memory.
+the optimiser update (flow.optim decides its launch). Pure: it names tensors and launches;
+flow.planning places them in memory.
 
 Launches inside one group are independent (dW, db and dX of a layer share a group), and groups
 run in order with one barrier between them. Fusions that pay at MLP scale are made here: bias and
@@ -14,14 +15,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from flow.errors import PlanError, Problem
-from flow.program import TENSOR_ALIGNMENT, DType, Launch, launch
+from flow.optim import update_launch
+from flow.program import TENSOR_ALIGNMENT, Launch, TensorDType, launch
 from flow.shapes import infer_shapes
 from flow.spec import (
     GELU,
     MSE,
-    SGD,
-    Adam,
-    AdamW,
     Conv2d,
     CrossEntropy,
     Flatten,
@@ -48,7 +47,7 @@ Role = str  # "param" | "grad" | "state" | "io" | "work"
 class TensorDecl:
     name: str
     shape: tuple[int, ...]
-    dtype: DType
+    dtype: TensorDType
     role: Role
     view_of: str | None = None  # a reshape that shares its base tensor's memory
 
@@ -89,7 +88,7 @@ class Graph:
         name: str,
         shape: tuple[int, ...],
         role: Role = "work",
-        dtype: DType = "float32",
+        dtype: TensorDType = "float32",
         view_of: str | None = None,
     ) -> str:
         declared = TensorDecl(name, tuple(int(d) for d in shape), dtype, role, view_of)
@@ -236,7 +235,7 @@ def k_splits(m: int, n: int, k: int) -> int:
     return max(1, min(math.ceil(k / 128), math.ceil(128 / tiles), 16))
 
 
-def label_shape(model: Model, batch: int) -> tuple[tuple[int, ...], DType]:
+def label_shape(model: Model, batch: int) -> tuple[tuple[int, ...], TensorDType]:
     """Shape and dtype of a batch of labels: class ids for CrossEntropy, targets for MSE."""
     out_shape = infer_shapes(model)[-1] if model.layers else tuple(model.input_shape)
     if isinstance(model.loss, MSE):
@@ -569,42 +568,6 @@ def _activation_backward(
 ) -> Launch:
     """d(input) = grad * f'(saved): ``saved`` is the forward output, or the input for GELU."""
     return launch("unary_backward", (grad, saved, out), n=count, fn=ACTIVATIONS[activation], a=slope, b=0.0)
-
-
-def optimiser_state_names(optimiser: Optimiser) -> tuple[str, ...]:
-    """Flat state arenas the optimiser keeps beside the parameters."""
-    if isinstance(optimiser, SGD):
-        return ("momentum",) if optimiser.momentum else ()
-    return ("exp_avg", "exp_avg_sq")
-
-
-def update_launch(optimiser: Optimiser, total: int) -> Launch:
-    """One launch that updates every parameter in the flat arena (padding included: its gradient
-    is always zero, so it stays zero)."""
-    if isinstance(optimiser, SGD):
-        momentum_buffer = "state:momentum" if optimiser.momentum else "grads:all"
-        return launch(
-            "sgd",
-            ("params:all", "grads:all", momentum_buffer, "stepvals"),
-            n=total,
-            momentum=float(optimiser.momentum),
-            nesterov=int(optimiser.nesterov),
-            weight_decay=float(optimiser.weight_decay),
-        )
-    if isinstance(optimiser, Adam | AdamW):
-        return launch(
-            "adam",
-            ("params:all", "grads:all", "state:exp_avg", "state:exp_avg_sq", "stepvals"),
-            n=total,
-            beta1=float(optimiser.betas[0]),
-            beta2=float(optimiser.betas[1]),
-            eps=float(optimiser.eps),
-            weight_decay=float(optimiser.weight_decay),
-            decoupled=int(isinstance(optimiser, AdamW)),
-            one_minus_beta1=1.0 - float(optimiser.betas[0]),
-            one_minus_beta2=1.0 - float(optimiser.betas[1]),
-        )
-    raise PlanError([Problem("optimiser", f"unknown optimiser {type(optimiser).__name__}")])
 
 
 def build_graph(

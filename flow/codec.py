@@ -12,7 +12,6 @@ keys) and then validates what it could build: :func:`decode` returns only valid 
 raises one :class:`SpecError` listing everything found.
 """
 
-import difflib
 import json
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, get_args, get_origin
 
 import msgpack
 
-from flow.errors import Problem, SpecError
+from flow.errors import Problem, SpecError, did_you_mean
 from flow.spec import SCHEMA_VERSION, Spec, file_key
 from flow.validation import alternatives, validate
 
@@ -135,16 +134,14 @@ def _decode_record(raw: dict, classes: list[type], path: str, problems: list[Pro
     elif kind in names:
         cls = classes[names.index(kind)]
     else:
-        close = difflib.get_close_matches(kind, names, n=1) if isinstance(kind, str) else []
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         what = "missing kind" if kind is None else f"unknown kind {kind!r}"
+        hint = did_you_mean(kind, names)
         problems.append(Problem(path, f"{what}; expected one of {', '.join(names)}{hint}"))
         return None
     declared = {file_key(cls, f.name): f for f in fields(cls)}
     for key in raw:
         if key != "kind" and key not in declared:
-            close = difflib.get_close_matches(key, list(declared), n=1) if isinstance(key, str) else []
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(key, declared)
             problems.append(Problem(f"{path}.{key}" if path else str(key), f"unknown key{hint}"))
     values = {}
     for key, f in declared.items():

@@ -4,6 +4,7 @@ Validation and planning report everything wrong at once, so their errors hold ev
 :class:`Problem` rather than the first; ``str(error)`` is one problem per line.
 """
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -55,3 +56,21 @@ class SpecError(FlowError):
 
 class PlanError(FlowError):
     """A valid spec that cannot be planned for the devices at hand (e.g. a tensor over budget)."""
+
+
+def did_you_mean(word: object, choices: Iterable[object]) -> str:
+    """The hint that ends a problem's message when ``word`` looks like a misspelt choice.
+
+    One helper for every "unknown name" problem, so all of them read alike.
+
+    Args:
+        word: what the spec said; anything but a string gets no hint.
+        choices: the names allowed; those that are not strings are left out.
+
+    Returns:
+        ``"; did you mean 'x'?"`` for the closest choice, or ``""`` when none is close.
+    """
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, [c for c in choices if isinstance(c, str)], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

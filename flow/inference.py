@@ -19,7 +19,7 @@ from actors.engine import Engine
 from actors.messages import Batch
 from actors.preprocess import transform_batch
 from flow.codec import load as load_spec
-from flow.inputs import as_inputs
+from flow.inputs import as_inputs, batch_bounds
 from flow.planning import plan
 from flow.runner import open_backend
 from flow.spec import Spec
@@ -88,12 +88,11 @@ def _predict_stream(spec: Spec, state, data, backend: Backend | None) -> Iterato
             plan(spec, budget=memory_budget(backend.facts, spec.devices.memory_fraction)).devices[0], backend
         )
         optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state)
-        size = spec.data.batch_size
         if isinstance(data, np.ndarray):
             array = data
 
-            def read(start: int) -> np.ndarray:
-                return array[start : start + size]
+            def read(start: int, stop: int) -> np.ndarray:
+                return array[start:stop]
 
             count = array.shape[0]
         else:
@@ -102,12 +101,12 @@ def _predict_stream(spec: Spec, state, data, backend: Backend | None) -> Iterato
             source = open_source(data)
             count = len(source)
 
-            def read(start: int) -> np.ndarray:
-                return source.read(np.arange(start, min(start + size, count)))[0]
+            def read(start: int, stop: int) -> np.ndarray:
+                return source.read(np.arange(start, stop))[0]
 
         def batches() -> Iterator[np.ndarray]:
-            for position, start in enumerate(range(0, count, size)):
-                rows = read(start)
+            for position, (start, stop) in enumerate(batch_bounds(count, spec.data.batch_size)):
+                rows = read(start, stop)
                 batch = Batch(
                     seq=position,
                     epoch=0,

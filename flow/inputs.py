@@ -1,14 +1,17 @@
-"""What a model accepts as inputs to predict on, decided in one place for ``flow.predict`` and
-``PipelineHandle.feed``: a batch ``[n, *input_shape]`` or one sample ``[*input_shape]`` of real
-numbers. Booleans and integers become float32 the way numpy's ``astype(np.float32)`` and torch's
-``.float()`` make them (True is 1.0; integers beyond 2**24 round to the nearest float32). Complex
-numbers are refused: a model's inputs are real, and silently dropping the imaginary part (what
-numpy's cast does, with only a warning) would predict on data the caller never meant. Anything
-else (None, a scalar, text, a ragged list, a wrong shape) is refused with the shape expected.
+"""What a model accepts as inputs to predict on, and how they are cut into batches, decided in one
+place for ``flow.predict`` and ``PipelineHandle.feed``: a batch ``[n, *input_shape]`` or one sample
+``[*input_shape]`` of real numbers. Booleans and integers become float32 the way numpy's
+``astype(np.float32)`` and torch's ``.float()`` make them (True is 1.0; integers beyond 2**24 round
+to the nearest float32). Complex numbers are refused: a model's inputs are real, and silently
+dropping the imaginary part (what numpy's cast does, with only a warning) would predict on data the
+caller never meant. Anything else (None, a scalar, text, a ragged list, a wrong shape) is refused
+with the shape expected. Inputs go in batches of ``data.batch_size`` consecutive rows
+(:func:`batch_bounds`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -64,3 +67,18 @@ def as_inputs(data: Any, input_shape: tuple[int, ...], *, what: str = "predict")
     if array.shape[1:] != tuple(input_shape):
         raise ValueError(f"{what} takes inputs of shape {expected(input_shape)}, got shape {array.shape}")
     return array.astype(np.float32, copy=False)
+
+
+def batch_bounds(count: int, size: int) -> Iterator[tuple[int, int]]:
+    """How ``count`` inputs are cut into batches for prediction: consecutive rows, ``size`` a batch,
+    the last batch holding what is left. The one cut for ``flow.predict`` and ``PipelineHandle.feed``.
+
+    Args:
+        count: rows in all (0 gives no batch).
+        size: the most rows a batch holds (the spec's ``data.batch_size``), >= 1.
+
+    Returns:
+        ``(start, stop)`` row bounds of each batch, in order; the last has ``stop == count``.
+    """
+    for start in range(0, count, size):
+        yield start, min(start + size, count)

@@ -1,5 +1,6 @@
-"""A plan as text for people: memory per arena, tensors with their placement, and each program's
-launches with the barriers between them."""
+"""A plan as text for people: the data (splits, batches, schedule), the actors and channels, and for
+each device memory per arena, tensors with their placement, and each program's launches with the
+barriers between them."""
 
 from __future__ import annotations
 
@@ -16,10 +17,36 @@ def format_plan(plan: Plan) -> str:
     Returns:
         The text, without a trailing newline.
     """
-    lines = [
-        f"placement: {dict(plan.placement)}",
-        "channels: " + ", ".join(f"{s}->{d} ({c})" for s, d, c in plan.channels),
-    ]
+    lines = [f"mode: {plan.mode}"]
+    if plan.data is None:
+        lines.append("data: not opened (the source could not be read here)")
+    else:
+        data = plan.data.as_dict()
+        lines.append(
+            f"data: {data['samples']:,} samples, batch {data['batch_size']}, shuffle {data['shuffle']}, "
+            f"seed {data['seed']}, drop_last {data['drop_last']}"
+        )
+        for name, split in data["splits"].items():
+            lines.append(
+                f"  {name:<5} {split['samples']:>8,} samples  {split['batches']:>6,} batches  "
+                f"last batch {split['last_batch_rows']} rows"
+            )
+        every = f"every {data['eval_every']} steps" if data["eval_every"] else "after each epoch"
+        evaluation = every if data["splits"]["val"]["samples"] else "none (no validation split)"
+        checkpoints = f"every {data['checkpoint_every']} steps" if data["checkpoint_every"] else "at the end"
+        lines.append(
+            f"  {data['steps']:,} steps ({data['batches_per_epoch']:,} a epoch); evaluation {evaluation}; "
+            f"checkpoints {checkpoints}"
+        )
+    pipeline = plan.pipeline
+    lines.append(f"actors (batches read in place: {'yes' if pipeline.in_place else 'no'}):")
+    for actor in pipeline.actors:
+        where = f" on device {actor.device}" if actor.device is not None else ""
+        lines.append(
+            f"  {actor.name:<12} {actor.kind:<10}{where}  workers {actor.workers}  "
+            f"in: {actor.inbox or '-'}  out: {', '.join(actor.outboxes) or '-'}"
+        )
+    lines.append("channels: " + ", ".join(f"{s}->{d} ({c})" for s, d, c in pipeline.channels))
     for device in plan.devices:
         memory = device.memory
         budget = f"{memory.budget:,} B" if memory.budget is not None else "not checked"

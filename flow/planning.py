@@ -1,9 +1,10 @@
 """The plan: everything about a run decided before any device work, as pure data.
 
-``plan(spec)`` derives the programs (flow.autodiff), places every tensor in an arena with buffer
-reuse from lifetimes (an activation's memory is reused once its last backward reader has run),
-checks memory against the device budget, and records which device runs which stage and the
-channel capacities between stages.
+``plan(spec, facts=..., header=...)`` is the whole run: the data's splits, batches and schedule
+(flow.data_plan), the actors and channels (flow.pipeline_plan), and for each device the programs
+(flow.autodiff) with every tensor placed in an arena, buffer reuse from lifetimes (an activation's
+memory is reused once its last backward reader has run) and memory checked against its budget.
+The runner opens what the plan says and decides nothing.
 
 Arenas: ``params``, ``grads`` and one per optimiser state share one offset per parameter, so the
 optimiser is a single launch over the flat arenas; ``work`` holds activations and temporaries;
@@ -25,10 +26,13 @@ from flow.autodiff import (
     build_graph,
     fused_bias_grads,
     label_shape,
-    optimiser_state_names,
     parameters,
 )
+from flow.data_plan import DataPlan, SourceHeader, plan_data
+from flow.device_facts import DeviceFacts, memory_budget
 from flow.errors import PlanError, Problem
+from flow.optim import optimiser_state_names
+from flow.pipeline_plan import PipelinePlan, plan_pipeline
 from flow.program import (
     ITEM_BYTES,
     STEP_VALUES,
@@ -41,7 +45,7 @@ from flow.program import (
     with_barriers,
 )
 from flow.shapes import infer_shapes
-from flow.spec import Model, Spec, default_pipeline
+from flow.spec import Model, Spec
 from flow.validation import check
 from shaders.registry import op as op_def
 
@@ -109,16 +113,30 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class Plan:
+    """Everything about a run, decided before any device work: the single source of truth the
+    runner opens resources and starts actors from.
+
+    Attributes:
+        spec: the spec it was planned from.
+        mode: "train" or "predict".
+        devices: what each device holds and runs: tensors, memory, and every program it launches.
+        pipeline: the actors, their channels and capacities, and whether batches are read in place.
+        data: the splits, batches and schedule (None where the source was not opened: ``flow plan``
+            without readable data, and prediction).
+    """
+
     spec: Spec
+    mode: str
     devices: tuple[DevicePlan, ...]
-    placement: tuple[tuple[str, int], ...]  # pipeline node -> device index in ``devices``
-    channels: tuple[tuple[str, str, int], ...]  # (src, dst, capacity)
+    pipeline: PipelinePlan
+    data: DataPlan | None = None
 
     def as_dict(self) -> dict:
         """The plan as plain data (for JSON, msgpack and tables)."""
         return {
-            "placement": dict(self.placement),
-            "channels": [list(c) for c in self.channels],
+            "mode": self.mode,
+            "data": self.data.as_dict() if self.data is not None else None,
+            "pipeline": self.pipeline.as_dict(),
             "devices": [_device_dict(d) for d in self.devices],
         }
 
@@ -374,28 +392,57 @@ def _check_bindings(layout: Layout, graphs: dict[str, Graph]) -> None:
                     layout.tensor(name)
 
 
-def plan(spec: Spec, budget: int | None = None, features: tuple[str, ...] | None = None) -> Plan:
-    """Turn a valid spec into a plan, before any device work.
+def plan(
+    spec: Spec,
+    budget: int | None = None,
+    features: tuple[str, ...] | None = None,
+    *,
+    facts: DeviceFacts | None = None,
+    header: SourceHeader | None = None,
+    mode: str = "train",
+    maps_inputs: bool | None = None,
+) -> Plan:
+    """Turn a valid spec into the whole run's plan, before any device work.
 
     Args:
         spec: the spec (validated here).
-        budget: the device memory budget in bytes, when known.
-        features: the device's features, when known (checked against ``run.precision``).
+        budget: the device memory budget in bytes; default: from ``facts`` (flow.device_facts.
+            memory_budget with the spec's memory_fraction), or no check without facts.
+        features: the device's features; default: ``facts.features`` (checked against
+            ``run.precision``).
+        facts: the device the run will use, when known.
+        header: the source's header, when it has been opened: the data is then checked against
+            the model and split, batched and scheduled (``Plan.data``).
+        mode: "train" or "predict".
+        maps_inputs: whether the device maps its input slots into host memory (so batches can be
+            read in place); default: any Vulkan device (the CPU backend copies).
 
     Returns:
         The plan.
 
     Raises:
-        SpecError: the spec is not valid.
-        PlanError: it cannot be planned (e.g. over the memory budget).
+        SpecError: the spec is not valid, or the data does not fit the model.
+        PlanError: it cannot be planned (a wiring mistake, a split with no training batch, a model
+            over the memory budget, a feature the device lacks).
     """
+    if mode not in ("train", "predict"):
+        raise ValueError(f"mode must be 'train' or 'predict', got {mode!r}")
     check(spec)
-    device = str(spec.devices.select)
+    if facts is not None:
+        budget = memory_budget(facts, spec.devices.memory_fraction) if budget is None else budget
+        features = facts.features if features is None else features
+        maps_inputs = facts.kind != "cpu" if maps_inputs is None else maps_inputs
+    pipeline = plan_pipeline(
+        spec,
+        mode=mode,
+        sample_shape=header.sample_shape if header is not None else None,
+        reads_in_place=header is not None and header.reads_in_place,
+        maps_inputs=bool(maps_inputs),
+    )
+    data = plan_data(spec, header) if header is not None and mode == "train" else None
+    device = facts.name if facts is not None else str(spec.devices.select)
     device_plan = plan_device(spec, device, budget, features)
-    pipeline = spec.pipeline or default_pipeline(spec)
-    placement = tuple((node.name, node.device or 0) for node in pipeline.nodes if node.kind == "device")
-    channels = tuple((e.src, e.dst, e.capacity) for e in pipeline.edges)
-    return Plan(spec=spec, devices=(device_plan,), placement=placement, channels=channels)
+    return Plan(spec=spec, mode=mode, devices=(device_plan,), pipeline=pipeline, data=data)
 
 
 def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.ndarray]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-DType = Literal["float32", "int32", "uint32", "float16"]
+# The element types a device tensor may hold (what the shaders read); a raw source file may hold
+# more (flow.spec.SourceDType), and the loaders cast to these.
+TensorDType = Literal["float32", "int32", "uint32", "float16"]
 
 ITEM_BYTES: dict[str, int] = {"float32": 4, "int32": 4, "uint32": 4, "float16": 2}
 
@@ -59,7 +61,7 @@ class Tensor:
 
     name: str
     shape: tuple[int, ...]
-    dtype: DType
+    dtype: TensorDType
     arena: str
     offset: int
 

@@ -34,26 +34,29 @@ import numpy as np
 import trio
 
 from actors import checkpoint as checkpoints
-from actors import devices as devices_module
+from actors import device_select
 from actors import optimiser as optim
-from actors.backend import Backend, memory_budget
+from actors.backend import Backend
 from actors.device import DeviceActor, InputSlots
 from actors.engine import Engine
 from actors.health import NonFiniteLoss
-from actors.loader import Loader, Schedule, jobs, total_steps
+from actors.loader import Loader, jobs
 from actors.messages import Batch, Cursor, EvalDone, InputStatistics, Prediction
+from actors.meter import HookList, Hooks, Meter
 from actors.optimiser import OptimiserActor
 from actors.outputs import Outputs, open_outputs
 from actors.preprocess import Preprocess
 from actors.progress import Progress
 from actors.sink import Sink
-from actors.statistics import ActorStatistics, HookList, Hooks, Meter
+from actors.statistics import ActorStatistics
 from flow.codec import load as load_spec
-from flow.errors import SpecError
-from flow.inputs import as_inputs, expected
-from flow.planning import plan
-from flow.spec import Devices, Pipeline, Spec, default_pipeline
-from flow.validation import data_problems
+from flow.data_plan import header_of
+from flow.device_facts import DeviceFacts
+from flow.inputs import as_inputs, batch_bounds, expected
+from flow.optim import describe_optimiser
+from flow.pipeline_plan import ActorPlan
+from flow.planning import Plan, plan
+from flow.spec import Devices, Spec
 
 logger = logging.getLogger("vkflow")
 
@@ -140,82 +143,26 @@ def resume_conflicts(spec: Spec, saved: Spec) -> list[str]:
     return [name for name in ("model", "optimiser", "data") if getattr(spec, name) != getattr(saved, name)]
 
 
-def _pipeline_of(spec: Spec) -> Pipeline:
-    return spec.pipeline or default_pipeline(spec)
+# -- effects ---------------------------------------------------------------------------------------
 
 
-def wiring(pipeline: Pipeline) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
-    """Each node's inbound and outbound edges, checked.
+def select_facts(devices: Devices) -> DeviceFacts:
+    """The facts of the device ``devices.select`` asks for, without opening it: "cpu", "auto" (the
+    best Vulkan device, else the CPU with a one-line warning), or a Vulkan device by index or name.
 
     Args:
-        pipeline: the pipeline.
+        devices: the spec's devices.
 
     Returns:
-        (node -> sources of its inbound edges, node -> destinations of its outbound edges).
+        The facts (open the device with actors.device_select.open_device).
 
     Raises:
-        ValueError: not exactly one loader, device and sink; or a node with more than one inbound
-            edge (trio has no select: fan-in would need a forwarding task per input, and the
-            stream's order, which checkpoints rely on, would be lost).
+        LookupError: a named Vulkan device that cannot be had.
     """
-    for kind in ("loader", "device", "sink"):
-        count = sum(node.kind == kind for node in pipeline.nodes)
-        if count != 1:
-            raise ValueError(f"the pipeline needs exactly one {kind} node, it has {count}")
-    inbound: dict[str, tuple[str, ...]] = {node.name: () for node in pipeline.nodes}
-    outbound: dict[str, tuple[str, ...]] = {node.name: () for node in pipeline.nodes}
-    for edge in pipeline.edges:
-        inbound[edge.dst] += (edge.src,)
-        outbound[edge.src] += (edge.dst,)
-    for name, sources in inbound.items():
-        if len(sources) > 1:
-            raise ValueError(
-                f"pipeline node {name!r} has {len(sources)} inbound edges ({', '.join(sources)}); "
-                "the runtime keeps one ordered stream, so each node takes at most one"
-            )
-    return inbound, outbound
-
-
-def fills_in_place(
-    spec: Spec, pipeline: Pipeline, source: Any, views: Sequence[tuple[np.ndarray, np.ndarray]] | None
-) -> bool:
-    """Whether the loader may read training batches straight into the device's input slots.
-
-    It may when nothing between the two changes a batch: no transforms, and a path from the loader
-    to the device through pass-through nodes only, with no fan-out (a batch in a slot has one
-    consumer: the device, which then only submits it). The source must offer ``read_into`` and its
-    samples must be the model's inputs; the device must map its slots (``views``), one label each
-    row.
-
-    Args:
-        spec: the spec.
-        pipeline: its pipeline.
-        source: the open source.
-        views: the engine's per-slot (x, y) views (Engine.input_views), or None.
-
-    Returns:
-        True to fill in place.
-    """
-    if not views or not callable(getattr(source, "read_into", None)):
-        return False
-    if spec.data.preprocess or spec.data.augment:
-        return False
-    x, y = views[0]
-    if tuple(source.sample_shape) != tuple(x.shape[1:]) or y.size != x.shape[0]:
-        return False
-    _, outbound = wiring(pipeline)
-    kinds = {node.name: node.kind for node in pipeline.nodes}
-    name = next(node.name for node in pipeline.nodes if node.kind == "loader")
-    while kinds[name] != "device":
-        if len(outbound[name]) != 1:
-            return False
-        name = outbound[name][0]
-        if kinds[name] not in ("preprocess", "broadcast", "device"):
-            return False
-    return True
-
-
-# -- effects ---------------------------------------------------------------------------------------
+    facts, message = device_select.select_facts(devices.select)
+    if message:
+        logger.warning("vkflow: %s", message.splitlines()[0])
+    return facts
 
 
 def open_backend(devices: Devices) -> Backend:
@@ -231,10 +178,7 @@ def open_backend(devices: Devices) -> Backend:
     Raises:
         LookupError: a named Vulkan device that cannot be had.
     """
-    backend, message = devices_module.open_backend(devices.select, devices.memory_fraction)
-    if message:
-        logger.warning("vkflow: %s", message.splitlines()[0])
-    return backend
+    return device_select.open_device(select_facts(devices), devices.memory_fraction)
 
 
 def _resolve(
@@ -305,8 +249,7 @@ class _Runtime:
         self.finished = trio.Event()
         self.started = time.monotonic()
         self.start_cursor = Cursor()
-        self.total = 0
-        self.per_epoch = 1
+        self.plan: Plan | None = None
         self.inline = False
         # A resumed run is the same run: its checkpoints and metrics lines carry the saved id.
         self.run_id = saved.run if saved is not None else checkpoints.new_run_id()
@@ -320,14 +263,13 @@ class _Runtime:
         return await trio.to_thread.run_sync(fn, *args)
 
     async def open(self) -> None:
-        """Open what the run needs, refusing every mistake as early as it can be seen: the
-        pipeline's shape first; then the data against the model, from the source's header (opening
-        a source is cheap: a header, an index, a listing), before any device is opened; then the
-        plan (memory, device features) before the first sample is read or any device memory is
-        allocated."""
+        """Open what the plan says, in an order that refuses every mistake before it costs: the
+        outputs (another run's checkpoints), then the source's header (opening a source reads no
+        sample) and the device's facts (no device is opened), then the plan, which checks the
+        pipeline, the data against the model and the memory budget all at once. Only then is the
+        device opened and its programs recorded, every one of them before the first step."""
         spec = self.spec
-        pipeline = _pipeline_of(spec)
-        wiring(pipeline)
+        header = None
         if self.mode == "train":
             # Another run's checkpoints or metrics, or a live run writing them: refused at once.
             start = self.saved.cursor.step if self.saved is not None else None
@@ -335,16 +277,20 @@ class _Runtime:
             from loaders import open_source
 
             self.source = await self._blocking(open_source, spec.data.source)
-            problems = data_problems(spec, tuple(self.source.sample_shape), self.source.num_classes)
-            if problems:
-                raise SpecError(problems)
+            header = header_of(self.source)
+        if self.backend is not None:
+            facts = self.backend.facts
+            maps_inputs = callable(getattr(self.backend, "write_into", None))
+        else:
+            facts = await trio.to_thread.run_sync(select_facts, spec.devices)
+            maps_inputs = None  # as the plan assumes for the facts' kind
+        self.plan = plan(spec, facts=facts, header=header, mode=self.mode, maps_inputs=maps_inputs)
         if self.backend is None:
-            self.backend = await trio.to_thread.run_sync(open_backend, spec.devices)
+            self.backend = await trio.to_thread.run_sync(
+                device_select.open_device, facts, spec.devices.memory_fraction
+            )
         self.inline = bool(getattr(self.backend, "runs_inline", False))
-        budget = memory_budget(self.backend.facts, spec.devices.memory_fraction)
-        device_plan = plan(spec, budget=budget, features=self.backend.facts.features).devices[0]
-        stream = self._stream() if self.mode == "train" else None
-        self.engine = await self._blocking(Engine, device_plan, self.backend)
+        self.engine = await self._blocking(Engine, self.plan.devices[0], self.backend)
         saved = self.saved
         self.start_cursor = optim.start(
             self.engine,
@@ -357,73 +303,55 @@ class _Runtime:
         # batches run these same programs (see flow.planning.DevicePlan).
         kinds = ("train", "eval") if self.mode == "train" else ("predict",)
         await self._blocking(self.engine.prepare, kinds)
-        self._wire(pipeline, stream(self.start_cursor) if stream is not None else None)
+        self._wire()
 
-    def _stream(self):
-        """Lay out the run on the open source: splits, samplers, schedule. Returns the loader's
-        jobs as a function of the cursor the run starts at (known once a checkpoint is restored)."""
-        from loaders import Sampler, split_indices
+    @property
+    def total(self) -> int:
+        """Training steps in the whole run (0 when predicting)."""
+        return self.plan.data.schedule.total_steps if self.plan and self.plan.data else 0
 
-        spec, data = self.spec, self.spec.data
-        split = data.split
-        parts = split_indices(
-            len(self.source),
-            self.source.labels,
-            split.train,
-            split.val,
-            split.test,
-            data.seed,
-            split.stratify,
-        )
-        train = Sampler(parts["train"], data.batch_size, data.shuffle, data.seed, data.drop_last)
+    @property
+    def per_epoch(self) -> int:
+        """Training batches a epoch (1 when predicting)."""
+        return self.plan.data.schedule.batches_per_epoch if self.plan and self.plan.data else 1
 
-        def scored(split_name: str) -> Sampler | None:
-            indices = parts[split_name]
-            return Sampler(indices, data.batch_size, False, data.seed, False) if indices.size else None
-
-        val, test = scored("val"), scored("test")
-        self.per_epoch = per_epoch = train.batches_per_epoch()
-        if per_epoch == 0:
-            raise ValueError(
-                f"the training split has {parts['train'].size} samples: no batch of "
-                f"{data.batch_size} (drop_last={data.drop_last})"
-            )
-        self.total = total_steps(spec.run.epochs, spec.run.steps, per_epoch)
-        schedule = Schedule(
-            per_epoch, self.total, spec.run.eval_every, spec.run.checkpoint_every, val is not None
-        )
-        return lambda start: jobs(start, schedule, train, val, test)
-
-    def _wire(self, pipeline: Pipeline, stream) -> None:
-        inbound, outbound = wiring(pipeline)
-        views = self.engine.input_views() if self.mode == "train" else None
-        in_place = views is not None and fills_in_place(self.spec, pipeline, self.source, views)
-        self.slots = InputSlots(self.engine.slots, views if in_place else None)
-        capacity = {(e.src, e.dst): e.capacity for e in pipeline.edges}
-        for key, size in capacity.items():
-            self.channels[key] = trio.open_memory_channel(size)
-        kinds = {node.name: node for node in pipeline.nodes}
-        for name, node in kinds.items():
-            inbox = self.channels[(inbound[name][0], name)][1] if inbound[name] else None
-            outboxes = [self.channels[(name, dst)][0] for dst in outbound[name]]
-            if node.kind == "sink" and self.mode == "predict":
+    def _wire(self) -> None:
+        """Open the plan's channels and make its actors."""
+        pipeline = self.plan.pipeline
+        views = self.engine.input_views() if pipeline.in_place else None
+        if pipeline.in_place and views is None:
+            raise AssertionError("the plan reads batches in place, but the device maps no input slots")
+        self.slots = InputSlots(self.engine.slots, views)
+        for src, dst, capacity in pipeline.channels:
+            self.channels[(src, dst)] = trio.open_memory_channel(capacity)
+        for actor in pipeline.actors:
+            inbox = self.channels[(actor.inbox, actor.name)][1] if actor.inbox else None
+            outboxes = [self.channels[(actor.name, dst)][0] for dst in actor.outboxes]
+            if actor.kind == "sink" and self.mode == "predict":
                 send, self.results = trio.open_memory_channel(max(1, self.engine.slots))
                 outboxes.append(send)
-            meter = Meter(name, inbox, outboxes, self.hooks)
-            self.actors[name] = self._actor(node, meter, stream)
+            meter = Meter(actor.name, inbox, outboxes, self.hooks)
+            self.actors[actor.name] = self._actor(actor, meter)
         if self.hooks is not None:
             self.hooks.attach(dict(self.channels))
 
-    def _actor(self, node, meter: Meter, stream):
+    def _jobs(self):
+        """The loader's stream, from the cursor the run starts at."""
+        data = self.plan.data
+        return jobs(
+            self.start_cursor, data.schedule, data.sampler("train"), data.sampler("val"), data.sampler("test")
+        )
+
+    def _actor(self, actor: ActorPlan, meter: Meter):
         spec = self.spec
-        if node.kind == "loader":
+        if actor.kind == "loader":
             if self.mode == "predict":
                 self.feed = meter
                 return None  # the caller feeds: PipelineHandle.feed
             return Loader(
-                meter, self.source, stream, workers=node.workers, inline=self.inline, slots=self.slots
+                meter, self.source, self._jobs(), workers=actor.workers, inline=self.inline, slots=self.slots
             )
-        if node.kind == "preprocess":
+        if actor.kind == "preprocess":
             return Preprocess(
                 meter,
                 spec.data.preprocess,
@@ -432,25 +360,21 @@ class _Runtime:
                 tuple(spec.model.input_shape),
                 inline=self.inline,
             )
-        if node.kind == "device":
-            if self.device is not None:
-                raise ValueError(
-                    "this runtime drives one device node; data parallel replicas are not wired yet"
-                )
+        if actor.kind == "device":
             self.device = DeviceActor(
                 meter, self.engine, self.start_cursor, inline=self.inline, slots=self.slots
             )
             return self.device
-        if node.kind == "optimiser" and self.mode == "train":
+        if actor.kind == "optimiser" and self.mode == "train":
             return OptimiserActor(meter, spec.optimiser, self.start_cursor.step)
-        if node.kind == "sink":
+        if actor.kind == "sink":
             self.sink = Sink(
                 meter,
                 spec,
                 self.total,
                 self.start_cursor.step,
                 self.statistics,
-                optim.describe(spec.optimiser, self.engine.plan.state_names),
+                describe_optimiser(spec.optimiser, self.engine.plan.state_names),
                 spec.run.checkpoint_dir if self.mode == "train" else None,
                 spec.run.metrics_file if self.mode == "train" else None,
                 self.progress if self.mode == "train" else Progress(enabled=False),
@@ -497,7 +421,7 @@ class _Runtime:
         if self.mode != "train" or self.device is None or directory is None:
             return None
         snapshot = self.device.snapshot_now()
-        describe = optim.describe(self.spec.optimiser, self.engine.plan.state_names)
+        describe = describe_optimiser(self.spec.optimiser, self.engine.plan.state_names)
         checkpoint = checkpoints.from_snapshot(self.spec, snapshot, describe, self.run_id)
         return checkpoints.save(directory, checkpoint, self.spec.run.keep_checkpoints)
 
@@ -626,20 +550,18 @@ class PipelineHandle:
         if x.shape[0] == 0:
             raise ValueError(f"feed takes at least one sample of shape {expected(input_shape)}, got none")
         tag, self._tags = self._tags, self._tags + 1
-        size = self.spec.data.batch_size
-        starts = range(0, x.shape[0], size)
-        for position, start in enumerate(starts):
-            rows = x[start : start + size]
+        count = x.shape[0]
+        for position, (start, stop) in enumerate(batch_bounds(count, self.spec.data.batch_size)):
             batch = Batch(
                 seq=self._seq,
                 epoch=0,
                 position=position,
-                indices=np.arange(start, start + len(rows)),
-                x=rows,
+                indices=np.arange(start, stop),
+                x=x[start:stop],
                 y=None,
                 split="predict",
                 tag=tag,
-                last=start + size >= x.shape[0],
+                last=stop == count,
             )
             self._seq += 1
             await feed.send(batch)
@@ -713,7 +635,7 @@ async def open_pipeline(
             ``spec.devices.select`` asks for and closes it at the end. A backend with
             ``runs_inline = True`` (flow.testing.FakeDevice) makes the whole pipeline thread-free.
         mode: "train" or "predict".
-        hooks: observers of every item the actors move (see actors.statistics.Hooks).
+        hooks: observers of every item the actors move (see actors.meter.Hooks).
         progress: the progress line; default: drawn on stderr when it is a TTY.
 
     Yields:

@@ -1,11 +1,11 @@
 """Spec types: a training job as pure data.
 
 A spec is a tree of frozen records (model, optimiser, data, devices, pipeline, run settings) with no
-behaviour beyond two pure helpers: :func:`learning_rate` (the schedules) and
-:func:`default_pipeline`. Records hold tuples, never lists, so a spec is hashable and compares by
-value; the codec tags each record by its class name, so class and field names are part of the file
-format (:data:`SCHEMA_VERSION`). Constructors never check values: :mod:`flow.validation` does, and
-returns every problem at once.
+behaviour beyond one pure helper, :func:`default_pipeline`: what an optimiser record means (its
+learning-rate schedule, step values and state) is decided in :mod:`flow.optim`. Records hold tuples,
+never lists, so a spec is hashable and compares by value; the codec tags each record by its class
+name, so class and field names are part of the file format (:data:`SCHEMA_VERSION`). Constructors
+never check values: :mod:`flow.validation` does, and returns every problem at once.
 
 Inputs, the one convention of every source: samples arrive as float32, images channels first
 (C, H, W) unless ``layout="HWC"``. 8-bit data is divided by 255, so it arrives in [0, 1]: images of
@@ -23,7 +23,6 @@ Annotations here are real objects (no ``from __future__ import annotations``) be
 the validator read them from ``dataclasses.fields``.
 """
 
-import math
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Literal
 
@@ -31,7 +30,8 @@ SCHEMA_VERSION = 1
 
 Shape = tuple[int, ...]
 Activation = Literal["relu", "leaky_relu", "sigmoid", "tanh", "gelu"]
-DType = Literal["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64"]
+# The element types a raw source file may hold; device tensors hold fewer (flow.program.TensorDType).
+SourceDType = Literal["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64"]
 OnError = Literal["raise", "skip"]
 
 
@@ -407,10 +407,10 @@ class RawBinary(_Record):
 
     path: str
     _: KW_ONLY
-    dtype: DType
+    dtype: SourceDType
     shape: Shape
     labels_path: str | None = None
-    label_dtype: DType = "int32"
+    label_dtype: SourceDType = "int32"
     on_error: OnError = "raise"
 
 
@@ -745,34 +745,6 @@ def file_key(cls: type, name: str) -> str:
         The key; the field's name except for the few in FILE_KEYS.
     """
     return FILE_KEYS.get((cls, name), name)
-
-
-def learning_rate(optimiser: Optimiser, step: int) -> float:
-    """The learning rate for one optimiser step.
-
-    Warmup rises linearly from 0 at step 0 to ``lr`` at step ``warmup_steps``; the schedule's clock
-    then starts. ``StepLR`` multiplies by ``gamma`` every ``step_size`` steps; ``Cosine`` falls from
-    ``lr`` to ``min_lr`` at step ``total_steps`` (counted from step 0, warmup included) and stays there.
-
-    Args:
-        optimiser: an SGD, Adam or AdamW record (valid, see flow.validation).
-        step: the 0-based index of the update.
-
-    Returns:
-        The learning rate for that update.
-    """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    lr, schedule = optimiser.lr, optimiser.schedule
-    if step < schedule.warmup_steps:
-        return lr * step / schedule.warmup_steps
-    t = step - schedule.warmup_steps
-    if isinstance(schedule, StepLR):
-        return lr * schedule.gamma ** (t // schedule.step_size)
-    if isinstance(schedule, Cosine):
-        progress = min(t / (schedule.total_steps - schedule.warmup_steps), 1.0)
-        return schedule.min_lr + (lr - schedule.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return float(lr)
 
 
 def default_pipeline(spec: Spec) -> Pipeline:

@@ -28,7 +28,8 @@ import trio
 
 from actors.cpu_backend import CpuBackend
 from actors.messages import Batch, StepDone
-from actors.statistics import ActorStatistics, Hooks
+from actors.meter import Hooks
+from actors.statistics import ActorStatistics
 from flow.runner import PipelineHandle, open_pipeline
 from flow.spec import Spec
 

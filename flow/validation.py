@@ -7,14 +7,13 @@ layer shapes, the loss against the last layer, the pipeline's graph. A rule only
 that passed the checks before it, so one mistake is reported once and never crashes a later rule.
 """
 
-import difflib
 import math
 from collections.abc import Callable
 from dataclasses import MISSING, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-from flow.errors import Problem, SpecError
+from flow.errors import Problem, SpecError, did_you_mean
 from flow.shapes import count_parameters, infer_shapes, layer_parameters, trace
 from flow.spec import (
     CSV,
@@ -230,11 +229,8 @@ def _describe(annotation: Any) -> str:
 
 def _hint(value: Any, annotation: Any) -> str:
     """'; did you mean ...?' for a string close to one of the literals allowed."""
-    if not isinstance(value, str):
-        return ""
     allowed = [a for o in alternatives(annotation) if get_origin(o) is Literal for a in get_args(o)]
-    close = difflib.get_close_matches(value, [a for a in allowed if isinstance(a, str)], n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return did_you_mean(value, allowed)
 
 
 def _matches(value: Any, option: Any) -> bool:
@@ -537,12 +533,7 @@ def _pipeline(r: _Rule) -> None:
         for end in ("src", "dst"):
             name = getattr(edge, end, None)
             if isinstance(edge, Edge) and isinstance(name, str) and name not in names:
-                close = difflib.get_close_matches(name, names, n=1)
-                hint = (
-                    f"; did you mean {close[0]!r}?"
-                    if close
-                    else f"; nodes are {', '.join(dict.fromkeys(names))}"
-                )
+                hint = did_you_mean(name, names) or f"; nodes are {', '.join(dict.fromkeys(names))}"
                 r.add(f"edges[{i}].{end}", f"unknown node {name!r}{hint}")
     # Credit edges are left out: a cycle is only a deadlock risk if none of its edges has credits.
     links = [e for e in edges if isinstance(e, Edge) and not e.credit and e.src in names and e.dst in names]

@@ -5,11 +5,12 @@ transforms.
 The runtime opens a source with :func:`open_source` from a spec record, draws batches of indices
 from a :class:`Sampler` and decodes them with ``source.read(indices)``. Bad input follows the
 source's ``on_error`` policy (:mod:`loaders.errors`). This package imports nothing from ``flow`` or
-``actors``: it is the lowest layer.
+``actors``: it is the lowest layer beside ``shaders``, whose import-free
+:func:`shaders.user_cache.cache_dir` it shares so that one setting moves every cache.
 """
 
 from loaders.binary import IDXSource, RawBinarySource, read_idx, write_idx
-from loaders.cache import cache_dir, load_manifest, manifest_path
+from loaders.cache import load_manifest, manifest_path
 from loaders.csv_source import CSVSource
 from loaders.digits import load_digits_arrays, open_digits, write_image_folder
 from loaders.dispatch import open_source
@@ -42,7 +43,6 @@ __all__ = [
     "SyntheticSource",
     "apply_transforms",
     "batch_rng",
-    "cache_dir",
     "horizontal_flip",
     "load_digits_arrays",
     "load_manifest",

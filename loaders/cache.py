@@ -1,8 +1,9 @@
-"""The user cache directory and the cached file listing (manifest) of an image folder.
+"""The cached file listing (manifest) of an image folder.
 
 Listing a folder of many thousand images costs a directory walk and a ``stat`` per file, so it is
-done once and stored as JSON under ``$XDG_CACHE_HOME/vkflow/manifests/<hash of root>.json`` (never in
-the data directory, which may be read-only or shared, nor in the working tree). A later open trusts
+done once and stored as JSON under ``cache_dir("manifests")/<hash of root>.json`` in the user cache
+(:func:`shaders.user_cache.cache_dir`; never in the data directory, which may be read-only or
+shared, nor in the working tree). A later open trusts
 the manifest only while every directory it walked still has the same mtime; adding, removing or
 renaming a file changes its directory's mtime, so that forces a new listing.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loaders.errors import logger
+from shaders.user_cache import cache_dir
 
 MANIFEST_VERSION = 1
 
@@ -25,19 +27,6 @@ MANIFEST_VERSION = 1
 # added within one tick of the listing could leave the mtime unchanged. A directory changed this
 # close to the listing is "racy" (as in git's index) and the manifest is not trusted for it.
 RACY_NS = 2_000_000_000
-
-
-def cache_dir(*parts: str) -> Path:
-    """The vkflow user cache directory, ``$XDG_CACHE_HOME/vkflow`` (default ``~/.cache/vkflow``).
-
-    Args:
-        parts: sub-directories below it.
-
-    Returns:
-        The path (not created).
-    """
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base, "vkflow", *parts)
 
 
 def manifest_path(root: Path) -> Path:

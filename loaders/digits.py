@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from loaders.cache import cache_dir
 from loaders.image_folder import ImageFolderSource
+from shaders.user_cache import cache_dir
 
 DIGITS_COUNT = 1797
 _MARKER = ".complete"
@@ -80,7 +80,7 @@ def open_digits(
     Args:
         workers: decode threads.
         on_error: "raise" or "skip".
-        dest: where to write the PNGs; default ``$XDG_CACHE_HOME/vkflow/digits``.
+        dest: where to write the PNGs; default ``cache_dir("digits")`` in the user cache.
 
     Returns:
         The source (1797 samples, labels 0..9).

@@ -2,8 +2,9 @@
 // Include with:
 //     #extension GL_GOOGLE_include_directive : require
 //     #include "activations.glsl"
-// Codes follow shaders/registry.py ACTIVATIONS: 0 none, 1 relu, 2 leaky_relu, 3 sigmoid, 4 tanh,
-// 5 gelu (exact, erf-based). Semantics match actors/cpu_ops.py activate / activation_derivative.
+// Codes are the ACT_* names that the compiler generates from shaders/registry.py ACTIVATIONS
+// (none, relu, leaky_relu, sigmoid, tanh and gelu, exact and erf-based). Semantics match
+// actors/cpu_ops.py activate / activation_derivative.
 //
 // NaN in gives NaN out, forward and backward, as in numpy: GLSL leaves max() undefined for a NaN
 // operand (lavapipe's max(NaN, 0.0) is 0) and a comparison with NaN is false, so each function
@@ -17,15 +18,11 @@
 #ifndef VKFLOW_ACTIVATIONS_GLSL
 #define VKFLOW_ACTIVATIONS_GLSL
 
-#define ACT_NONE 0u
-#define ACT_RELU 1u
-#define ACT_LEAKY_RELU 2u
-#define ACT_SIGMOID 3u
-#define ACT_TANH 4u
-#define ACT_GELU 5u
+#include "op_codes.glsl"
 
-const float ACT_SQRT_HALF = 0.70710678118654752;
-const float ACT_INV_SQRT_2PI = 0.39894228040143268;
+// Not ACT_*: that prefix belongs to the generated codes.
+const float GELU_SQRT_HALF = 0.70710678118654752;
+const float GELU_INV_SQRT_2PI = 0.39894228040143268;
 
 // Unknown codes give NaN, the shader's way of raising: a wrong code is loud, never silently zero.
 float act_nan() {
@@ -64,7 +61,7 @@ float erf_approx(float x) {
 // Phi(x) = 0.5 * (1 + erf(x / sqrt(2))), computed from erfc in the lower tail so it keeps
 // relative accuracy there.
 float normal_cdf(float x) {
-    float z = x * ACT_SQRT_HALF;
+    float z = x * GELU_SQRT_HALF;
     if (z < -0.927734375) {
         return 0.5 * erfc_tail(-z);
     }
@@ -131,7 +128,7 @@ float activation_derivative(float saved, uint code, float slope) {
             // Factored, so it keeps relative accuracy where tanh saturates (1 - s is exact there).
             return (1.0 - saved) * (1.0 + saved);
         case ACT_GELU:
-            return normal_cdf(saved) + saved * exp(-0.5 * saved * saved) * ACT_INV_SQRT_2PI;
+            return normal_cdf(saved) + saved * exp(-0.5 * saved * saved) * GELU_INV_SQRT_2PI;
         default:
             return act_nan();
     }

@@ -1,6 +1,7 @@
-// Z = a * (X op Y) elementwise, op from BINARY: 0 add, 1 sub, 2 mul. Unknown codes write NaN.
+// Z = a * (X op Y) elementwise, op a BINARY_* code (add, sub, mul). Unknown codes write NaN.
 // Z may alias X or Y (each element is read before it is written, by the same invocation).
 #version 450
+#extension GL_GOOGLE_include_directive : require
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -8,12 +9,7 @@ layout(std430, set = 0, binding = 0) readonly buffer XBuf { float X[]; };
 layout(std430, set = 0, binding = 1) readonly buffer YBuf { float Y[]; };
 layout(std430, set = 0, binding = 2) writeonly buffer ZBuf { float Z[]; };
 
-layout(push_constant) uniform Push {
-    uint n;
-    uint fn;
-    float a;
-    float b;
-} pc;
+#include "elementwise_head.glsl"
 
 void main() {
     uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
@@ -21,11 +17,11 @@ void main() {
         float x = X[i];
         float y = Y[i];
         float z;
-        if (pc.fn == 0u) {
+        if (pc.fn == BINARY_ADD) {
             z = x + y;
-        } else if (pc.fn == 1u) {
+        } else if (pc.fn == BINARY_SUB) {
             z = x - y;
-        } else if (pc.fn == 2u) {
+        } else if (pc.fn == BINARY_MUL) {
             z = x * y;
         } else {
             z = uintBitsToFloat(0x7fc00000u);

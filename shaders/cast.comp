@@ -1,4 +1,5 @@
-// Converts n elements by mode (CASTS): 0 f32_to_f16, 1 f16_to_f32, 2 i32_to_f32, 3 f32_to_i32.
+// Converts n elements by mode, a CAST_* code (registry CASTS): f32_to_f16, f16_to_f32, i32_to_f32
+// or f32_to_i32.
 // float16 is packed two per 32-bit word, element 2k in the low half of word k.
 //
 // The half conversions are done with integer arithmetic, not packHalf2x16/unpackHalf2x16, whose
@@ -8,6 +9,8 @@
 // odd n the high half of the last word keeps its old contents, as numpy's view assignment does.
 // f32_to_i32 truncates toward zero (GLSL int()), as numpy does; out-of-range values are undefined.
 #version 450
+#extension GL_GOOGLE_include_directive : require
+#include "op_codes.glsl"
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -18,11 +21,6 @@ layout(push_constant) uniform Push {
     uint n;
     uint mode;
 } pc;
-
-const uint F32_TO_F16 = 0u;
-const uint F16_TO_F32 = 1u;
-const uint I32_TO_F32 = 2u;
-const uint F32_TO_I32 = 3u;
 
 // float32 bits -> float16 bits, round to nearest even.
 uint half_bits(uint x) {
@@ -63,23 +61,23 @@ uint float_bits(uint h) {
 void main() {
     uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     uint start = gl_GlobalInvocationID.x;
-    if (pc.mode == F32_TO_F16) {
+    if (pc.mode == CAST_F32_TO_F16) {
         uint words = (pc.n + 1u) / 2u;
         for (uint w = start; w < words; w += stride) {
             uint lo = half_bits(X[2u * w]);
             uint hi = (2u * w + 1u < pc.n) ? half_bits(X[2u * w + 1u]) : (Y[w] >> 16);
             Y[w] = lo | (hi << 16);
         }
-    } else if (pc.mode == F16_TO_F32) {
+    } else if (pc.mode == CAST_F16_TO_F32) {
         for (uint i = start; i < pc.n; i += stride) {
             uint h = (X[i >> 1] >> ((i & 1u) * 16u)) & 0xffffu;
             Y[i] = float_bits(h);
         }
-    } else if (pc.mode == I32_TO_F32) {
+    } else if (pc.mode == CAST_I32_TO_F32) {
         for (uint i = start; i < pc.n; i += stride) {
             Y[i] = floatBitsToUint(float(int(X[i])));
         }
-    } else if (pc.mode == F32_TO_I32) {
+    } else if (pc.mode == CAST_F32_TO_I32) {
         for (uint i = start; i < pc.n; i += stride) {
             Y[i] = uint(int(uintBitsToFloat(X[i])));
         }

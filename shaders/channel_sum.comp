@@ -12,20 +12,20 @@ layout(push_constant) uniform Push {
     uint N;
     uint K;
     uint HW;
-} p;
+} pc;
 
 shared float partial[gl_WorkGroupSize.x];
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint threads = gl_WorkGroupSize.x;
-    const uint count = p.N * p.HW;
-    for (uint k = gl_WorkGroupID.x; k < p.K; k += gl_NumWorkGroups.x) {
+    const uint count = pc.N * pc.HW;
+    for (uint k = gl_WorkGroupID.x; k < pc.K; k += gl_NumWorkGroups.x) {
         float sum = 0.0;
         for (uint j = tid; j < count; j += threads) {
-            uint n = j / p.HW;
-            uint q = j - n * p.HW;
-            sum += dY[(n * p.K + k) * p.HW + q];
+            uint n = j / pc.HW;
+            uint q = j - n * pc.HW;
+            sum += dY[(n * pc.K + k) * pc.HW + q];
         }
         partial[tid] = sum;
         barrier();

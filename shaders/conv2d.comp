@@ -11,57 +11,40 @@ layout(std430, set = 0, binding = 1) readonly buffer WBuf { float Wt[]; };
 layout(std430, set = 0, binding = 2) readonly buffer BiasBuf { float bias[]; };
 layout(std430, set = 0, binding = 3) writeonly buffer YBuf { float Y[]; };
 
-layout(push_constant) uniform Push {
-    uint N;
-    uint C;
-    uint H;
-    uint W;
-    uint K;
-    uint R;
-    uint S;
-    uint stride;
-    uint pad;
-    uint OH;
-    uint OW;
-    uint has_bias;
-    uint act;
-    float slope;
-} p;
-
+#include "conv_head.glsl"
 #include "common_gemm_act.glsl"
 
 void main() {
-    const uint total = p.N * p.K * p.OH * p.OW;
+    const uint total = pc.N * pc.K * pc.OH * pc.OW;
     const uint step = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint i = gl_GlobalInvocationID.x; i < total; i += step) {
-        uint ow = i % p.OW;
-        uint t = i / p.OW;
-        uint oh = t % p.OH;
-        t /= p.OH;
-        uint k = t % p.K;
-        uint n = t / p.K;
-        int ih0 = int(oh * p.stride) - int(p.pad);
-        int iw0 = int(ow * p.stride) - int(p.pad);
+        uvec4 at = nchw_coords(i, pc.K, pc.OH, pc.OW);
+        uint n = at.x;
+        uint k = at.y;
+        uint oh = at.z;
+        uint ow = at.w;
+        int ih0 = int(oh * pc.stride) - int(pc.pad);
+        int iw0 = int(ow * pc.stride) - int(pc.pad);
         // Clip the window to the input once instead of testing every tap.
         uint r0 = uint(max(-ih0, 0));
-        uint r1 = uint(clamp(int(p.H) - ih0, 0, int(p.R)));
+        uint r1 = uint(clamp(int(pc.H) - ih0, 0, int(pc.R)));
         uint s0 = uint(max(-iw0, 0));
-        uint s1 = uint(clamp(int(p.W) - iw0, 0, int(p.S)));
+        uint s1 = uint(clamp(int(pc.W) - iw0, 0, int(pc.S)));
         float sum = 0.0;
-        for (uint c = 0u; c < p.C; ++c) {
-            uint xbase = (n * p.C + c) * p.H;
-            uint wbase = (k * p.C + c) * p.R;
+        for (uint c = 0u; c < pc.C; ++c) {
+            uint xbase = (n * pc.C + c) * pc.H;
+            uint wbase = (k * pc.C + c) * pc.R;
             for (uint r = r0; r < r1; ++r) {
-                uint xrow = (xbase + uint(ih0 + int(r))) * p.W;
-                uint wrow = (wbase + r) * p.S;
+                uint xrow = (xbase + uint(ih0 + int(r))) * pc.W;
+                uint wrow = (wbase + r) * pc.S;
                 for (uint s = s0; s < s1; ++s) {
                     sum = fma(X[xrow + uint(iw0 + int(s))], Wt[wrow + s], sum);
                 }
             }
         }
-        if (p.has_bias != 0u) {
+        if (pc.has_bias != 0u) {
             sum += bias[k];
         }
-        Y[i] = vk_activate(sum, p.act, p.slope);
+        Y[i] = vk_activate(sum, pc.act, pc.slope);
     }
 }

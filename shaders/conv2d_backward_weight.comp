@@ -2,6 +2,7 @@
 // One workgroup per weight element (grid-stride over elements, as the count is capped); its
 // threads split the (n, oh, ow) sum and reduce it in shared memory.
 #version 450
+#extension GL_GOOGLE_include_directive : require
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -9,50 +10,34 @@ layout(std430, set = 0, binding = 0) readonly buffer XBuf { float X[]; };
 layout(std430, set = 0, binding = 1) readonly buffer DYBuf { float dY[]; };
 layout(std430, set = 0, binding = 2) writeonly buffer DWBuf { float dW[]; };
 
-layout(push_constant) uniform Push {
-    uint N;
-    uint C;
-    uint H;
-    uint W;
-    uint K;
-    uint R;
-    uint S;
-    uint stride;
-    uint pad;
-    uint OH;
-    uint OW;
-    uint has_bias;
-    uint act;
-    float slope;
-} p;
+#include "conv_head.glsl"
 
 shared float partial[gl_WorkGroupSize.x];
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint threads = gl_WorkGroupSize.x;
-    const uint elements = p.K * p.C * p.R * p.S;
-    const uint plane = p.OH * p.OW;
-    const uint positions = p.N * plane;
+    const uint elements = pc.K * pc.C * pc.R * pc.S;
+    const uint plane = pc.OH * pc.OW;
+    const uint positions = pc.N * plane;
     for (uint e = gl_WorkGroupID.x; e < elements; e += gl_NumWorkGroups.x) {
-        uint s = e % p.S;
-        uint t = e / p.S;
-        uint r = t % p.R;
-        t /= p.R;
-        uint c = t % p.C;
-        uint k = t / p.C;
+        uvec4 at = nchw_coords(e, pc.C, pc.R, pc.S);
+        uint k = at.x;
+        uint c = at.y;
+        uint r = at.z;
+        uint s = at.w;
         float sum = 0.0;
         for (uint j = tid; j < positions; j += threads) {
-            uint ow = j % p.OW;
-            uint oh = (j / p.OW) % p.OH;
+            uint ow = j % pc.OW;
+            uint oh = (j / pc.OW) % pc.OH;
             uint n = j / plane;
-            int ih = int(oh * p.stride + r) - int(p.pad);
-            int iw = int(ow * p.stride + s) - int(p.pad);
-            if (ih < 0 || ih >= int(p.H) || iw < 0 || iw >= int(p.W)) {
+            int ih = int(oh * pc.stride + r) - int(pc.pad);
+            int iw = int(ow * pc.stride + s) - int(pc.pad);
+            if (ih < 0 || ih >= int(pc.H) || iw < 0 || iw >= int(pc.W)) {
                 continue;
             }
-            float x = X[((n * p.C + c) * p.H + uint(ih)) * p.W + uint(iw)];
-            sum = fma(x, dY[(n * p.K + k) * plane + oh * p.OW + ow], sum);
+            float x = X[((n * pc.C + c) * pc.H + uint(ih)) * pc.W + uint(iw)];
+            sum = fma(x, dY[(n * pc.K + k) * plane + oh * pc.OW + ow], sum);
         }
         partial[tid] = sum;
         barrier();

@@ -64,32 +64,10 @@ layout(constant_id = 13) const uint DB = 0;  // 1: double-buffered shared tiles;
 layout(constant_id = 14) const uint ACT = 0;
 layout(constant_id = 15) const uint AG = 0;
 
-layout(std430, set = 0, binding = 0) readonly buffer ABuf { float A[]; };
-layout(std430, set = 0, binding = 0) readonly buffer ABuf4 { vec4 A4[]; };
-layout(std430, set = 0, binding = 1) readonly buffer BBuf { float B[]; };
-layout(std430, set = 0, binding = 1) readonly buffer BBuf4 { vec4 B4[]; };
-layout(std430, set = 0, binding = 2) readonly buffer BiasBuf { float bias[]; };
-layout(std430, set = 0, binding = 2) readonly buffer BiasBuf4 { vec4 bias4[]; };
-layout(std430, set = 0, binding = 3) buffer CBuf { float C[]; };
-layout(std430, set = 0, binding = 3) buffer CBuf4 { vec4 C4[]; };
-
-layout(push_constant) uniform Push {
-    uint M;
-    uint N;
-    uint K;
-    uint trans_a;  // unused: TA
-    uint trans_b;  // unused: TB
-    uint has_bias;
-    uint act;
-    uint accumulate;
-    float alpha;
-    float slope;
-    uint k_splits;
-    uint act_grad;
-    uint ones_row;
-} p;
-
-#include "common_gemm_act.glsl"
+// The push fields after those gemm_coopmat shares (registry: gemm's push list): k_splits, and
+// act_grad (unused: AG) and ones_row for the fusions above.
+#define GEMM_PUSH_EXTRA uint k_splits; uint act_grad; uint ones_row;
+#include "gemm_head.glsl"
 
 const uint WM = BM / TM;  // threads along m
 const uint WN = BN / TN;  // threads along n
@@ -151,11 +129,11 @@ vec4 load_a(uint l, uint m0, uint kt, uint k_end) {
     vec4 v = vec4(0.0);
     // The stored rows of A: M, or M - 1 under a row of ones (its granules hold only ones, as
     // tune_gemm vectorises A only when M - 1 is a multiple of 4).
-    const uint stored = p.M - min(p.ones_row, 1u);
-    if (l < A_GRAN && gm >= stored && gm < p.M && gk < k_end) {
+    const uint stored = pc.M - min(pc.ones_row, 1u);
+    if (l < A_GRAN && gm >= stored && gm < pc.M && gk < k_end) {
         v = vec4(1.0);
-    } else if (l < A_GRAN && gm < p.M && gk < k_end) {
-        uint idx = TA == 0u ? gm * p.K + gk : gk * stored + gm;
+    } else if (l < A_GRAN && gm < pc.M && gk < k_end) {
+        uint idx = TA == 0u ? gm * pc.K + gk : gk * stored + gm;
         if (GA == 4u) {
             v = A4[idx >> 2u];
         } else {
@@ -170,8 +148,8 @@ vec4 load_b(uint l, uint n0, uint kt, uint k_end) {
     uint gn = n0 + s.x;
     uint gk = kt + s.y;
     vec4 v = vec4(0.0);
-    if (l < B_GRAN && gn < p.N && gk < k_end) {
-        uint idx = TB == 0u ? gk * p.N + gn : gn * p.K + gk;
+    if (l < B_GRAN && gn < pc.N && gk < k_end) {
+        uint idx = TB == 0u ? gk * pc.N + gn : gn * pc.K + gk;
         if (GB == 4u) {
             v = B4[idx >> 2u];
         } else {
@@ -246,13 +224,13 @@ void main() {
     }
     const uint m0 = tile_m * BM;
     const uint n0 = tile_n * BN;
-    const uint M = p.M;
-    const uint N = p.N;
-    const uint K = p.K;
+    const uint M = pc.M;
+    const uint N = pc.N;
+    const uint K = pc.K;
     // Split-K: workgroup z sums only its slice of K and writes raw partial sums into slice z of
     // C viewed as [splits, M, N]; a splitk_epilogue launch then adds the slices and applies the
     // epilogue. It keeps a GPU busy when M x N has too few tiles (e.g. the logits of a classifier).
-    const uint splits = max(p.k_splits, 1u);
+    const uint splits = max(pc.k_splits, 1u);
     const uint k_chunk = ((K + splits * BK - 1u) / (splits * BK)) * BK;
     const uint k_begin = gl_WorkGroupID.z * k_chunk;
     const uint k_end = min(K, k_begin + k_chunk);
@@ -371,22 +349,22 @@ void main() {
                     C4[((gl_WorkGroupID.z * M + m) * N + nc) >> 2u] = raw;
                 } else {
                     uint o = (m * N + nc) >> 2u;
-                    vec4 v = raw * p.alpha;
-                    if (p.accumulate != 0u) {
+                    vec4 v = raw * pc.alpha;
+                    if (pc.accumulate != 0u) {
                         v += C4[o];
                     }
-                    if (p.has_bias != 0u) {
+                    if (pc.has_bias != 0u) {
                         v += bias4[nc >> 2u];
                     }
-                    if (AG != 0u) {
+                    if (AG != ACT_NONE) {
                         vec4 d = bias4[o];
-                        v *= vec4(activation_derivative(d.x, AG, p.slope),
-                                  activation_derivative(d.y, AG, p.slope),
-                                  activation_derivative(d.z, AG, p.slope),
-                                  activation_derivative(d.w, AG, p.slope));
+                        v *= vec4(activation_derivative(d.x, AG, pc.slope),
+                                  activation_derivative(d.y, AG, pc.slope),
+                                  activation_derivative(d.z, AG, pc.slope),
+                                  activation_derivative(d.w, AG, pc.slope));
                     }
-                    C4[o] = vec4(vk_activate(v.x, ACT, p.slope), vk_activate(v.y, ACT, p.slope),
-                                 vk_activate(v.z, ACT, p.slope), vk_activate(v.w, ACT, p.slope));
+                    C4[o] = vec4(vk_activate(v.x, ACT, pc.slope), vk_activate(v.y, ACT, pc.slope),
+                                 vk_activate(v.z, ACT, pc.slope), vk_activate(v.w, ACT, pc.slope));
                 }
             } else if (m < M && !VC) {
                 [[unroll]] for (uint c = 0u; c < 4u; ++c) {
@@ -395,17 +373,17 @@ void main() {
                         if (splits > 1u) {
                             C[(gl_WorkGroupID.z * M + m) * N + n] = raw[c];
                         } else {
-                            float v = raw[c] * p.alpha;
-                            if (p.accumulate != 0u) {
+                            float v = raw[c] * pc.alpha;
+                            if (pc.accumulate != 0u) {
                                 v += C[m * N + n];
                             }
-                            if (p.has_bias != 0u) {
+                            if (pc.has_bias != 0u) {
                                 v += bias[n];
                             }
-                            if (AG != 0u) {
-                                v *= activation_derivative(bias[m * N + n], AG, p.slope);
+                            if (AG != ACT_NONE) {
+                                v *= activation_derivative(bias[m * N + n], AG, pc.slope);
                             }
-                            C[m * N + n] = vk_activate(v, ACT, p.slope);
+                            C[m * N + n] = vk_activate(v, ACT, pc.slope);
                         }
                     }
                 }

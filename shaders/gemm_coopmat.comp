@@ -80,35 +80,15 @@ layout(constant_id = 11) const uint BH = 0;  // 1: B is float16 in memory, 0: fl
 layout(constant_id = 12) const uint PD = 1;  // K slabs in flight in registers (>= 1)
 layout(constant_id = 13) const uint NS = 2;  // shared stages: 2 (one barrier per slab) or 1 (two)
 
-// Each operand buffer is seen as fp32 (scalars and vec4) and as fp16 (32-bit words holding two
-// halves, the lower index in the low bits, and uvec4 granules of 8 halves); AH/BH pick the view.
-layout(std430, set = 0, binding = 0) readonly buffer ABuf { float A[]; };
-layout(std430, set = 0, binding = 0) readonly buffer ABuf4 { vec4 A4[]; };
+#include "gemm_head.glsl"
+
+// Each operand buffer is seen as fp32 (scalars and vec4, from gemm_head.glsl) and as fp16 (32-bit
+// words holding two halves, the lower index in the low bits, and uvec4 granules of 8 halves);
+// AH/BH pick the view.
 layout(std430, set = 0, binding = 0) readonly buffer ABufW { uint Aw[]; };
 layout(std430, set = 0, binding = 0) readonly buffer ABufH { uvec4 Ah8[]; };
-layout(std430, set = 0, binding = 1) readonly buffer BBuf { float B[]; };
-layout(std430, set = 0, binding = 1) readonly buffer BBuf4 { vec4 B4[]; };
 layout(std430, set = 0, binding = 1) readonly buffer BBufW { uint Bw[]; };
 layout(std430, set = 0, binding = 1) readonly buffer BBufH { uvec4 Bh8[]; };
-layout(std430, set = 0, binding = 2) readonly buffer BiasBuf { float bias[]; };
-layout(std430, set = 0, binding = 2) readonly buffer BiasBuf4 { vec4 bias4[]; };
-layout(std430, set = 0, binding = 3) buffer CBuf { float C[]; };
-layout(std430, set = 0, binding = 3) buffer CBuf4 { vec4 C4[]; };
-
-layout(push_constant) uniform Push {
-    uint M;
-    uint N;
-    uint K;
-    uint trans_a;
-    uint trans_b;
-    uint has_bias;
-    uint act;
-    uint accumulate;
-    float alpha;
-    float slope;
-} p;
-
-#include "common_gemm_act.glsl"
 
 const uint T = 16;                      // coopmat edge
 const uint FM = WM / T;                 // accumulators per warp tile along m
@@ -210,9 +190,9 @@ uint m0, n0, wm, wn;
 // inside the loop cost about a third of the throughput).
 void mainloop(const bool TA, const bool TB) {
     const uint tid = gl_LocalInvocationID.x;
-    const uint M = p.M;
-    const uint N = p.N;
-    const uint K = p.K;
+    const uint M = pc.M;
+    const uint N = pc.N;
+    const uint K = pc.K;
 
     // Each operand is a stored row-major matrix of ar rows by al (its contiguous dimension),
     // streamed as tiles of atc columns; K advances along its rows (transposed A, plain B) or
@@ -416,8 +396,8 @@ void mainloop(const bool TA, const bool TB) {
 void main() {
     const uint warp = gl_SubgroupID;
     const uint lane = gl_SubgroupInvocationID;
-    const uint M = p.M;
-    const uint N = p.N;
+    const uint M = pc.M;
+    const uint N = pc.N;
 
     // Grouped tile order: GM consecutive tile rows sweep the tile columns together.
     const uint tiles_n = gl_NumWorkGroups.x;
@@ -431,14 +411,14 @@ void main() {
     wm = warp % WARPS_M;
     wn = warp / WARPS_M;
 
-    if (p.trans_a != 0u) {
-        if (p.trans_b != 0u) {
+    if (pc.trans_a != 0u) {
+        if (pc.trans_b != 0u) {
             mainloop(true, true);
         } else {
             mainloop(true, false);
         }
     } else {
-        if (p.trans_b != 0u) {
+        if (pc.trans_b != 0u) {
             mainloop(false, true);
         } else {
             mainloop(false, false);
@@ -465,27 +445,27 @@ void main() {
                 continue;
             }
             // Same order as cpu_ops.gemm: scale, then the old C, then the bias, then act.
-            vec4 v = uintBitsToFloat(smem[stage + r * ST_STRIDE + c / 4u]) * p.alpha;
+            vec4 v = uintBitsToFloat(smem[stage + r * ST_STRIDE + c / 4u]) * pc.alpha;
             uint o = m * N + n;
             if (vec_c && n + 4u <= N) {
-                if (p.accumulate != 0u) {
+                if (pc.accumulate != 0u) {
                     v += C4[o / 4u];
                 }
-                if (p.has_bias != 0u) {
+                if (pc.has_bias != 0u) {
                     v += bias4[n / 4u];
                 }
-                C4[o / 4u] = vec4(vk_activate(v.x, p.act, p.slope), vk_activate(v.y, p.act, p.slope),
-                                  vk_activate(v.z, p.act, p.slope), vk_activate(v.w, p.act, p.slope));
+                C4[o / 4u] = vec4(vk_activate(v.x, pc.act, pc.slope), vk_activate(v.y, pc.act, pc.slope),
+                                  vk_activate(v.z, pc.act, pc.slope), vk_activate(v.w, pc.act, pc.slope));
             } else {
                 for (uint e = 0u; e < 4u && n + e < N; ++e) {
                     float x = v[e];
-                    if (p.accumulate != 0u) {
+                    if (pc.accumulate != 0u) {
                         x += C[o + e];
                     }
-                    if (p.has_bias != 0u) {
+                    if (pc.has_bias != 0u) {
                         x += bias[n + e];
                     }
-                    C[o + e] = vk_activate(x, p.act, p.slope);
+                    C[o + e] = vk_activate(x, pc.act, pc.slope);
                 }
             }
         }

@@ -7,7 +7,8 @@ launch's shape up there first and falls back to its size heuristic for shapes no
 
 Tables are JSON files, found in this order:
 1. the file named by ``$VKFLOW_GEMM_TUNING``;
-2. the user's cache, ``$XDG_CACHE_HOME/vkflow/tuning/<device>.json`` (what a sweep writes);
+2. the user's cache, ``cache_dir("tuning")/<device>.json`` (what a sweep writes; see
+   :mod:`shaders.user_cache`: ``$VKFLOW_CACHE``, else ``$XDG_CACHE_HOME/vkflow``);
 3. the tables shipped in ``shaders/tuning/<device>.json`` (measured by the developers).
 Only a table whose ``device`` matches the device's name is used.
 """
@@ -19,6 +20,8 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
+
+from shaders.user_cache import cache_dir
 
 SHIPPED = Path(__file__).with_name("tuning")
 TILE_KEYS = ("BM", "BN", "BK", "TM", "TN", "GM", "SK", "DB")
@@ -34,8 +37,15 @@ def shape_key(m: int, n: int, k: int, trans_a: int, trans_b: int) -> str:
 
 
 def cache_path(device: str) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "vkflow" / "tuning" / f"{device_slug(device)}.json"
+    """Where a sweep writes the device's table in the user cache.
+
+    Args:
+        device: the device's name.
+
+    Returns:
+        ``cache_dir("tuning")/<device slug>.json``.
+    """
+    return cache_dir("tuning", f"{device_slug(device)}.json")
 
 
 def candidate_paths(device: str) -> list[Path]:
@@ -47,9 +57,10 @@ def candidate_paths(device: str) -> list[Path]:
 
 
 @lru_cache(maxsize=16)
-def _table(device: str, env: str | None) -> dict[str, dict[str, int]]:
-    del env  # part of the cache key only: a new $VKFLOW_GEMM_TUNING means a new lookup
-    for path in candidate_paths(device):
+def _table(device: str, paths: tuple[Path, ...]) -> dict[str, dict[str, int]]:
+    # The paths are the cache key beside the device: a new $VKFLOW_GEMM_TUNING, $VKFLOW_CACHE or
+    # $XDG_CACHE_HOME means a new lookup.
+    for path in paths:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -72,7 +83,7 @@ def validated(path: Path, key: str, tiles: object) -> dict[str, int]:
 
 def lookup(device: str, m: int, n: int, k: int, trans_a: int, trans_b: int) -> dict[str, int] | None:
     """The table's tiles for this exact launch shape on this device, or None."""
-    return _table(device, os.environ.get("VKFLOW_GEMM_TUNING")).get(shape_key(m, n, k, trans_a, trans_b))
+    return _table(device, tuple(candidate_paths(device))).get(shape_key(m, n, k, trans_a, trans_b))
 
 
 def write_table(path: Path, device: str, driver: str, best: dict[str, dict[str, int]]) -> None:

@@ -1,9 +1,11 @@
 // Y = alpha * reduce(X) with X [rows, cols]: axis 0 reduces over rows (Y has cols elements),
-// axis 1 over cols (Y has rows elements). fn from REDUCE: 0 sum, 1 mean, 2 max.
+// axis 1 over cols (Y has rows elements). fn: a REDUCE_* code (sum, mean, max); others write NaN.
 // One workgroup per output element, looping with stride gl_NumWorkGroups.x because the registry
 // caps the group count. Each invocation keeps a compensated (Kahan) strided partial sum, then a
 // shared-memory tree joins them: bias gradients sum over batches of 8192 and more.
 #version 450
+#extension GL_GOOGLE_include_directive : require
+#include "op_codes.glsl"
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -17,8 +19,6 @@ layout(push_constant) uniform Push {
     uint fn;
     float alpha;
 } pc;
-
-const uint FN_MAX = 2u;
 
 shared float partial[gl_WorkGroupSize.x];
 
@@ -43,7 +43,7 @@ void main() {
     uint outputs = by_rows ? pc.cols : pc.rows;
     uint len = by_rows ? pc.rows : pc.cols;
     uint step = by_rows ? pc.cols : 1u;
-    bool is_max = pc.fn == FN_MAX;
+    bool is_max = pc.fn == REDUCE_MAX;
     uint top = first_stride();
 
     for (uint o = gl_WorkGroupID.x; o < outputs; o += gl_NumWorkGroups.x) {
@@ -77,9 +77,9 @@ void main() {
         }
         if (lid == 0u) {
             float result = partial[0];
-            if (pc.fn == 1u) {
+            if (pc.fn == REDUCE_MEAN) {
                 result /= float(len);
-            } else if (pc.fn > FN_MAX) {
+            } else if (pc.fn != REDUCE_SUM && pc.fn != REDUCE_MAX) {
                 result = uintBitsToFloat(0x7fc00000u);
             }
             Y[o] = result * pc.alpha;

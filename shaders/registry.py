@@ -30,6 +30,16 @@ UNARY_EXTRA: dict[str, int] = {"scale_shift": 6, "copy": 7, "exp": 8}
 BINARY: dict[str, int] = {"add": 0, "sub": 1, "mul": 2}
 REDUCE: dict[str, int] = {"sum": 0, "mean": 1, "max": 2}
 CASTS: dict[str, int] = {"f32_to_f16": 0, "f16_to_f32": 1, "i32_to_f32": 2, "f32_to_i32": 3}
+# Every op-code table by the prefix of its GLSL names (ACT_RELU, BINARY_ADD, ...). These tables are
+# the codes' one source: the shader compiler writes them into a generated op_codes.glsl
+# (compiler.op_codes_glsl), so no shader spells a code as a number; tests/test_shaders.py checks it.
+OP_CODES: dict[str, dict] = {
+    "ACT": ACTIVATIONS,
+    "UNARY": UNARY_EXTRA,
+    "BINARY": BINARY,
+    "REDUCE": REDUCE,
+    "CAST": CASTS,
+}
 
 Groups = tuple[int, int, int]
 

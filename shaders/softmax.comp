@@ -12,7 +12,7 @@ layout(std430, set = 0, binding = 1) writeonly buffer YBuf { float Y[]; };
 layout(push_constant) uniform Push {
     uint rows;
     uint cols;
-    uint log_out;
+    uint log;  // a member, so it does not hide the built-in log()
 } pc;
 
 shared float partial[gl_WorkGroupSize.x];
@@ -63,7 +63,7 @@ void main() {
             sum += exp(X[base + c] - m);
         }
         sum = group_reduce(sum, false);
-        if (pc.log_out != 0u) {
+        if (pc.log != 0u) {
             float log_sum = log(sum);
             for (uint c = lid; c < pc.cols; c += size) {
                 Y[base + c] = (X[base + c] - m) - log_sum;

@@ -14,7 +14,7 @@ layout(std430, set = 0, binding = 2) writeonly buffer DXBuf { float dX[]; };
 layout(push_constant) uniform Push {
     uint rows;
     uint cols;
-    uint log_out;
+    uint log;  // a member, so it does not hide the built-in log()
 } pc;
 
 shared float partial[gl_WorkGroupSize.x];
@@ -46,12 +46,12 @@ void main() {
         uint base = row * pc.cols;
         float dot = 0.0;
         for (uint c = lid; c < pc.cols; c += size) {
-            dot += pc.log_out != 0u ? dY[base + c] : dY[base + c] * Y[base + c];
+            dot += pc.log != 0u ? dY[base + c] : dY[base + c] * Y[base + c];
         }
         dot = group_sum(dot);
         for (uint c = lid; c < pc.cols; c += size) {
             float y = Y[base + c];
-            dX[base + c] = pc.log_out != 0u ? dY[base + c] - exp(y) * dot : y * (dY[base + c] - dot);
+            dX[base + c] = pc.log != 0u ? dY[base + c] - exp(y) * dot : y * (dY[base + c] - dot);
         }
     }
 }

@@ -18,26 +18,26 @@ layout(push_constant) uniform Push {
     uint accumulate;
     float alpha;
     float slope;
-} p;
+} pc;
 
 #include "common_gemm_act.glsl"
 
 void main() {
-    const uint total = p.M * p.N;
+    const uint total = pc.M * pc.N;
     const uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint i = gl_GlobalInvocationID.x; i < total; i += stride) {
         float sum = 0.0;
-        for (uint s = 0u; s < p.splits; ++s) {
+        for (uint s = 0u; s < pc.splits; ++s) {
             sum += W[s * total + i];
         }
         // Same order as gemm's epilogue: scale, then the old C, then the bias, then act.
-        float v = sum * p.alpha;
-        if (p.accumulate != 0u) {
+        float v = sum * pc.alpha;
+        if (pc.accumulate != 0u) {
             v += C[i];
         }
-        if (p.has_bias != 0u) {
-            v += bias[i % p.N];
+        if (pc.has_bias != 0u) {
+            v += bias[i % pc.N];
         }
-        C[i] = vk_activate(v, p.act, p.slope);
+        C[i] = vk_activate(v, pc.act, pc.slope);
     }
 }

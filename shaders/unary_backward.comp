@@ -1,8 +1,7 @@
-// dX = dY * f'(S) for an ACTIVATIONS code fn (a = slope). S is the forward output for relu,
+// dX = dY * f'(S) for an ACT_* code fn (a = slope). S is the forward output for relu,
 // leaky_relu, sigmoid and tanh, the forward input for gelu. Codes without a derivative write NaN.
 #version 450
 #extension GL_GOOGLE_include_directive : require
-#include "activations.glsl"
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -10,12 +9,8 @@ layout(std430, set = 0, binding = 0) readonly buffer DYBuf { float dY[]; };
 layout(std430, set = 0, binding = 1) readonly buffer SBuf { float S[]; };
 layout(std430, set = 0, binding = 2) writeonly buffer DXBuf { float dX[]; };
 
-layout(push_constant) uniform Push {
-    uint n;
-    uint fn;
-    float a;
-    float b;
-} pc;
+#include "elementwise_head.glsl"
+#include "activations.glsl"
 
 void main() {
     uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;

@@ -29,8 +29,8 @@ import trio
 from actors import checkpoint as checkpoints
 from actors.checkpoint import Checkpoint, CheckpointError
 from actors.messages import Cursor, Snapshot, StepDone
+from actors.meter import Hooks
 from actors.outputs import LOCK_NAME, OutputError, open_outputs
-from actors.statistics import Hooks
 from flow.codec import load as load_spec
 from flow.errors import SpecError
 from flow.inference import predict

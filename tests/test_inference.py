@@ -10,7 +10,7 @@ import pytest
 
 from actors.cpu_backend import CpuBackend
 from flow.inference import predict
-from flow.inputs import as_inputs
+from flow.inputs import as_inputs, batch_bounds
 from flow.runner import open_pipeline
 from flow.spec import SGD, CrossEntropy, Data, Devices, Linear, Model, RunSettings, Spec, Synthetic
 
@@ -89,3 +89,9 @@ async def test_feed_refuses_what_predict_refuses():
             await p.feed(np.zeros(5))
         out = await p.predict(np.ones((2, 4), np.int32))
     assert out.shape == (2, 3)
+
+
+def test_predict_and_feed_cut_inputs_into_the_same_batches():
+    assert list(batch_bounds(0, 8)) == []
+    assert list(batch_bounds(8, 8)) == [(0, 8)]
+    assert list(batch_bounds(19, 8)) == [(0, 8), (8, 16), (16, 19)]  # the last holds what is left

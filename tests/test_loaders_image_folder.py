@@ -21,6 +21,7 @@ RNG = np.random.default_rng(1234)
 @pytest.fixture(autouse=True)
 def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cache = tmp_path / "user-cache"
+    monkeypatch.delenv("VKFLOW_CACHE", raising=False)  # it would win over XDG_CACHE_HOME
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     return cache
 

@@ -74,6 +74,7 @@ class Parquet:
 
 @pytest.fixture(autouse=True)
 def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VKFLOW_CACHE", raising=False)  # it would win over XDG_CACHE_HOME
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
 
 

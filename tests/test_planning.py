@@ -4,6 +4,7 @@ the Vulkan backend against the CPU backend on the same programs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,10 +29,13 @@ from flow.spec import (
     Conv2d,
     CrossEntropy,
     Data,
+    Edge,
     Flatten,
     Linear,
     MaxPool2d,
     Model,
+    Node,
+    Pipeline,
     ReLU,
     RunSettings,
     Softmax,
@@ -278,6 +282,44 @@ def test_cli_check_and_plan_work_on_every_example():
             assert done.returncode == 0, done.stdout + done.stderr
         plan_json = json.loads(done.stdout)
         assert plan_json["devices"][0]["programs"][0]["name"].startswith("train[")
+
+
+def test_cli_plan_shows_the_whole_run():
+    """``flow plan examples/digits.json``: the data (splits, batches, schedule) from the source's
+    header, the actors and channels, and each device's programs and memory."""
+    example = str(ROOT / "examples" / "digits.json")
+    done = subprocess.run([sys.executable, "-m", "flow", "plan", example, "--json"],
+                          capture_output=True, text=True, cwd=ROOT, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    whole = json.loads(done.stdout)
+    data = whole["data"]
+    assert data["samples"] == 1797 and data["batch_size"] == 64
+    assert data["splits"]["train"]["samples"] + data["splits"]["val"]["samples"] == 1797
+    train = data["splits"]["train"]
+    assert train["batches"] == -(-train["samples"] // 64)
+    assert train["last_batch_rows"] == train["samples"] % 64
+    assert data["steps"] == 30 * train["batches"]  # the example trains 30 epochs
+    kinds = {a["name"]: a["kind"] for a in whole["pipeline"]["actors"]}
+    assert set(kinds.values()) == {"loader", "preprocess", "device", "optimiser", "sink"}
+    assert ["preprocess", "device", 2] in whole["pipeline"]["channels"]
+    assert [p["name"] for p in whole["devices"][0]["programs"]] == ["train[64]", "eval[64]", "predict[64]"]
+    text = subprocess.run([sys.executable, "-m", "flow", "plan", example],
+                          capture_output=True, text=True, cwd=ROOT, check=True).stdout  # fmt: skip
+    for section in ("data: 1,797 samples", "actors (batches read in place", "channels: loader->preprocess",
+                    "program train[64]", "arena params"):  # fmt: skip
+        assert section in text, section
+
+
+def test_plan_refuses_every_wiring_mistake_at_once():
+    spec = _spec(MLP, batch=4)
+    pipeline = Pipeline(
+        nodes=(Node("a", "loader"), Node("b", "loader"), Node("d", "device"), Node("s", "sink")),
+        edges=(Edge("a", "d"), Edge("b", "d"), Edge("d", "s")),
+    )
+    with pytest.raises(PlanError) as error:
+        plan(dataclasses.replace(spec, pipeline=pipeline))
+    text = str(error.value)
+    assert "exactly one loader node, it has 2" in text and "node 'd' has 2 inbound edges (a, b)" in text
 
 
 def test_cli_check_lists_every_problem(tmp_path):

@@ -24,15 +24,17 @@ import trio
 from conftest import near_ties
 
 from actors import checkpoint as checkpoints
-from actors.cpu_backend import CpuBackend
+from actors.cpu_backend import CpuBackend, cpu_facts
 from actors.device import DeviceActor
 from actors.engine import Engine
-from actors.loader import Loader, Read, Schedule, after_step, jobs, next_cursor, total_steps
+from actors.inline import MAX_PROBE_GAP, InlineOrThread, InlinePolicy
+from actors.loader import Loader, Read, after_step, jobs, next_cursor
 from actors.messages import Batch, CheckpointMark, Cursor, StepDone
+from actors.meter import Hooks, Meter
 from actors.progress import Progress, ProgressState, Rate, eta_seconds, format_line
-from actors.statistics import MAX_PROBE_GAP, Hooks, InlinePolicy, Meter
 from flow.codec import load as load_spec
 from flow.codec import save as save_spec
+from flow.data_plan import StepSchedule, total_steps
 from flow.inference import predict
 from flow.planning import plan
 from flow.run_command import main_run
@@ -250,11 +252,11 @@ def test_the_backend_the_runner_opens_is_closed_after_a_failure(monkeypatch):
             self.closed = True
             super().close()
 
-    def open_tracked(devices):
-        opened.append(Tracked())
+    def open_tracked(facts, memory_fraction):
+        opened.append(Tracked(facts=facts))
         return opened[-1]
 
-    monkeypatch.setattr(runner, "open_backend", open_tracked)
+    monkeypatch.setattr(runner.device_select, "open_device", open_tracked)
     with pytest.raises(ActorError):
         run(image_spec(), hooks=[FailAt("sink", 3)])
     assert len(opened) == 1 and opened[0].closed
@@ -311,7 +313,7 @@ async def test_a_slow_sink_blocks_the_loader_and_memory_stays_bounded(autojump_c
 
 
 def test_the_schedule_decides_evals_and_checkpoints():
-    schedule = Schedule(
+    schedule = StepSchedule(
         batches_per_epoch=4, total_steps=10, eval_every=None, checkpoint_every=3, has_val=True
     )
     assert total_steps(3, None, 4) == 12 and total_steps(3, 10, 4) == 10 and total_steps(None, 7, 4) == 7
@@ -327,7 +329,7 @@ def test_the_schedule_decides_evals_and_checkpoints():
 def test_a_resumed_stream_is_the_tail_of_the_uninterrupted_one():
     train = Sampler(np.arange(37), batch_size=8, shuffle=True, seed=1, drop_last=False)
     val = Sampler(np.arange(37, 47), batch_size=8, shuffle=False, seed=1, drop_last=False)
-    schedule = Schedule(train.batches_per_epoch(), 13, None, 4, True)
+    schedule = StepSchedule(train.batches_per_epoch(), 13, None, 4, True)
 
     def key(job):
         if isinstance(job, CheckpointMark):
@@ -501,10 +503,13 @@ def test_device_selection(caplog, monkeypatch):
     assert isinstance(runner.open_backend(Devices("cpu")), CpuBackend)
     with pytest.raises(LookupError):
         runner.open_backend(Devices("no such device"))
+    with pytest.raises(LookupError):
+        runner.select_facts(Devices("no such device"))  # refused before any device is opened
     # "auto" without Vulkan: the CPU, and one clear warning line.
-    monkeypatch.setattr(runner.devices_module, "open_backend", lambda *a: (CpuBackend(), "no Vulkan: x\ny"))
+    monkeypatch.setattr(runner.device_select, "select_facts", lambda *a: (cpu_facts(), "no Vulkan: x\ny"))
+    assert runner.select_facts(Devices("auto")).kind == "cpu"
     assert isinstance(runner.open_backend(Devices("auto")), CpuBackend)
-    assert [r.getMessage() for r in caplog.records] == ["vkflow: no Vulkan: x"]
+    assert [r.getMessage() for r in caplog.records] == ["vkflow: no Vulkan: x"] * 2
 
 
 def test_progress_draws_on_a_tty_only():
@@ -663,6 +668,28 @@ def test_cheap_work_runs_inline_and_costly_work_in_threads():
         else:
             warming.note_thread(1e-5)
     assert all(warming.inline() for _ in range(10)) and warming.running_inline
+
+
+async def test_inline_or_thread_reports_each_items_cost_to_its_policy():
+    """The one helper the loader and the preprocess actor run their work through."""
+    threads = []
+
+    def work(a: int, b: int) -> float:
+        threads.append(threading.get_ident())
+        return a / b
+
+    policy = InlinePolicy(threshold_s=1e-3)
+    offload = InlineOrThread(work, policy, trio.CapacityLimiter(1))
+    assert not offload.inline()  # nothing measured yet: a thread
+    assert await offload.run_in_thread(3, 2) == 1.5
+    assert threads[-1] != threading.get_ident() and policy.thread_cpu_s is not None  # CPU time noted
+    assert offload.inline()  # cheap in a thread: a probe runs inline
+    assert offload.run_inline(4, 2) == 2
+    assert threads[-1] == threading.get_ident() and policy.inline_s is not None and policy.running_inline
+    noted = policy.inline_s
+    with pytest.raises(ZeroDivisionError):
+        offload.run_inline(1, 0)
+    assert policy.inline_s == noted  # a failed item ends the actor: its cost is not noted
 
 
 class CostlySource:

@@ -16,15 +16,19 @@ from collections import deque
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from actors import checkpoint as checkpoints
 from actors.cpu_backend import CpuBackend
 from actors.device import InputSlots
 from actors.loader import Loader, Read
 from actors.messages import Batch, StepDone
-from actors.statistics import Hooks, Meter
-from flow.runner import fills_in_place, run, wiring
+from actors.meter import Hooks, Meter
+from flow import pipeline_plan
+from flow.pipeline_plan import plan_pipeline
+from flow.runner import run
 from flow.spec import (
+    MSE,
     Adam,
     CrossEntropy,
     Data,
@@ -164,27 +168,37 @@ def test_resume_of_a_run_read_in_place_is_bit_exact(tmp_path):
     assert_same_run(resumed, reference)
 
 
-def test_the_runner_fills_in_place_only_where_nothing_changes_a_batch():
+def test_the_plan_reads_in_place_only_where_nothing_changes_a_batch():
     spec = synthetic_spec()
-    source = SyntheticSource("classification", 250, (6,), classes=3, seed=2)
-    views = [(np.zeros((16, 6), np.float32), np.zeros(16, np.int32)) for _ in range(2)]
-    pipeline = default_pipeline(spec)
-    assert fills_in_place(spec, pipeline, source, views)
-    assert not fills_in_place(spec, pipeline, source, None)  # the device maps nothing
-    assert not fills_in_place(spec, pipeline, object(), views)  # a source without read_into
+    shape = tuple(spec.model.input_shape)
+
+    def in_place(spec=spec, sample_shape=shape, reads=True, maps=True) -> bool:
+        return plan_pipeline(spec, sample_shape=sample_shape, reads_in_place=reads, maps_inputs=maps).in_place
+
+    assert in_place()
+    assert not in_place(maps=False)  # the device maps nothing
+    assert not in_place(reads=False)  # a source without read_into
+    predicting = plan_pipeline(
+        spec, mode="predict", sample_shape=shape, reads_in_place=True, maps_inputs=True
+    )
+    assert not predicting.in_place  # the caller feeds arrays
     normalised = dataclasses.replace(
         spec, data=dataclasses.replace(spec.data, preprocess=(Normalize((0.0,), (2.0,)),))
     )
-    assert not fills_in_place(normalised, pipeline, source, views)
-    wrong = [(np.zeros((16, 7), np.float32), np.zeros(16, np.int32))] * 2
-    assert not fills_in_place(spec, pipeline, source, wrong)  # the source's samples are not the inputs
+    assert not in_place(normalised)
+    assert not in_place(sample_shape=(7,))  # the source's samples are not the inputs
     # A second consumer of the loader's batches (a fan-out) would see slots the device refills.
+    pipeline = default_pipeline(spec)
     fan_out = Pipeline(
         nodes=(*pipeline.nodes, Node("tap", "broadcast")),
         edges=(*pipeline.edges, Edge("loader", "tap")),
     )
-    wiring(fan_out)
-    assert not fills_in_place(spec, fan_out, source, views)
+    assert not in_place(dataclasses.replace(spec, pipeline=fan_out))
+    # MSE with several outputs: a row's targets are more than one element of the slot's labels.
+    regression = dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, layers=(*spec.model.layers[:-1], Linear(2)), loss=MSE())
+    )
+    assert not in_place(regression)
 
 
 class Skipping:
@@ -216,7 +230,29 @@ async def test_a_batch_with_no_sample_left_gives_its_slot_back():
     assert third.x[:, 0].tolist() == [2.0, 3.0, 4.0] and np.shares_memory(third.x, views[1][0])
     # The empty batch's slot came back at once and the third batch took it; the other two slots are
     # held until the device gives them back.
-    assert slots.take_nowait() is None
+    with pytest.raises(trio.WouldBlock):
+        slots.take_nowait()
+
+
+async def test_input_slots_follow_trios_nowait_convention():
+    slots = InputSlots(2)
+    assert [slots.take_nowait(), slots.take_nowait()] == [0, 1]
+    # Raises as trio's *_nowait do: a None that a caller forgot to check would become a slot index.
+    with pytest.raises(trio.WouldBlock):
+        slots.take_nowait()
+    async with trio.open_nursery() as nursery:
+        taken = []
+
+        async def take() -> None:
+            taken.append(await slots.take())
+
+        nursery.start_soon(take)
+        await trio.testing.wait_all_tasks_blocked()
+        assert taken == []  # waits while every slot is held
+        slots.give(1)
+    assert taken == [1]
+    slots.give(0)
+    assert slots.take_nowait() == 0
 
 
 def test_a_synthetic_read_into_gives_what_read_gives(rng):
@@ -238,12 +274,10 @@ def test_a_synthetic_read_into_gives_what_read_gives(rng):
 
 
 def test_a_synthetic_run_on_vulkan_reads_in_place_and_matches_the_copied_run(vulkan_backend, monkeypatch):
-    from flow import runner
-
     spec = synthetic_spec(epochs=2)
     in_place, copied = Seen(), Seen()
     result = run(spec, backend=vulkan_backend, hooks=[in_place])
-    monkeypatch.setattr(runner, "fills_in_place", lambda *args: False)
+    monkeypatch.setattr(pipeline_plan, "_reads_in_place", lambda *args: False)
     reference = run(spec, backend=vulkan_backend, hooks=[copied])
     assert set(in_place.slots) == {0, 1} and set(copied.slots) == {-1}
     assert_same_run(result, reference)  # the same bits on the same device, however they got there

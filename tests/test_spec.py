@@ -1,7 +1,7 @@
-"""Spec records, the learning-rate schedules, the default pipeline and shape inference."""
+"""Spec records, the default pipeline and shape inference (the learning-rate schedules are in
+test_optim.py)."""
 
 import dataclasses
-import math
 
 import pytest
 
@@ -11,9 +11,7 @@ from flow.spec import (
     SGD,
     Adam,
     AdamW,
-    Constant,
     Conv2d,
-    Cosine,
     CrossEntropy,
     Data,
     Digits,
@@ -25,9 +23,7 @@ from flow.spec import (
     ReLU,
     RunSettings,
     Spec,
-    StepLR,
     default_pipeline,
-    learning_rate,
 )
 from flow.validation import validate
 
@@ -52,40 +48,6 @@ def test_records_are_frozen_hashable_and_lists_become_tuples():
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         model.loss = None
-
-
-@pytest.mark.parametrize(
-    ("optimiser", "step", "expected"),
-    [
-        (SGD(0.1), 0, 0.1),
-        (SGD(0.1), 1000, 0.1),
-        (SGD(0.1, schedule=Constant(warmup_steps=10)), 0, 0.0),
-        (SGD(0.1, schedule=Constant(warmup_steps=10)), 5, 0.05),
-        (SGD(0.1, schedule=Constant(warmup_steps=10)), 10, 0.1),
-        (Adam(1.0, schedule=StepLR(10, gamma=0.5)), 9, 1.0),
-        (Adam(1.0, schedule=StepLR(10, gamma=0.5)), 10, 0.5),
-        (Adam(1.0, schedule=StepLR(10, gamma=0.5)), 25, 0.25),
-        (Adam(1.0, schedule=StepLR(10, gamma=0.5, warmup_steps=4)), 2, 0.5),
-        (Adam(1.0, schedule=StepLR(10, gamma=0.5, warmup_steps=4)), 14, 0.5),
-        (AdamW(1.0, schedule=Cosine(100)), 0, 1.0),
-        (AdamW(1.0, schedule=Cosine(100)), 50, 0.5),
-        (AdamW(1.0, schedule=Cosine(100)), 25, 0.5 + 0.5 * math.cos(math.pi / 4)),
-        (AdamW(1.0, schedule=Cosine(100)), 100, 0.0),
-        (AdamW(1.0, schedule=Cosine(100)), 150, 0.0),
-        # Warmup is part of total_steps: the decay spans steps 10..110.
-        (AdamW(1.1, schedule=Cosine(110, min_lr=0.1, warmup_steps=10)), 5, 0.55),
-        (AdamW(1.1, schedule=Cosine(110, min_lr=0.1, warmup_steps=10)), 10, 1.1),
-        (AdamW(1.1, schedule=Cosine(110, min_lr=0.1, warmup_steps=10)), 60, 0.6),
-        (AdamW(1.1, schedule=Cosine(110, min_lr=0.1, warmup_steps=10)), 110, 0.1),
-    ],
-)
-def test_learning_rate(optimiser, step, expected):
-    assert learning_rate(optimiser, step) == pytest.approx(expected, abs=1e-12)
-
-
-def test_learning_rate_rejects_negative_step():
-    with pytest.raises(ValueError, match="step"):
-        learning_rate(SGD(), -1)
 
 
 def _spec(**changes) -> Spec:

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from flow.errors import Problem, SpecError
+from flow.errors import Problem, SpecError, did_you_mean
 from flow.spec import (
     CSV,
     IDX,
@@ -292,3 +292,11 @@ def test_mse_needs_one_target_per_output_from_the_data():
     assert data_problems(one, (1, 8, 8), None) == []  # a regression target
     assert data_problems(one, (1, 8, 8), 10) == []  # integer targets for one output: regression too
     assert data_problems(mlp(), (1, 8, 8), 10) == []  # CrossEntropy takes class ids
+
+
+def test_one_did_you_mean_for_every_unknown_name():
+    """Unknown kinds, keys, literals and node names share one hint (flow.errors.did_you_mean)."""
+    assert did_you_mean("rleu", ("relu", "tanh")) == "; did you mean 'relu'?"
+    assert did_you_mean("zzz", ("relu", "tanh")) == ""
+    assert did_you_mean(None, ("relu",)) == did_you_mean(3, ("3",)) == ""  # only a string is a name
+    assert did_you_mean("rleu", (None, 1, "relu")) == "; did you mean 'relu'?"  # a Literal's non-strings

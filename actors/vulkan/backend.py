@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from actors.backend import memory_budget, upload_target
+from actors.backend import upload_target
 from actors.vulkan import library
 from actors.vulkan.facts import select_device
 from actors.vulkan.memory import ArenaBuffer, DeviceMemory, Staging
@@ -26,6 +26,7 @@ from actors.vulkan.queues import Queues
 from actors.vulkan.recording import full_barrier, record_program
 from actors.vulkan.timing import TimestampPool, Timestamps
 from actors.vulkan.uploads import Uploads
+from flow.device_facts import memory_budget
 from flow.program import Layout, Program
 
 # Assigned, not imported by name: see library's docstring (3.11 method calls).

@@ -8,10 +8,10 @@ feature chain that read them (``features``), plus the extensions those facts rel
 
 from __future__ import annotations
 
-from actors.backend import DeviceFacts
 from actors.vulkan import library
 from actors.vulkan.features import feature_chain
 from actors.vulkan.library import check
+from flow.device_facts import DeviceFacts
 
 # Assigned, not imported by name: see library's docstring (3.11 method calls).
 ffi, lib, vk = library.ffi, library.lib, library.vk

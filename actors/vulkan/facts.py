@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from actors.backend import DeviceFacts, MemoryHeap, MemoryType, QueueFamily
 from actors.vulkan import library
 from actors.vulkan.features import feature_chain
 from actors.vulkan.library import INSTALL_HINT, VulkanUnavailable, check, instance, text
+from flow.device_facts import DeviceFacts, MemoryHeap, MemoryType, QueueFamily
 
 # Assigned, not imported by name: see library's docstring (3.11 method calls).
 ffi, lib, vk = library.ffi, library.lib, library.vk

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.backend import DeviceFacts
 from actors.vulkan import library
+from flow.device_facts import DeviceFacts
 
 # Assigned, not imported by name: see library's docstring (3.11 method calls).
 ffi, vk = library.ffi, library.vk

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.backend import DeviceFacts, MemoryType
 from actors.memory import BlockAllocator, Placement, choose_memory_type, choose_staging_type, has_rebar
 from actors.vulkan import library
 from actors.vulkan.library import check
+from flow.device_facts import DeviceFacts, MemoryType
 from flow.program import Layout, Tensor
 
 # Assigned, not imported by name: see library's docstring (3.11 method calls).

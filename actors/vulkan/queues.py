@@ -14,7 +14,6 @@ import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from actors.backend import DeviceFacts
 from actors.vulkan import library
 from actors.vulkan.device import open_device
 from actors.vulkan.library import TIMEOUT_NS, check
@@ -25,6 +24,7 @@ from actors.vulkan.queues_policy import (
     choose_upload_queue,
     upload_queue_name,
 )
+from flow.device_facts import DeviceFacts
 
 # Assigned, not imported by name: see library's docstring (3.11 method calls).
 ffi, lib, vk = library.ffi, library.lib, library.vk

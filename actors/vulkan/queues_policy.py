@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from actors.backend import QueueFamily
+from flow.device_facts import QueueFamily
 
 # Upload tickets count on the transfer queue's own timeline; offsetting them keeps them apart from
 # the compute queue's tickets (1, 2, ...), so one ``wait``/``is_done`` serves both kinds.

@@ -1,0 +1,100 @@
+"""Which devices exist, for people and for the runner: Vulkan devices when a driver is present,
+else the CPU backend with a message that says why and how to get a driver.
+
+Choosing stays apart from reporting: the functions here return the fallback message and the caller
+decides how to show it (``flow.runner`` logs its first line; ``flow.runner.open_backend`` is the one
+public ``open_backend``)."""
+
+from __future__ import annotations
+
+from actors.backend import Backend, DeviceFacts
+
+
+def list_devices() -> tuple[list[DeviceFacts], str]:
+    """Every Vulkan device that can compute, best first, and a message when there are none.
+
+    Returns:
+        (devices, message): message is empty when at least one Vulkan device was found.
+    """
+    try:
+        from actors.vulkan import VulkanUnavailable, enumerate_devices
+    except ImportError as error:
+        return [], f"the vulkan Python package is missing ({error}); pip install vulkan"
+    try:
+        devices = enumerate_devices()
+    except VulkanUnavailable as error:
+        return [], f"no Vulkan: {error}. Falling back to the CPU (numpy) backend."
+    if not devices:
+        return (
+            [],
+            "the Vulkan driver reports no device that can compute. Falling back to the CPU (numpy) backend.",
+        )
+    return devices, ""
+
+
+def select_facts(select: int | str = "auto") -> tuple[DeviceFacts, str]:
+    """The facts of the device a spec's choice names, without opening it (a Vulkan instance lists
+    the physical devices; no logical device, queue or memory is created), so a run can be planned,
+    and refused, before any device work.
+
+    Args:
+        select: "cpu", "auto" (the best Vulkan device, else the CPU), a device index or a name.
+
+    Returns:
+        (facts, message): message explains a fallback to the CPU, else is empty.
+
+    Raises:
+        LookupError: an explicit index or name that matches no Vulkan device.
+    """
+    from actors.cpu_backend import cpu_facts
+
+    if select == "cpu":
+        return cpu_facts(), ""
+    try:
+        from actors.vulkan import VulkanUnavailable, select_device
+    except ImportError as error:
+        if select != "auto":
+            raise LookupError(f"device {select!r} asked for, but Vulkan is unavailable: {error}") from error
+        return cpu_facts(), f"vulkan package missing ({error}); using the CPU backend"
+    try:
+        return select_device(select)[0], ""
+    except VulkanUnavailable as error:
+        if select != "auto":
+            raise LookupError(f"device {select!r} asked for, but Vulkan is unavailable: {error}") from error
+        return cpu_facts(), f"{error}; using the CPU (numpy) backend"
+
+
+def open_device(facts: DeviceFacts, memory_fraction: float = 0.9) -> Backend:
+    """Open the backend of a device :func:`select_facts` chose.
+
+    Args:
+        facts: the device's facts (the CPU's, or a Vulkan device's by its index).
+        memory_fraction: share of the device's memory budget to use.
+
+    Returns:
+        The backend; the caller closes it.
+    """
+    if facts.kind == "cpu":
+        from actors.cpu_backend import CpuBackend
+
+        return CpuBackend(facts=facts)
+    from actors.vulkan import VulkanBackend
+
+    return VulkanBackend(facts.index, memory_fraction=memory_fraction)
+
+
+def select_backend(select: int | str = "auto", memory_fraction: float = 0.9) -> tuple[Backend, str]:
+    """The backend for a spec's device choice: :func:`select_facts`, then :func:`open_device`.
+
+    Args:
+        select: "cpu", "auto" (the best Vulkan device, else the CPU), a device index or a name.
+        memory_fraction: share of the device's memory budget to use.
+
+    Returns:
+        (backend, message): message explains a fallback to the CPU, else is empty.
+
+    Raises:
+        LookupError: an explicit index or name that matches no Vulkan device.
+    """
+    facts, message = select_facts(select)
+    return open_device(facts, memory_fraction), message

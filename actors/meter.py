@@ -1,0 +1,274 @@
+"""The meter through which every actor moves its items, and the hooks it calls on the way.
+
+Every actor takes items from its inbox and sends to its outboxes only through a :class:`Meter`, so
+the counts (items in and out), the times (busy working, idle waiting for input, blocked waiting for
+space downstream) and the channel fill are measured in one place, the same way for every actor.
+``Meter.statistics()`` returns a frozen :class:`actors.statistics.ActorStatistics`.
+
+:class:`Hooks` lets tests and tools watch or perturb items as actors move them (fail at the n-th
+item, sleep to be a slow consumer, gate a loader one batch at a time, sample channel depths); a
+Meter without hooks pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from actors.statistics import ActorStatistics
+
+
+class Hooks:
+    """Callbacks around every item an actor moves; the default does nothing.
+
+    Subclass and override what you need (see flow.testing for ready-made ones). Hooks run inside
+    the actor's task, so an exception raised here is that actor failing, and a sleep here is that
+    actor being slow.
+    """
+
+    def attach(self, channels: dict[tuple[str, str], tuple[Any, Any]]) -> None:
+        """Called once before the actors start.
+
+        Args:
+            channels: (src, dst) -> (send channel, receive channel) for every pipeline edge.
+        """
+
+    async def received(self, actor: str, item: Any) -> None:
+        """After ``actor`` took ``item`` from its inbox."""
+
+    async def sending(self, actor: str, item: Any) -> None:
+        """Before ``actor`` sends ``item`` downstream."""
+
+    async def sent(self, actor: str, item: Any) -> None:
+        """After ``actor`` sent ``item`` to every outbox."""
+
+
+class HookList(Hooks):
+    """Several hooks, called in order."""
+
+    def __init__(self, hooks: Sequence[Hooks]) -> None:
+        self.hooks = tuple(hooks)
+
+    def attach(self, channels: dict[tuple[str, str], tuple[Any, Any]]) -> None:
+        for hook in self.hooks:
+            hook.attach(channels)
+
+    async def received(self, actor: str, item: Any) -> None:
+        for hook in self.hooks:
+            await hook.received(actor, item)
+
+    async def sending(self, actor: str, item: Any) -> None:
+        for hook in self.hooks:
+            await hook.sending(actor, item)
+
+    async def sent(self, actor: str, item: Any) -> None:
+        for hook in self.hooks:
+            await hook.sent(actor, item)
+
+
+def _used(channel: Any) -> int:
+    stats = getattr(channel, "statistics", None)
+    return int(stats().current_buffer_used) if stats else 0
+
+
+def _peak(channel: Any) -> int | None:
+    """The most items ``channel`` ever held, as the channel itself counts it (trio >= 0.24); None
+    when it does not, and the meter has to sample the depth on every item instead."""
+    stats = getattr(channel, "statistics", None)
+    peak = getattr(stats(), "peak_buffer_used", None) if stats else 0
+    return None if peak is None else int(peak)
+
+
+def _capacity(channel: Any) -> int:
+    stats = getattr(channel, "statistics", None)
+    size = stats().max_buffer_size if stats else 0
+    return int(size) if size != float("inf") else -1
+
+
+class _Timed:
+    """Adds the time spent inside a ``with`` block to one of a Meter's counters (a plain class:
+    a generator-based context manager costs three times as much, on every item)."""
+
+    __slots__ = ("meter", "counter", "start")
+
+    def __init__(self, meter: Meter, counter: str) -> None:
+        self.meter = meter
+        self.counter = counter
+
+    def __enter__(self) -> None:
+        self.start = self.meter._clock()
+
+    def __exit__(self, *exc: object) -> None:
+        meter = self.meter
+        setattr(meter, self.counter, getattr(meter, self.counter) + meter._clock() - self.start)
+
+
+class Meter:
+    """An actor's ports: iterate it for inbox items, ``send`` to every outbox, ``busy()`` around
+    work. Use it as an async context manager; leaving it cleanly closes the inbox and the outboxes,
+    so the actors downstream see the end of the stream.
+
+    Moving an item costs the actor at most one schedule point: an item already waiting in the inbox
+    is taken at once (the actor yields when its inbox runs dry), and an actor with an inbox sends
+    without one when there is room. A source actor (no inbox) yields at every send, so every chain
+    of actors yields at least once per item and a cancellation reaches each actor within the few
+    items its inbox holds. Channel peaks come from the channels' own counters where they keep one,
+    so a step pays nothing for them.
+
+    Args:
+        name: the actor's name (statistics and hooks use it).
+        inbox: the receive channel, or None for a source actor.
+        outboxes: send channels; each item goes to every one of them in order (explicit fan-out).
+        hooks: optional observers.
+        clock: the time source for busy/idle/blocked seconds.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        inbox: trio.MemoryReceiveChannel | None = None,
+        outboxes: Sequence[trio.MemorySendChannel] = (),
+        hooks: Hooks | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.name = name
+        self.inbox = inbox
+        self.outboxes = tuple(outboxes)
+        self.hooks = hooks
+        self._clock = clock
+        self._in = 0
+        self._out = 0
+        self._busy = 0.0
+        self._idle = 0.0
+        self._blocked = 0.0
+        self._inbox_peak = 0
+        self._outbox_peak = 0
+        # Channels without their own peak counter (older trio, stand-ins in tests) are sampled.
+        self._sample_inbox = inbox is not None and _peak(inbox) is None
+        self._sample_outboxes = any(_peak(outbox) is None for outbox in self.outboxes)
+
+    # -- receiving -------------------------------------------------------------------------------
+    def __aiter__(self) -> Meter:
+        return self
+
+    async def __anext__(self) -> Any:
+        inbox = self.inbox
+        if inbox is None:
+            raise StopAsyncIteration
+        if self._sample_inbox:
+            used = _used(inbox)
+            if used > self._inbox_peak:
+                self._inbox_peak = used
+        try:
+            item = inbox.receive_nowait()
+        except trio.WouldBlock:
+            item = await self._receive_waiting(inbox)
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        self._in += 1
+        if self.hooks is not None:
+            await self.hooks.received(self.name, item)
+        return item
+
+    async def _receive_waiting(self, inbox: trio.MemoryReceiveChannel) -> Any:
+        clock = self._clock
+        start = clock()
+        try:
+            return await inbox.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        finally:
+            self._idle += clock() - start
+
+    # -- sending ---------------------------------------------------------------------------------
+    async def send(self, item: Any) -> None:
+        """Send ``item`` to every outbox, waiting for space (the time counts as blocked).
+
+        An actor with an inbox yields to the scheduler when its inbox runs dry, so its sends skip
+        trio's extra schedule point when there is room (``send_nowait``); a source actor always
+        yields.
+
+        Args:
+            item: the message.
+        """
+        if self.hooks is not None:
+            await self.hooks.sending(self.name, item)
+        if self.inbox is not None:
+            for outbox in self.outboxes:
+                try:
+                    outbox.send_nowait(item)
+                except trio.WouldBlock:
+                    await self._send_waiting(outbox, item)
+        else:
+            for outbox in self.outboxes:
+                await self._send_waiting(outbox, item)
+        if self._sample_outboxes:
+            for outbox in self.outboxes:
+                used = _used(outbox)
+                if used > self._outbox_peak:
+                    self._outbox_peak = used
+        self._out += 1
+        if self.hooks is not None:
+            await self.hooks.sent(self.name, item)
+
+    async def _send_waiting(self, outbox: trio.MemorySendChannel, item: Any) -> None:
+        clock = self._clock
+        start = clock()
+        try:
+            await outbox.send(item)
+        finally:
+            self._blocked += clock() - start
+
+    def busy(self) -> _Timed:
+        """Count the time inside the block (``with meter.busy():``) as work."""
+        return _Timed(self, "_busy")
+
+    def blocked(self) -> _Timed:
+        """Count the time inside the block as waiting for capacity downstream (e.g. a free device
+        slot), like a send that waits for space."""
+        return _Timed(self, "_blocked")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the inbox and every outbox (no checkpoint: nothing else runs meanwhile)."""
+        for outbox in self.outboxes:
+            outbox.close()
+        if self.inbox is not None:
+            self.inbox.close()
+
+    async def __aenter__(self) -> Meter:
+        return self
+
+    async def __aexit__(self, exc_type: type | None, *exc: object) -> None:
+        # Only a clean end closes the channels. On an error the runner cancels every actor anyway;
+        # closing here would make the neighbours fail too (BrokenResourceError upstream, a false
+        # end of stream downstream) and blur which actor really failed.
+        if exc_type is None:
+            self.close()
+
+    def statistics(self) -> ActorStatistics:
+        """The counters now.
+
+        Returns:
+            A frozen snapshot.
+        """
+        inbox_peak = self._inbox_peak
+        if self.inbox is not None and not self._sample_inbox:
+            inbox_peak = max(inbox_peak, _peak(self.inbox) or 0)
+        outbox_peak = max(self._outbox_peak, max((_peak(o) or 0 for o in self.outboxes), default=0))
+        return ActorStatistics(
+            name=self.name,
+            items_in=self._in,
+            items_out=self._out,
+            busy_seconds=self._busy,
+            idle_seconds=self._idle,
+            blocked_seconds=self._blocked,
+            inbox_used=_used(self.inbox) if self.inbox is not None else 0,
+            inbox_capacity=_capacity(self.inbox) if self.inbox is not None else 0,
+            inbox_peak=inbox_peak,
+            outbox_used=max((_used(o) for o in self.outboxes), default=0),
+            outbox_peak=outbox_peak,
+        )

@@ -1,0 +1,200 @@
+"""The optimiser's pure decisions, gathered in one place: what an SGD, Adam or AdamW record means
+for a run, with no effects.
+
+The learning-rate schedules (:func:`learning_rate`); the per-step values the update shaders read
+from each slot's ``stepvals`` (:func:`step_values`, in flow.program.STEP_VALUES order), written at
+submit so a schedule never re-records a program; the state arenas the optimiser keeps beside the
+parameters (:func:`optimiser_state_names`) and the one launch that updates the flat parameter arena
+(:func:`update_launch`); and what a checkpoint records about the optimiser
+(:func:`describe_optimiser`) with the one check that a saved state fits a plan
+(:func:`check_compatible`), which the engine runs before it writes anything. The effects (putting
+weights and state on a device, following completed steps) live in actors.optimiser.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from flow.errors import PlanError, Problem
+from flow.program import Launch, launch
+from flow.spec import SGD, Adam, AdamW, Cosine, Optimiser, StepLR
+
+# The arrays a checkpoint holds besides the optimiser state: every parameter, as one flat arena.
+PARAMS = "params:all"
+
+
+def learning_rate(optimiser: Optimiser, step: int) -> float:
+    """The learning rate for one optimiser step, in float64.
+
+    Warmup rises linearly from 0 at step 0 to ``lr`` at step ``warmup_steps``; the schedule's clock
+    then starts. ``StepLR`` multiplies by ``gamma`` every ``step_size`` steps; ``Cosine`` falls from
+    ``lr`` to ``min_lr`` at step ``total_steps`` (counted from step 0, warmup included) and stays there.
+
+    Args:
+        optimiser: an SGD, Adam or AdamW record (valid, see flow.validation).
+        step: the 0-based index of the update.
+
+    Returns:
+        The learning rate for that update.
+
+    Raises:
+        ValueError: a negative step.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    lr, schedule = optimiser.lr, optimiser.schedule
+    if step < schedule.warmup_steps:
+        return lr * step / schedule.warmup_steps
+    t = step - schedule.warmup_steps
+    if isinstance(schedule, StepLR):
+        return lr * schedule.gamma ** (t // schedule.step_size)
+    if isinstance(schedule, Cosine):
+        progress = min(t / (schedule.total_steps - schedule.warmup_steps), 1.0)
+        return schedule.min_lr + (lr - schedule.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return float(lr)
+
+
+def device_learning_rate(optimiser: Optimiser, step: int) -> float:
+    """The learning rate of update ``step`` as the device sees it: :func:`learning_rate` rounded
+    once to float32, as :func:`step_values` writes it, so what a run reports is what was applied.
+
+    Args:
+        optimiser: the spec's optimiser.
+        step: the update's 0-based index.
+
+    Returns:
+        The learning rate.
+    """
+    return float(np.float32(learning_rate(optimiser, step)))
+
+
+def step_values(optimiser: Optimiser, step: int | None, rows: int) -> np.ndarray:
+    """A slot's step values (flow.program.STEP_VALUES) for one submit.
+
+    For a training step with 0-based index ``step`` (t = step + 1): [lr, 1 - beta1^t, 1 - beta2^t,
+    t, rows]; SGD has no bias corrections, so 1.0 for both. Computed in float64 on the host then
+    rounded once, so every backend sees identical values. For evaluation and prediction (``step``
+    None) only ``rows`` matters. The engine calls this before every submit, so it stays a few
+    float operations and one small array.
+
+    Args:
+        optimiser: the spec's optimiser.
+        step: the update's index, or None when nothing is updated.
+        rows: the batch's real rows.
+
+    Returns:
+        float32 [len(STEP_VALUES)].
+    """
+    if step is None:
+        return np.array([0.0, 1.0, 1.0, 0.0, rows], dtype=np.float32)
+    t = step + 1
+    lr = learning_rate(optimiser, step)
+    if isinstance(optimiser, Adam | AdamW):
+        beta1, beta2 = optimiser.betas
+        return np.array([lr, 1.0 - beta1**t, 1.0 - beta2**t, t, rows], dtype=np.float32)
+    assert isinstance(optimiser, SGD)
+    return np.array([lr, 1.0, 1.0, t, rows], dtype=np.float32)
+
+
+def optimiser_state_names(optimiser: Optimiser) -> tuple[str, ...]:
+    """The flat state arenas the optimiser keeps beside the parameters, each as large as them.
+
+    Args:
+        optimiser: the spec's optimiser.
+
+    Returns:
+        ("momentum",) for SGD with momentum, () for plain SGD, ("exp_avg", "exp_avg_sq") for Adam
+        and AdamW.
+    """
+    if isinstance(optimiser, SGD):
+        return ("momentum",) if optimiser.momentum else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
+def update_launch(optimiser: Optimiser, total: int) -> Launch:
+    """One launch that updates every parameter in the flat arena (padding included: its gradient
+    is always zero, so it stays zero). Hyperparameters that never change are push constants; the
+    schedule's values come from ``stepvals`` (:func:`step_values`).
+
+    Args:
+        optimiser: the spec's optimiser.
+        total: floats in the flat parameter arena.
+
+    Returns:
+        The ``sgd`` or ``adam`` launch.
+
+    Raises:
+        PlanError: an optimiser with no update kernel.
+    """
+    if isinstance(optimiser, SGD):
+        # Without momentum the kernel never reads its buffer, so the gradients stand in for the
+        # arena that plain SGD does not allocate.
+        momentum_buffer = "state:momentum" if optimiser.momentum else "grads:all"
+        return launch(
+            "sgd",
+            (PARAMS, "grads:all", momentum_buffer, "stepvals"),
+            n=total,
+            momentum=float(optimiser.momentum),
+            nesterov=int(optimiser.nesterov),
+            weight_decay=float(optimiser.weight_decay),
+        )
+    if isinstance(optimiser, Adam | AdamW):
+        return launch(
+            "adam",
+            (PARAMS, "grads:all", "state:exp_avg", "state:exp_avg_sq", "stepvals"),
+            n=total,
+            beta1=float(optimiser.betas[0]),
+            beta2=float(optimiser.betas[1]),
+            eps=float(optimiser.eps),
+            weight_decay=float(optimiser.weight_decay),
+            decoupled=int(isinstance(optimiser, AdamW)),
+            one_minus_beta1=1.0 - float(optimiser.betas[0]),
+            one_minus_beta2=1.0 - float(optimiser.betas[1]),
+        )
+    raise PlanError([Problem("optimiser", f"unknown optimiser {type(optimiser).__name__}")])
+
+
+def describe_optimiser(optimiser: Optimiser, state_names: tuple[str, ...]) -> dict[str, Any]:
+    """What a checkpoint records about the optimiser, besides its arrays.
+
+    Args:
+        optimiser: the spec's optimiser.
+        state_names: the plan's optimiser state arenas.
+
+    Returns:
+        {"kind": class name, "state": [arena names]}.
+    """
+    return {"kind": type(optimiser).__name__, "state": list(state_names)}
+
+
+def check_compatible(
+    saved: Mapping[str, np.ndarray], state_names: tuple[str, ...], total_params: int
+) -> None:
+    """Refuse a saved state that does not fit a plan. A restore writes arrays one by one, so it runs
+    this first: a half-written restore would train from weights of one run and state of another.
+
+    Args:
+        saved: ``params:all`` and ``state:<name>`` arrays, as Engine.state returns and a checkpoint
+            holds.
+        state_names: the plan's optimiser state arenas.
+        total_params: floats in the plan's flat parameter arena (padding included).
+
+    Raises:
+        ValueError: naming the arrays that are missing, extra, or of the wrong type or size.
+    """
+    expected = {PARAMS, *(f"state:{s}" for s in state_names)}
+    problems = []
+    if missing := sorted(expected - set(saved)):
+        problems.append(f"missing {', '.join(missing)}")
+    if extra := sorted(set(saved) - expected):
+        problems.append(f"extra {', '.join(extra)}")
+    for name in sorted(expected & set(saved)):
+        array = saved[name]
+        if array.dtype != np.float32 or array.size != total_params:
+            problems.append(f"{name} is {array.dtype} x {array.size}, needs float32 x {total_params}")
+    if problems:
+        raise ValueError("checkpoint does not fit this model and optimiser: " + "; ".join(problems))

@@ -1,0 +1,35 @@
+// The push block and index math of the NCHW convolution shaders: conv2d, conv2d_backward_data and
+// conv2d_backward_weight. The registry gives all three one push layout (_CONV_PUSH) so a layer's
+// forward and backward launches take the same parameters; has_bias, act and slope are read by the
+// forward only.
+#ifndef VKFLOW_CONV_HEAD_GLSL
+#define VKFLOW_CONV_HEAD_GLSL
+
+layout(push_constant) uniform Push {
+    uint N;  // batch
+    uint C;  // input channels
+    uint H;  // input height
+    uint W;  // input width
+    uint K;  // output channels
+    uint R;  // kernel height
+    uint S;  // kernel width
+    uint stride;
+    uint pad;
+    uint OW;  // output width
+    uint OH;  // output height
+    uint has_bias;
+    uint act;  // ACT_* code of the fused activation
+    float slope;
+} pc;
+
+// (n, c, h, w) of flat index i into a row-major [*, C, H, W] array: the output [N, K, OH, OW],
+// the input [N, C, H, W] or the weights [K, C, R, S], whichever a shader's threads walk.
+uvec4 nchw_coords(uint i, uint C, uint H, uint W) {
+    uint w = i % W;
+    uint t = i / W;
+    uint h = t % H;
+    t /= H;
+    return uvec4(t / C, t % C, h, w);
+}
+
+#endif

@@ -1,0 +1,31 @@
+"""Where vkflow keeps what it can compute again: compiled SPIR-V, GEMM tuning tables written by a
+sweep, image-folder manifests, the digits written out as images.
+
+One function decides it for every user, so ``VKFLOW_CACHE`` moves all of it. It sits in shaders/
+because that is the lowest package: shaders/ imports nothing else of vkflow and its ``__init__``
+loads nothing, so the loaders can import it without cost or cycle, whereas shaders importing
+loaders/ would load every source, numpy and Pillow just to compile a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir(*parts: str) -> Path:
+    """The vkflow user cache directory: ``$VKFLOW_CACHE``, else ``$XDG_CACHE_HOME/vkflow``, else
+    ``~/.cache/vkflow`` (an empty variable counts as unset). Read at every call, so a change to the
+    environment takes effect at once.
+
+    Args:
+        parts: sub-directories below it, e.g. ``"spirv"``.
+
+    Returns:
+        The path (not created: each user creates what it writes).
+    """
+    root = os.environ.get("VKFLOW_CACHE")
+    if root:
+        return Path(root, *parts)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base, "vkflow", *parts)
