@@ -15,8 +15,8 @@ layout(push_constant) uniform Push {
     uint S;  // kernel width
     uint stride;
     uint pad;
-    uint OW;  // output width
     uint OH;  // output height
+    uint OW;  // output width
     uint has_bias;
     uint act;  // ACT_* code of the fused activation
     float slope;

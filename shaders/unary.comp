@@ -11,8 +11,6 @@ layout(std430, set = 0, binding = 1) writeonly buffer YBuf { float Y[]; };
 #include "elementwise_head.glsl"
 #include "activations.glsl"
 
-const uint FN_EXP = 8u;
-
 void main() {
     uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
@@ -22,7 +20,7 @@ void main() {
             y = x * pc.a + pc.b;
         } else if (pc.fn == UNARY_COPY) {
             y = x;
-        } else if (pc.fn == FN_EXP) {
+        } else if (pc.fn == UNARY_EXP) {
             y = exp(x);
         } else {
             y = activate(x, pc.fn, pc.a);

@@ -1,12 +1,14 @@
 """Layering: which modules may import which, read from every module's imports with ``ast``.
 
-Two rules, kept by reading the source rather than by review:
+Three rules, kept by reading the source rather than by review:
 
 - the Vulkan binding is imported by one module, ``actors/vulkan/library.py``, and the pure policy
   modules (queue and memory decisions) never load it, even indirectly, so their tests run on
   machines with no Vulkan;
 - flow/ has three tiers (records, pure decisions, entry points): a module imports only its own
-  tier and those below it, and only entry points import actors/.
+  tier and those below it, and only entry points import actors/;
+- shaders/ and loaders/, the lowest packages, import neither flow/ nor actors/ nor each other, but
+  for the one cache directory they share (shaders/user_cache.py).
 
 Imports anywhere in a module count (inside functions too); for "never loads the binding" only those
 that run do (an ``if TYPE_CHECKING:`` block does not), and importing ``a.b.c`` runs ``a`` and
@@ -195,3 +197,27 @@ def test_flow_tiers_import_only_downwards_and_only_entry_points_import_actors():
     assert not new, "flow/ layering broken:\n" + "\n".join(described)
     fixed = sorted(KNOWN_FLOW_VIOLATIONS - found)
     assert not fixed, f"fixed, so remove from KNOWN_FLOW_VIOLATIONS: {fixed}"
+
+
+# -- the lowest packages ----------------------------------------------------------------------------
+# shaders/ and loaders/ sit below flow/ and actors/. They share one module, shaders.user_cache (the
+# one cache directory), and nothing else: compiling a kernel must not load every source, numpy and
+# Pillow, and a loader must not load the shader registry.
+
+SHARED_LOW = "shaders.user_cache"
+
+
+def test_shaders_and_loaders_import_only_themselves_and_the_user_cache():
+    found = sorted(
+        f"{MODULES[name].relative_to(ROOT)}:{imp.line} imports {imp.target}"
+        for name, imports in IMPORTS.items()
+        for package, allowed in (("shaders", ("shaders",)), ("loaders", ("loaders", SHARED_LOW)))
+        if _is_or_under(name, package)
+        for imp in imports
+        if any(_is_or_under(imp.target, top) for top in ("flow", "actors", "shaders", "loaders"))
+        and not any(_is_or_under(imp.target, ok) for ok in allowed)
+    )
+    assert not found, "\n".join(found)
+    assert not {imp.target for imp in IMPORTS[SHARED_LOW] if imp.target.split(".")[0] in MODULES}, (
+        f"{SHARED_LOW} must import nothing of vkflow"
+    )

@@ -1,11 +1,11 @@
 """The Vulkan backend, one module per job.
 
 ``library`` loads the binding (the only module that imports ``vulkan``); ``facts`` and
-``features`` read what each device is and pick one; ``queues_policy`` (pure) and ``queues`` decide
-and run the queues, tickets and waits; ``memory`` places arenas and staging buffers (its choices
-are pure code in ``actors/memory.py``); ``uploads`` moves batches by DMA; ``pipelines`` builds
-pipelines and descriptor sets; ``recording`` turns a Program into a command buffer; ``timing``
-owns timestamp pools; ``backend`` assembles them into ``VulkanBackend``.
+``features`` read what each device is and pick one; ``device`` opens it; ``queues_policy`` (pure)
+and ``queues`` decide and run the queues, tickets and waits; ``memory`` places arenas and staging
+buffers (its choices are pure code in ``actors/memory.py``); ``uploads`` moves batches by DMA;
+``pipelines`` builds pipelines and descriptor sets; ``recording`` turns a Program into a command
+buffer; ``timing`` owns timestamp pools; ``backend`` assembles them into ``VulkanBackend``.
 
 The names below are imported on first use, not here: importing ``actors.vulkan.queues_policy`` (or
 any pure module) then never loads the binding, so pure tests run where Vulkan is missing.
