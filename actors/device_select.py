@@ -81,20 +81,3 @@ def open_device(facts: DeviceFacts, memory_fraction: float = 0.9) -> Backend:
     from actors.vulkan import VulkanBackend
 
     return VulkanBackend(facts.index, memory_fraction=memory_fraction)
-
-
-def select_backend(select: int | str = "auto", memory_fraction: float = 0.9) -> tuple[Backend, str]:
-    """The backend for a spec's device choice: :func:`select_facts`, then :func:`open_device`.
-
-    Args:
-        select: "cpu", "auto" (the best Vulkan device, else the CPU), a device index or a name.
-        memory_fraction: share of the device's memory budget to use.
-
-    Returns:
-        (backend, message): message explains a fallback to the CPU, else is empty.
-
-    Raises:
-        LookupError: an explicit index or name that matches no Vulkan device.
-    """
-    facts, message = select_facts(select)
-    return open_device(facts, memory_fraction), message

@@ -87,8 +87,9 @@ def _check(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from flow.data_plan import header_of
     from flow.planning import plan
-    from flow.runner import select_facts
+    from flow.runner import selected_facts
     from loaders import LoaderError, open_source
+    from shaders import gemm_tuning
 
     spec = _report(args.file, lambda: load(args.file))
     if spec is None:
@@ -104,11 +105,14 @@ def _plan(args: argparse.Namespace) -> int:
         with contextlib.closing(source):
             header = header_of(source)
     try:
-        facts = select_facts(spec.devices)
+        facts = selected_facts(spec.devices)
     except LookupError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    the_plan = _report(args.file, lambda: plan(spec, facts=facts, header=header, budget=args.budget))
+    tuning = gemm_tuning.load_table(facts.name)
+    the_plan = _report(
+        args.file, lambda: plan(spec, facts=facts, header=header, budget=args.budget, tuning=tuning)
+    )
     if the_plan is None:
         return 1
     if args.json:

@@ -12,16 +12,14 @@ from typing import Any
 import numpy as np
 
 from actors import checkpoint as checkpoints
-from actors import optimiser as optim
-from actors.backend import Backend, memory_budget
+from actors.backend import Backend
 from actors.device import predict_batches
-from actors.engine import Engine
 from actors.messages import Batch
 from actors.preprocess import transform_batch
 from flow.codec import load as load_spec
 from flow.inputs import as_inputs, batch_bounds
 from flow.planning import plan
-from flow.runner import open_backend
+from flow.runner import open_backend, plan_on, start_engine
 from flow.spec import Spec
 
 
@@ -84,10 +82,7 @@ def _predict_stream(spec: Spec, state, data, backend: Backend | None) -> Iterato
     backend = open_backend(spec.devices) if owned else backend
     source = None
     try:
-        engine = Engine(
-            plan(spec, budget=memory_budget(backend.facts, spec.devices.memory_fraction)).devices[0], backend
-        )
-        optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state)
+        engine, _ = start_engine(plan_on(spec, backend.facts, mode="predict"), backend, state)
         if isinstance(data, np.ndarray):
             array = data
 

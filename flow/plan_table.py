@@ -78,4 +78,7 @@ def format_plan(plan: Plan) -> str:
                         f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in step.params
                     )
                     lines.append(f"    {step.op:<22} {', '.join(step.args)}  [{params}]")
+                    if step.constants:
+                        tiles = " ".join(f"{k}={v}" for k, v in step.constants)
+                        lines.append(f"    {'':<22} constants: {tiles}")
     return "\n".join(lines)

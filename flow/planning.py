@@ -47,6 +47,7 @@ from flow.program import (
 from flow.shapes import infer_shapes
 from flow.spec import Model, Spec
 from flow.validation import check
+from shaders.registry import GemmTable, resolve_program
 from shaders.registry import op as op_def
 
 PROGRAM_KINDS = ("train", "eval", "predict")
@@ -171,7 +172,12 @@ def _device_dict(device: DevicePlan) -> dict:
             {
                 "name": p.name,
                 "steps": [
-                    {"op": s.op, "args": list(s.args), "params": dict(s.params)}
+                    {
+                        "op": s.op,
+                        "args": list(s.args),
+                        "params": dict(s.params),
+                        "constants": dict(s.constants),
+                    }
                     if isinstance(s, Launch)
                     else "barrier"
                     for s in p.steps
@@ -252,7 +258,12 @@ def _io_tensors(model: Model, batch: int) -> list[TensorDecl]:
 
 
 def plan_device(
-    spec: Spec, device: str, budget: int | None = None, features: tuple[str, ...] | None = None
+    spec: Spec,
+    device: str,
+    budget: int | None = None,
+    features: tuple[str, ...] | None = None,
+    facts: DeviceFacts | None = None,
+    tuning: GemmTable | None = None,
 ) -> DevicePlan:
     """Plan one device that runs the whole model (data parallel replicas get one each).
 
@@ -261,6 +272,8 @@ def plan_device(
         device: the device it runs on (as the spec names it).
         budget: bytes available on that device; None skips the check.
         features: the device's features (DeviceFacts.features); None skips feature checks.
+        facts: the device, for the launches' tiles (None: the defaults every device runs).
+        tuning: the device's GEMM tuning table (shaders.gemm_tuning.load_table), or None.
 
     Returns:
         The device plan.
@@ -360,8 +373,10 @@ def plan_device(
             ]
         )
     names = tuple(f"layers[{i}] {type(layer).__name__}" for i, layer in enumerate(model.layers))
+    # Each launch carries the specialisation constants (GEMM tiles) this device will run.
     programs = tuple(
-        Program(name=f"{kind}[{batch}]", steps=with_barriers(graphs[kind].groups)) for kind in PROGRAM_KINDS
+        resolve_program(Program(f"{kind}[{batch}]", with_barriers(graphs[kind].groups)), facts, tuning)
+        for kind in PROGRAM_KINDS
     )
     return DevicePlan(
         device,
@@ -401,6 +416,7 @@ def plan(
     header: SourceHeader | None = None,
     mode: str = "train",
     maps_inputs: bool | None = None,
+    tuning: GemmTable | None = None,
 ) -> Plan:
     """Turn a valid spec into the whole run's plan, before any device work.
 
@@ -416,6 +432,8 @@ def plan(
         mode: "train" or "predict".
         maps_inputs: whether the device maps its input slots into host memory (so batches can be
             read in place); default: any Vulkan device (the CPU backend copies).
+        tuning: the device's measured GEMM tiles (shaders.gemm_tuning.load_table(facts.name)),
+            which the programs' launches use where they list the launch's shape.
 
     Returns:
         The plan.
@@ -441,7 +459,7 @@ def plan(
     )
     data = plan_data(spec, header) if header is not None and mode == "train" else None
     device = facts.name if facts is not None else str(spec.devices.select)
-    device_plan = plan_device(spec, device, budget, features)
+    device_plan = plan_device(spec, device, budget, features, facts, tuning)
     return Plan(spec=spec, mode=mode, devices=(device_plan,), pipeline=pipeline, data=data)
 
 

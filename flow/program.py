@@ -111,11 +111,14 @@ Param = tuple[str, int | float]
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch: the op (a shader family in the registry), the tensors bound to its
-    bindings in order, and its scalar parameters (sent as push constants)."""
+    bindings in order, its scalar parameters (sent as push constants), and, for ops tuned per
+    device (GEMM tiles), the specialisation constants the plan resolved for the device
+    (shaders.registry.resolve): empty until then."""
 
     op: str
     args: tuple[str, ...]
     params: tuple[Param, ...] = ()
+    constants: tuple[tuple[str, int], ...] = ()
 
     def param(self, name: str) -> int | float:
         for key, value in self.params:

@@ -57,6 +57,7 @@ from flow.optim import describe_optimiser
 from flow.pipeline_plan import ActorPlan
 from flow.planning import Plan, plan
 from flow.spec import Devices, Spec
+from shaders import gemm_tuning
 
 logger = logging.getLogger("vkflow")
 
@@ -146,7 +147,7 @@ def resume_conflicts(spec: Spec, saved: Spec) -> list[str]:
 # -- effects ---------------------------------------------------------------------------------------
 
 
-def select_facts(devices: Devices) -> DeviceFacts:
+def selected_facts(devices: Devices) -> DeviceFacts:
     """The facts of the device ``devices.select`` asks for, without opening it: "cpu", "auto" (the
     best Vulkan device, else the CPU with a one-line warning), or a Vulkan device by index or name.
 
@@ -165,6 +166,43 @@ def select_facts(devices: Devices) -> DeviceFacts:
     return facts
 
 
+def plan_on(spec: Spec, facts: DeviceFacts, **options: Any) -> Plan:
+    """The run's plan on the device with ``facts``, with that device's measured GEMM tiles (the
+    table is read here, the effect; the planner only chooses from it).
+
+    Args:
+        spec: the spec.
+        facts: the device's facts.
+        **options: the rest of flow.planning.plan's keywords (header, mode, maps_inputs, budget).
+
+    Returns:
+        The plan.
+    """
+    return plan(spec, facts=facts, tuning=gemm_tuning.load_table(facts.name), **options)
+
+
+def start_engine(
+    run_plan: Plan, backend: Backend, state: dict[str, np.ndarray] | None = None, cursor: Cursor | None = None
+) -> tuple[Engine, Cursor]:
+    """Bring the plan's device up: its memory, its weights (fresh, or ``state`` restored) and every
+    program the plan's mode launches, recorded for every slot before the first step.
+
+    Args:
+        run_plan: the plan.
+        backend: the opened device.
+        state: a checkpoint's parameters and optimiser state, or None for fresh weights.
+        cursor: the checkpoint's cursor, or None.
+
+    Returns:
+        (engine, the cursor the run starts at).
+    """
+    spec = run_plan.spec
+    engine = Engine(run_plan.devices[0], backend)
+    start = optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state, cursor)
+    engine.prepare(("train", "eval") if run_plan.mode == "train" else ("predict",))
+    return engine, start
+
+
 def open_backend(devices: Devices) -> Backend:
     """Open the backend ``devices.select`` asks for: "cpu", "auto" (the best Vulkan device, else the
     CPU with a one-line warning), or a Vulkan device by index or name.
@@ -178,7 +216,7 @@ def open_backend(devices: Devices) -> Backend:
     Raises:
         LookupError: a named Vulkan device that cannot be had.
     """
-    return device_select.open_device(select_facts(devices), devices.memory_fraction)
+    return device_select.open_device(selected_facts(devices), devices.memory_fraction)
 
 
 def _resolve(
@@ -282,27 +320,19 @@ class _Runtime:
             facts = self.backend.facts
             maps_inputs = callable(getattr(self.backend, "write_into", None))
         else:
-            facts = await trio.to_thread.run_sync(select_facts, spec.devices)
+            facts = await trio.to_thread.run_sync(selected_facts, spec.devices)
             maps_inputs = None  # as the plan assumes for the facts' kind
-        self.plan = plan(spec, facts=facts, header=header, mode=self.mode, maps_inputs=maps_inputs)
+        self.plan = plan_on(spec, facts, header=header, mode=self.mode, maps_inputs=maps_inputs)
         if self.backend is None:
             self.backend = await trio.to_thread.run_sync(
                 device_select.open_device, facts, spec.devices.memory_fraction
             )
         self.inline = bool(getattr(self.backend, "runs_inline", False))
-        self.engine = await self._blocking(Engine, self.plan.devices[0], self.backend)
-        saved = self.saved
-        self.start_cursor = optim.start(
-            self.engine,
-            spec.model.init.scheme,
-            spec.model.init.seed,
-            saved.state if saved else None,
-            saved.cursor if saved else None,
-        )
-        # Every program the run will launch, for every slot, before the first step: partial
-        # batches run these same programs (see flow.planning.DevicePlan).
-        kinds = ("train", "eval") if self.mode == "train" else ("predict",)
-        await self._blocking(self.engine.prepare, kinds)
+        state, cursor = (self.saved.state, self.saved.cursor) if self.saved else (None, None)
+        # Partial batches run the same programs (see flow.planning.DevicePlan), so every one the
+        # run launches is recorded here, before the first step.
+        started = await self._blocking(start_engine, self.plan, self.backend, state, cursor)
+        self.engine, self.start_cursor = started
         self._wire()
 
     @property

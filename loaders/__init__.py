@@ -5,8 +5,8 @@ transforms.
 The runtime opens a source with :func:`open_source` from a spec record, draws batches of indices
 from a :class:`Sampler` and decodes them with ``source.read(indices)``. Bad input follows the
 source's ``on_error`` policy (:mod:`loaders.errors`). This package imports nothing from ``flow`` or
-``actors``: it is the lowest layer beside ``shaders``, whose import-free
-:func:`shaders.user_cache.cache_dir` it shares so that one setting moves every cache.
+``actors``: it is the lowest layer. From ``shaders`` it takes only the import-free
+:func:`shaders.user_cache.cache_dir`, so that one setting moves every cache.
 """
 
 from loaders.binary import IDXSource, RawBinarySource, read_idx, write_idx

@@ -2,8 +2,9 @@
 
 The best fp32 tile depends on the GPU and on the shape (an MLP's batch of 256 leaves too few
 128 x 128 tiles to fill an H100; a 4096^3 GEMM wants exactly those). ``bench/sweep_gemm.py``
-times candidate tiles on a device and writes the winners as a table; ``tune_gemm`` looks a
-launch's shape up there first and falls back to its size heuristic for shapes not listed.
+times candidate tiles on a device and writes the winners as a table; the entry tier loads it
+(:func:`load_table`) and the planner hands it to ``tune_gemm``, which looks a launch's shape up
+there first and falls back to its size heuristic for shapes not listed.
 
 Tables are JSON files, found in this order:
 1. the file named by ``$VKFLOW_GEMM_TUNING``;
@@ -81,9 +82,23 @@ def validated(path: Path, key: str, tiles: object) -> dict[str, int]:
     return {name: int(tiles[name]) for name in TILE_KEYS if name in tiles}
 
 
+def load_table(device: str) -> dict[str, dict[str, int]]:
+    """The device's tuning table (shape key -> tiles), read from the first file that is for this
+    device (see the module docstring), or empty. The read is the effect; choosing tiles from the
+    table (shaders.registry.tune_gemm) is pure, so the planner takes the table as data.
+
+    Args:
+        device: the device's name.
+
+    Returns:
+        The table; the same object on later calls while the candidate files stay the same.
+    """
+    return _table(device, tuple(candidate_paths(device)))
+
+
 def lookup(device: str, m: int, n: int, k: int, trans_a: int, trans_b: int) -> dict[str, int] | None:
     """The table's tiles for this exact launch shape on this device, or None."""
-    return _table(device, tuple(candidate_paths(device))).get(shape_key(m, n, k, trans_a, trans_b))
+    return load_table(device).get(shape_key(m, n, k, trans_a, trans_b))
 
 
 def write_table(path: Path, device: str, driver: str, best: dict[str, dict[str, int]]) -> None:

@@ -10,10 +10,16 @@ Conventions every shader follows, so the backend can bind any op the same way:
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from flow.device_facts import DeviceFacts
+from flow.program import Launch, Program
 from shaders import gemm_tuning
+
+# A device's measured GEMM tiles by launch shape (gemm_tuning.shape_key -> tile constants): data
+# the caller loads (gemm_tuning.load_table), so choosing tiles stays pure.
+GemmTable = Mapping[str, Mapping[str, int]]
 
 # Activation codes shared by gemm and conv epilogues and by the unary ops.
 ACTIVATIONS: dict[str | None, int] = {
@@ -85,8 +91,9 @@ class OpDef:
     outputs: tuple[str, ...] = ()  # bindings the op writes (the rest it only reads)
     defaults: tuple[tuple[str, float], ...] = ()  # push fields whose default is not 0
     local_from_spec: Callable[[dict[str, int]], tuple[int, int, int]] | None = None
-    # (launch params, device facts) -> specialisation constants for this launch (e.g. GEMM tiles).
-    tune: Callable[[dict[str, float], object], dict[str, int]] | None = None
+    # (launch params, device facts, tuning table) -> specialisation constants for this launch on
+    # that device (GEMM tiles, and what the launch itself needs, such as gemm's TA/TB/VEC).
+    tune: Callable[[dict[str, float], DeviceFacts | None, GemmTable | None], dict[str, int]] | None = None
 
     def local(self, spec: dict[str, int]) -> tuple[int, int, int]:
         """The workgroup size for these specialisation constants (tiles set it for GEMM)."""
@@ -165,9 +172,11 @@ GEMM_CPU_TILES = GEMM_TILES[1]
 GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
 
 
-def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
-    """Specialise gemm for one launch. Tiles: the device's tuning table (see gemm_tuning) when
-    it lists this exact shape; else the first of GEMM_TILES that fits the device and still
+def tune_gemm(
+    params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
+) -> dict[str, int]:
+    """Specialise gemm for one launch. Tiles: the device's tuning table (``table``, see
+    gemm_tuning) when it lists this exact shape; else the first of GEMM_TILES that fits the device and still
     yields enough workgroups to keep every multiprocessor busy (big tiles waste a GPU on an
     MLP's batch of 256), then sliced K, then the smallest tile; on a CPU driver (lavapipe), or
     with no facts, GEMM_CPU_TILES. TA/TB: the launch's trans_a/trans_b (the shader compiles one
@@ -178,8 +187,8 @@ def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
 
     Args:
         params: the launch's parameters (M, N, K, trans_a, trans_b).
-        facts: the device (``kind``, ``name``, ``shared_memory_bytes`` and
-            ``max_workgroup_invocations`` are read), or None.
+        facts: the device, or None (default tiles).
+        table: the device's tuning table, or None.
 
     Returns:
         Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, TA, TB, VEC, and ACT and AG
@@ -188,10 +197,9 @@ def tune_gemm(params: dict[str, float], facts: object) -> dict[str, int]:
     m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
     ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))
     choice = GEMM_CPU_TILES
-    if getattr(facts, "kind", "cpu") != "cpu":
-        shared = getattr(facts, "shared_memory_bytes", 0)
-        threads = getattr(facts, "max_workgroup_invocations", 256)
-        tuned = gemm_tuning.lookup(str(getattr(facts, "name", "")), m, n, k, ta, tb)
+    if facts is not None and facts.kind != "cpu":
+        shared, threads = facts.shared_memory_bytes, facts.max_workgroup_invocations
+        tuned = (table or {}).get(gemm_tuning.shape_key(m, n, k, ta, tb))
         if tuned and gemm_fits(tuned, shared, threads):
             choice = tuned
         else:
@@ -347,7 +355,7 @@ def coopmat_shared_bytes(spec: dict[str, int]) -> int:
     return 16 * max(main, epilogue)
 
 
-def coopmat_tile_problem(spec: dict[str, int], facts: object | None = None) -> str | None:
+def coopmat_tile_problem(spec: dict[str, int], facts: DeviceFacts | None = None) -> str | None:
     """Why gemm_coopmat cannot run with these specialisation constants (missing ones take the
     registry defaults), or None when it can. Without facts only the shader's own rules are checked.
 
@@ -369,20 +377,21 @@ def coopmat_tile_problem(spec: dict[str, int], facts: object | None = None) -> s
     if facts is None:
         return None
     threads = (bm // wm) * (bn // wn) * s["SG"]
-    if threads > getattr(facts, "max_workgroup_invocations", threads):
-        allowed = facts.max_workgroup_invocations  # type: ignore[attr-defined]
+    allowed = facts.max_workgroup_invocations
+    if threads > allowed:
         return f"needs {threads} invocations per workgroup; the device allows {allowed}"
-    subgroup = getattr(facts, "subgroup_size", s["SG"])
-    if s["SG"] != subgroup:
-        return f"SG={s['SG']} is not the device's subgroup size {subgroup}"
+    if s["SG"] != facts.subgroup_size:
+        return f"SG={s['SG']} is not the device's subgroup size {facts.subgroup_size}"
     shared = coopmat_shared_bytes(s)
-    limit = getattr(facts, "shared_memory_bytes", COOPMAT_ASSUMED_SHARED_BYTES)
+    limit = facts.shared_memory_bytes
     if shared > limit:
         return f"needs {shared} B of shared memory; the device has {limit}"
     return None
 
 
-def tune_gemm_coopmat_f16(params: dict[str, float], facts: object) -> dict[str, int]:
+def tune_gemm_coopmat_f16(
+    params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
+) -> dict[str, int]:
     """Specialise gemm_coopmat_f16 for one launch: the first of COOPMAT_F16_TILES that the device
     can run (with no facts: 48 KiB of shared memory) and that gives at least GEMM_MIN_WORKGROUPS
     workgroups, else COOPMAT_F16_SMALL; AH = BH = 1 always, since they say how A and B are read.
@@ -390,13 +399,14 @@ def tune_gemm_coopmat_f16(params: dict[str, float], facts: object) -> dict[str, 
     Args:
         params: the launch's parameters (M and N are read).
         facts: the device, or None (tuning off).
+        table: unused (no table is measured for tensor-core tiles yet).
 
     Returns:
         Specialisation constants BM, BN, BK, WM, WN, PD, NS, AH, BH.
     """
     m, n = int(params["M"]), int(params["N"])
     # Only shared memory is checked against the device: SG stays the registry's, as for gemm_coopmat.
-    shared = getattr(facts, "shared_memory_bytes", COOPMAT_ASSUMED_SHARED_BYTES)
+    shared = facts.shared_memory_bytes if facts is not None else COOPMAT_ASSUMED_SHARED_BYTES
     choice = COOPMAT_F16_SMALL
     for tiles in COOPMAT_F16_TILES:
         if coopmat_shared_bytes(tiles) <= shared:
@@ -612,7 +622,7 @@ _OPS: tuple[OpDef, ...] = (
         features=frozenset({"cooperative_matrix"}),
         local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
         # The largest tile that still gives GEMM_MIN_WORKGROUPS workgroups, else the smallest.
-        tune=lambda params, facts: dict(
+        tune=lambda params, facts, table=None: dict(
             zip(
                 ("BM", "BN", "BK", "WM", "WN"),
                 next(
@@ -706,3 +716,40 @@ def op(name: str) -> OpDef:
         return OPS[name]
     except KeyError:
         raise KeyError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}") from None
+
+
+def resolve(launch: Launch, facts: DeviceFacts | None, table: GemmTable | None = None) -> Launch:
+    """``launch`` with the specialisation constants its op needs on ``facts``'s device (GEMM tiles
+    from ``table`` or the size heuristic); unchanged for ops tuned nowhere. The planner resolves
+    every launch of a run this way, so ``flow plan`` shows the tiles a device will run; a backend
+    resolves a hand-made launch (an op test, a benchmark) the same way when it records it.
+
+    Args:
+        launch: the launch.
+        facts: the device, or None (the defaults every device can run).
+        table: the device's tuning table, or None.
+
+    Returns:
+        The launch with ``constants`` set (sorted by name).
+    """
+    definition = op(launch.op)
+    if definition.tune is None:
+        return launch
+    constants = definition.tune(launch.param_dict, facts, table)
+    return replace(launch, constants=tuple(sorted(constants.items())))
+
+
+def resolve_program(program: Program, facts: DeviceFacts | None, table: GemmTable | None = None) -> Program:
+    """``program`` with every launch resolved (see :func:`resolve`); barriers as they are.
+
+    Args:
+        program: the program.
+        facts: the device, or None.
+        table: the device's tuning table, or None.
+
+    Returns:
+        The resolved program.
+    """
+    steps = tuple(resolve(s, facts, table) if isinstance(s, Launch) else s for s in program.steps)
+    return replace(program, steps=steps)
+

@@ -2,9 +2,9 @@
 sweep, image-folder manifests, the digits written out as images.
 
 One function decides it for every user, so ``VKFLOW_CACHE`` moves all of it. It sits in shaders/
-because that is the lowest package: shaders/ imports nothing else of vkflow and its ``__init__``
-loads nothing, so the loaders can import it without cost or cycle, whereas shaders importing
-loaders/ would load every source, numpy and Pillow just to compile a kernel.
+because that package's ``__init__`` loads nothing and this module imports nothing of vkflow, so the
+loaders import it at no cost and with no cycle; the other way round, shaders importing loaders/
+would load every source, numpy and Pillow just to compile a kernel (tests/test_layers.py keeps it so).
 """
 
 from __future__ import annotations

@@ -153,9 +153,10 @@ def test_no_driver_gives_a_clear_message_and_the_cpu_fallback(tmp_path):
         os.environ, VK_DRIVER_FILES=str(tmp_path / "missing.json"), VK_ICD_FILENAMES=str(tmp_path / "x.json")
     )
     script = (
-        "from actors.device_select import list_devices, select_backend\n"
+        "from actors.device_select import list_devices, open_device, select_facts\n"
         "devices, message = list_devices()\n"
-        "backend, why = select_backend('auto')\n"
+        "facts, why = select_facts('auto')\n"
+        "backend = open_device(facts)\n"
         "print(len(devices), type(backend).__name__)\n"
         "print(message)\n"
         "print(why)\n"

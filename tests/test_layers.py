@@ -7,8 +7,8 @@ Three rules, kept by reading the source rather than by review:
   machines with no Vulkan;
 - flow/ has three tiers (records, pure decisions, entry points): a module imports only its own
   tier and those below it, and only entry points import actors/;
-- shaders/ and loaders/, the lowest packages, import neither flow/ nor actors/ nor each other, but
-  for the one cache directory they share (shaders/user_cache.py).
+- loaders/ and shaders/ import nothing of each other but the one cache directory they share
+  (shaders/user_cache.py), which loads nothing else.
 
 Imports anywhere in a module count (inside functions too); for "never loads the binding" only those
 that run do (an ``if TYPE_CHECKING:`` block does not), and importing ``a.b.c`` runs ``a`` and
@@ -199,25 +199,25 @@ def test_flow_tiers_import_only_downwards_and_only_entry_points_import_actors():
     assert not fixed, f"fixed, so remove from KNOWN_FLOW_VIOLATIONS: {fixed}"
 
 
-# -- the lowest packages ----------------------------------------------------------------------------
-# shaders/ and loaders/ sit below flow/ and actors/. They share one module, shaders.user_cache (the
-# one cache directory), and nothing else: compiling a kernel must not load every source, numpy and
-# Pillow, and a loader must not load the shader registry.
+# -- the shared cache directory --------------------------------------------------------------------
+# loaders/ and shaders/ share one module, shaders.user_cache (the one cache directory), and nothing
+# else: a loader must not load the shader registry, and compiling a kernel must not load every
+# source, numpy and Pillow. Importing it runs only itself and the shaders package, which must stay
+# free of imports for that.
 
-SHARED_LOW = "shaders.user_cache"
+SHARED_CACHE = "shaders.user_cache"
 
 
-def test_shaders_and_loaders_import_only_themselves_and_the_user_cache():
-    found = sorted(
+def test_loaders_and_shaders_share_only_the_user_cache():
+    crossing = sorted(
         f"{MODULES[name].relative_to(ROOT)}:{imp.line} imports {imp.target}"
         for name, imports in IMPORTS.items()
-        for package, allowed in (("shaders", ("shaders",)), ("loaders", ("loaders", SHARED_LOW)))
+        for package, other, allowed in (("loaders", "shaders", SHARED_CACHE), ("shaders", "loaders", None))
         if _is_or_under(name, package)
         for imp in imports
-        if any(_is_or_under(imp.target, top) for top in ("flow", "actors", "shaders", "loaders"))
-        and not any(_is_or_under(imp.target, ok) for ok in allowed)
+        if _is_or_under(imp.target, other) and imp.target != allowed
     )
-    assert not found, "\n".join(found)
-    assert not {imp.target for imp in IMPORTS[SHARED_LOW] if imp.target.split(".")[0] in MODULES}, (
-        f"{SHARED_LOW} must import nothing of vkflow"
+    assert not crossing, "\n".join(crossing)
+    assert runtime_closure(SHARED_CACHE) == {"shaders", SHARED_CACHE}, (
+        f"importing {SHARED_CACHE} must load nothing else of vkflow"
     )

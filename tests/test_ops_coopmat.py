@@ -10,13 +10,14 @@ that is feature detection, not a missing driver.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import relative_error
-from test_ops_gemm_conv import TRANS, act_oracle, as64, gemm_case, normal
+from test_ops_gemm_conv import TRANS, a_gpu, act_oracle, as64, gemm_case, normal
 
 from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op, single_op_layout
@@ -283,24 +284,19 @@ def test_registry_f16():
     for tiles in [*F16_TILES, registry.COOPMAT_F16_SMALL]:
         assert registry.coopmat_tile_problem(tiles) is None, tiles
 
-    class Facts:
-        shared_memory_bytes = 49152
-        subgroup_size = 32
-        max_workgroup_invocations = 1024
-
-    big = Facts()
-    big.shared_memory_bytes = 101376
+    small = dataclasses.replace(a_gpu(), subgroup_size=32)
+    big = dataclasses.replace(small, shared_memory_bytes=101376)
     for m, n in [(4096, 4096), (8192, 8192), (4000, 4000), (256, 1024), (1, 1), (100000, 8)]:
-        for facts in (None, Facts(), big):
+        for facts in (None, small, big):
             tuned = f16_def.tune({"M": m, "N": n, "K": 64}, facts)
             assert tuned["AH"] == tuned["BH"] == 1
             assert registry.coopmat_tile_problem(tuned, facts) is None
-            limit = getattr(facts, "shared_memory_bytes", registry.COOPMAT_ASSUMED_SHARED_BYTES)
+            limit = facts.shared_memory_bytes if facts else registry.COOPMAT_ASSUMED_SHARED_BYTES
             assert registry.coopmat_shared_bytes(tuned) <= limit
     # A big GEMM gets the widest tile the device has room for; a small one the small tile.
-    assert f16_def.tune({"M": 4096, "N": 4096}, Facts())["BN"] == 256
+    assert f16_def.tune({"M": 4096, "N": 4096}, small)["BN"] == 256
     assert f16_def.tune({"M": 4096, "N": 4096}, big) == {**registry.COOPMAT_F16_TILES[0], "AH": 1, "BH": 1}
-    assert f16_def.tune({"M": 256, "N": 1024}, Facts()) == {**registry.COOPMAT_F16_SMALL, "AH": 1, "BH": 1}
+    assert f16_def.tune({"M": 256, "N": 1024}, small) == {**registry.COOPMAT_F16_SMALL, "AH": 1, "BH": 1}
 
 
 def test_tile_problem_reasons():

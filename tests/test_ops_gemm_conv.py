@@ -9,6 +9,7 @@ Sizes stay small: lavapipe runs at a few GFLOP/s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -16,10 +17,12 @@ import oracles
 import pytest
 from conftest import assert_nans_match, relative_error
 
-from actors.cpu_backend import CpuBackend
+from actors.cpu_backend import CpuBackend, cpu_facts
 from actors.single_op import run_op, single_op_layout
+from flow.planning import plan
 from flow.program import Program, launch
-from shaders import gemm_tuning
+from flow.spec import SGD, CrossEntropy, Data, Linear, Model, Spec, Synthetic
+from shaders import gemm_tuning, registry
 from shaders.registry import (
     ACTIVATIONS,
     GEMM_CPU_TILES,
@@ -671,72 +674,93 @@ def test_tune_gemm_sets_transpose_and_vec(m, n, k, trans_a, trans_b):
     assert spec["VEC"] == (a_row % 4 == 0) | (b_row % 4 == 0) << 1 | (n % 4 == 0) << 2
 
 
+def a_gpu(name: str = "Test GPU 9000"):
+    """The facts of a made-up discrete GPU with 48 KiB of shared memory and 1024 invocations."""
+    return dataclasses.replace(
+        cpu_facts(), kind="discrete", name=name, shared_memory_bytes=48 * 1024, max_workgroup_invocations=1024
+    )
+
+
 def test_gemm_tiles_fit_shared_memory():
     """Every fallback tile fits lavapipe's 32 KiB of shared memory and 256 threads, and the
     fallback gives an MLP's batch of 256 enough workgroups (plain or sliced K) while a big GEMM
     takes the big tile."""
 
-    class Facts:
-        kind = "gpu"
-        name = "no table for this device"
-        shared_memory_bytes = 48 * 1024
-        max_workgroup_invocations = 1024
-
+    gpu = a_gpu("no table for this device")
     for tile in GEMM_TILES:
         bm, bn, bk, tm, tn, sk, db = (tile[key] for key in ("BM", "BN", "BK", "TM", "TN", "SK", "DB"))
         need = (1 + db) * (bm + bn + 8) * bk * 4 + (bm * bn * 4 if sk > 1 else 0) + 16
         assert gemm_shared_bytes(bm, bn, bk, sk, db) == need <= 32 * 1024
         assert (bm // tm) * (bn // tn) * sk == 256
-    small = tune_gemm({"M": 256, "N": 1024, "K": 784}, Facts())
+    small = tune_gemm({"M": 256, "N": 1024, "K": 784}, gpu)
     groups = math.ceil(256 / small["BM"]) * math.ceil(1024 / small["BN"])
     assert groups >= GEMM_MIN_WORKGROUPS or (small["SK"] > 1 and groups * small["SK"] >= GEMM_MIN_WORKGROUPS)
-    big = tune_gemm({"M": 4096, "N": 4096, "K": 4096}, Facts())
+    big = tune_gemm({"M": 4096, "N": 4096, "K": 4096}, gpu)
     assert {key: big[key] for key in GEMM_TILES[0]} == GEMM_TILES[0]
-    short = tune_gemm({"M": 256, "N": 1024, "K": 10}, Facts())
+    short = tune_gemm({"M": 256, "N": 1024, "K": 10}, gpu)
     assert short["SK"] == 1  # slicing a K of 10 leaves the slices nothing to do
     cpu = tune_gemm({"M": 256, "N": 1024, "K": 784}, None)
     assert {key: cpu[key] for key in GEMM_CPU_TILES} == GEMM_CPU_TILES
 
 
 def test_gemm_tuning_table_is_used_for_its_device_only(tmp_path, monkeypatch):
-    """A table entry wins for its device and exact shape; other devices and shapes fall back."""
+    """A table entry wins for its device and exact shape; other devices and shapes fall back. The
+    table is read by gemm_tuning.load_table (the effect) and handed to tune_gemm as data."""
+    facts, other = a_gpu(), a_gpu("Another GPU")
 
-    class Facts:
-        kind = "gpu"
-        name = "Test GPU 9000"
-        shared_memory_bytes = 48 * 1024
-        max_workgroup_invocations = 1024
+    def tune(params, device):
+        return tune_gemm(params, device, gemm_tuning.load_table(device.name))
 
     entry = {"BM": 32, "BN": 64, "BK": 32, "TM": 4, "TN": 8, "GM": 1, "SK": 4, "DB": 0}
     table = tmp_path / "table.json"
-    gemm_tuning.write_table(
-        table, Facts.name, "driver 1", {gemm_tuning.shape_key(300, 500, 700, 1, 0): entry}
-    )
+    key = gemm_tuning.shape_key(300, 500, 700, 1, 0)
+    gemm_tuning.write_table(table, facts.name, "driver 1", {key: entry})
     monkeypatch.setenv("VKFLOW_GEMM_TUNING", str(table))
-    got = tune_gemm({"M": 300, "N": 500, "K": 700, "trans_a": 1}, Facts())
+    got = tune({"M": 300, "N": 500, "K": 700, "trans_a": 1}, facts)
     assert {key: got[key] for key in entry} == entry and got["TA"] == 1
-
-    class Other(Facts):
-        name = "Another GPU"
 
     # A later sweep of other shapes keeps this entry.
     later = {**entry, "SK": 2}
-    gemm_tuning.write_table(table, Facts.name, "driver 2", {gemm_tuning.shape_key(40, 50, 60, 0, 0): later})
-    assert {key: tune_gemm({"M": 40, "N": 50, "K": 60}, Facts())[key] for key in later} == later
-    again = tune_gemm({"M": 300, "N": 500, "K": 700, "trans_a": 1}, Facts())
+    gemm_tuning.write_table(table, facts.name, "driver 2", {gemm_tuning.shape_key(40, 50, 60, 0, 0): later})
+    assert {key: tune({"M": 40, "N": 50, "K": 60}, facts)[key] for key in later} == later
+    again = tune({"M": 300, "N": 500, "K": 700, "trans_a": 1}, facts)
     assert {key: again[key] for key in entry} == entry
     # The same shape with another transposition is not in the table: the fallback answers.
-    assert tune_gemm({"M": 300, "N": 500, "K": 700}, Facts()) == tune_gemm(
-        {"M": 300, "N": 500, "K": 700}, Other()
-    )
+    assert tune({"M": 300, "N": 500, "K": 700}, facts) == tune({"M": 300, "N": 500, "K": 700}, other)
 
-    other = tune_gemm({"M": 300, "N": 500, "K": 700, "trans_a": 1}, Other())
-    assert {key: other[key] for key in entry} != entry
+    elsewhere = tune({"M": 300, "N": 500, "K": 700, "trans_a": 1}, other)
+    assert {key: elsewhere[key] for key in entry} != entry
+    # The plan carries the table's tiles on the launch that has the shape.
     table.write_text('{"device": "Test GPU 9000", "gemm": {"1x1x1:00": {"BM": "big"}}}')
     gemm_tuning._table.cache_clear()
     with pytest.raises(ValueError, match=r"table.json.*1x1x1:00.*BM"):
-        tune_gemm({"M": 1, "N": 1, "K": 1}, Facts())
+        gemm_tuning.load_table(facts.name)
     gemm_tuning._table.cache_clear()
+
+
+def test_the_plan_resolves_every_launch_with_the_device_tiles():
+    """``flow plan`` shows the tiles a device runs: each gemm launch of a planned program carries
+    its constants, from the device's table where it lists the shape, else the heuristic."""
+    facts = a_gpu()
+    spec = Spec(
+        model=Model(input_shape=(20,), layers=(Linear(30, activation="relu"), Linear(4)),
+                    loss=CrossEntropy()),
+        optimiser=SGD(),
+        data=Data(Synthetic(samples=64, features=(20,)), batch_size=16),
+    )  # fmt: skip
+    first = next(s for s in plan(spec).devices[0].program("train").launches if s.op == "gemm")
+    entry = {"BM": 32, "BN": 64, "BK": 32, "TM": 4, "TN": 8, "GM": 1, "SK": 1, "DB": 0}
+    params = first.param_dict
+    key = gemm_tuning.shape_key(params["M"], params["N"], params["K"], params.get("trans_a", 0),
+                                params.get("trans_b", 0))  # fmt: skip
+    tuned = plan(spec, facts=facts, tuning={key: entry}).devices[0].program("train")
+    default = plan(spec).devices[0].program("train")
+    for launches in (tuned.launches, default.launches):
+        assert all(s.constants for s in launches if s.op == "gemm")
+    tuned_first = dict(next(s for s in tuned.launches if s.op == "gemm").constants)
+    assert {k: tuned_first[k] for k in entry} == entry
+    assert dict(first.constants) == {**registry.GEMM_SPEC_DEFAULTS, **dict(first.constants)}
+    assert dict(first.constants)["BM"] == registry.GEMM_CPU_TILES["BM"]  # no facts: the CPU tiles
 
 
 # ---------------------------------------------------------------------------------------------

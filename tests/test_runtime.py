@@ -504,10 +504,10 @@ def test_device_selection(caplog, monkeypatch):
     with pytest.raises(LookupError):
         runner.open_backend(Devices("no such device"))
     with pytest.raises(LookupError):
-        runner.select_facts(Devices("no such device"))  # refused before any device is opened
+        runner.selected_facts(Devices("no such device"))  # refused before any device is opened
     # "auto" without Vulkan: the CPU, and one clear warning line.
     monkeypatch.setattr(runner.device_select, "select_facts", lambda *a: (cpu_facts(), "no Vulkan: x\ny"))
-    assert runner.select_facts(Devices("auto")).kind == "cpu"
+    assert runner.selected_facts(Devices("auto")).kind == "cpu"
     assert isinstance(runner.open_backend(Devices("auto")), CpuBackend)
     assert [r.getMessage() for r in caplog.records] == ["vkflow: no Vulkan: x"] * 2
 

@@ -28,6 +28,7 @@ from actors.vulkan.timing import TimestampPool, Timestamps
 from actors.vulkan.uploads import Uploads
 from flow.device_facts import memory_budget
 from flow.program import Layout, Program
+from shaders import gemm_tuning
 
 # Assigned, not imported by name: see library's docstring (3.11 method calls).
 ffi, lib = library.ffi, library.lib
@@ -59,7 +60,10 @@ class VulkanBackend(Queues):
         self.pipelines = Pipelines(self.device)
         self._uploads = Uploads(self, self.memory)
         self._timestamps = Timestamps(self)
-        self.tuning = True  # per-launch specialisation (tiles) from the registry's tune functions
+        # For hand-made programs (planned ones carry their constants): resolve launches for this
+        # device, with its measured GEMM tiles.
+        self.tuning = True
+        self.gemm_table = gemm_tuning.load_table(facts.name)
         # run_program's handles per (program, slot); they die with the layout.
         self.run_program_cache: dict[tuple[Program, int], int] = {}
 
@@ -246,8 +250,9 @@ class VulkanBackend(Queues):
             A handle for ``submit``.
         """
         recorded = record_program(
-            self, self.memory, self.pipelines, program, slot, spec_overrides, timestamps, self.tuning
-        )
+            self, self.memory, self.pipelines, program, slot, spec_overrides, timestamps, self.tuning,
+            self.gemm_table,
+        )  # fmt: skip
         return self.add_program(recorded)
 
     # -- timing ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from actors.vulkan import library
 from actors.vulkan.library import check
 from actors.vulkan.queues import Recorded
 from flow.program import Barrier, Program
+from shaders.registry import GemmTable, resolve
 from shaders.registry import op as op_def
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ def record_program(
     spec_overrides: dict[str, dict[str, int]] | None = None,
     timestamps: TimestampPool | None = None,
     tuning: bool = True,
+    table: GemmTable | None = None,
 ) -> Recorded:
     """Record ``program`` bound to ``slot``'s per-slot arenas into a compute command buffer.
 
@@ -88,7 +90,9 @@ def record_program(
         spec_overrides: op name -> specialisation constants, replacing the registry's per-launch
             tuning for that op.
         timestamps: a pool to write one timestamp before the first launch and after each launch.
-        tuning: whether the registry's tune functions see the device's facts (else default tiles).
+        tuning: for launches the plan did not resolve (hand-made programs), whether their
+            constants are resolved for this device (else the defaults every device runs).
+        table: the device's GEMM tuning table, for those launches.
 
     Returns:
         The recorded program, for ``Queues.add_program``.
@@ -131,10 +135,11 @@ def record_program(
             )
         overrides = (spec_overrides or {}).get(step.op)
         if definition.tune is not None:
-            # tune also sets what the launch itself needs (gemm's TA/TB/VEC), so it runs even
-            # when overrides replace its tiles or tuning is off (no facts: default tiles).
-            tuned = definition.tune(step.param_dict, facts if tuning else None)
-            overrides = {**tuned, **(overrides or {})}
+            # A planned launch carries the constants the plan chose for this device; a hand-made
+            # one is resolved here the same way. Either way they include what the launch itself
+            # needs (gemm's TA/TB/VEC), so overrides replace tiles on top of them.
+            resolved = step if step.constants else resolve(step, facts if tuning else None, table)
+            overrides = {**dict(resolved.constants), **(overrides or {})}
         pipeline, pipeline_layout, spec = pipelines.pipeline(definition, overrides)
         descriptor_set = pipelines.descriptor_set(len(definition.bindings))
         infos = ffi.new("VkDescriptorBufferInfo[]", len(step.args))
