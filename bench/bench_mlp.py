@@ -153,10 +153,11 @@ class VkTrainer:
     ) -> None:
         from actors.engine import Engine
         from flow.optim import step_values
-        from flow.planning import plan
+        from flow.runner import plan_on
 
         self.backend, self.batch, self.slots = backend, batch, in_flight
-        self.plan = plan(vk_spec(sizes, batch, opt, in_flight, precision)).devices[0]
+        # Planned as flow.run plans: with this device's facts and its measured GEMM tiles.
+        self.plan = plan_on(vk_spec(sizes, batch, opt, in_flight, precision), backend.facts).devices[0]
         self.engine = Engine(self.plan, backend)
         self.engine.initialise("he", 0)
         self.xs, self.ys = host_data(sizes, batch, host_batches)
