@@ -24,8 +24,12 @@ from actors.backend import DeviceFacts, MemoryHeap, upload_target
 from flow.program import Barrier, Layout, Program, Tensor
 from shaders.registry import op as op_def
 
-_NATIVE = {"float32": np.float32, "int32": np.int32, "uint32": np.uint32, "float16": np.float16}
-_WIDE = {"float32": np.float64, "int32": np.int64, "uint32": np.uint64, "float16": np.float32}
+_NATIVE = {
+    "float32": np.float32, "int32": np.int32, "uint32": np.uint32, "float16": np.float16, "uint8": np.uint8
+}  # fmt: skip
+_WIDE = {
+    "float32": np.float64, "int32": np.int64, "uint32": np.uint64, "float16": np.float32, "uint8": np.uint8
+}  # fmt: skip
 
 
 # Only where the machine says nothing (no sysconf figure): the size this backend once assumed.
@@ -197,11 +201,12 @@ class CpuBackend:
     def execute(self, program: Program, slot: int = 0) -> None:
         """Run every launch of ``program`` now."""
         assert self._layout is not None, "open_layout first"
-        for step in program.steps:
-            if isinstance(step, Barrier):
-                continue
-            arrays = [self._view(self._layout.tensor(name), slot) for name in step.args]
-            cpu_ops.KERNELS[step.op](arrays, op_def(step.op).resolve(step.param_dict))
+        with cpu_ops.gpu_float_errors():
+            for step in program.steps:
+                if isinstance(step, Barrier):
+                    continue
+                arrays = [self._view(self._layout.tensor(name), slot) for name in step.args]
+                cpu_ops.KERNELS[step.op](arrays, op_def(step.op).resolve(step.param_dict))
 
     def submit(self, handle: int) -> int:
         program, slot = self._recorded[handle]

@@ -3,7 +3,8 @@ the kernels of the CPU backend.
 
 Each function takes the launch's bound arrays (flat views in binding order) and its parameters
 and writes its outputs in place, exactly as the shader does. Math happens in the arrays' own
-precision (float32 normally, float64 for finite-difference gradient checks).
+precision (float32 normally, float64 for finite-difference gradient checks), and under
+:func:`gpu_float_errors`, so float errors pass silently into inf and NaN as on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ Params = dict[str, float]
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _erfc = np.vectorize(math.erfc, otypes=[np.float64])
+
+
+def gpu_float_errors() -> np.errstate:
+    """numpy's float error handling set to what a GPU does: an overflow gives inf, 0/0 or inf - inf
+    gives NaN, and a NaN flows on, all silently. numpy would warn at each instead; a run that
+    diverges is for the loss check (actors.health) to report, once, as it is on Vulkan.
+
+    Returns:
+        A context manager; the kernels run inside it.
+    """
+    return np.errstate(all="ignore")
 
 
 def activate(x: np.ndarray, code: int, slope: float) -> np.ndarray:
@@ -400,6 +412,18 @@ def copy(arrays: list[np.ndarray], p: Params) -> None:
     y.view(np.uint8)[:nbytes] = x.view(np.uint8)[:nbytes]
 
 
+def gather_rows(arrays: list[np.ndarray], p: Params) -> None:
+    data, labels, idx, affine, x, y = arrays
+    rows, row_elems, channel_elems = int(p["rows"]), int(p["row_elems"]), int(p["channel_elems"])
+    picked = idx[:rows].astype(np.int64)
+    samples = data.reshape(-1, row_elems)[picked].astype(np.float64)
+    channels = np.arange(row_elems) // channel_elems
+    # In float64 then rounded once, as the shader's fma rounds once.
+    scaled = samples * affine[2 * channels].astype(np.float64) + affine[2 * channels + 1].astype(np.float64)
+    x[: rows * row_elems] = scaled.reshape(-1)
+    y[:rows] = labels[picked]
+
+
 def cast(arrays: list[np.ndarray], p: Params) -> None:
     x, y = arrays
     n, mode = int(p["n"]), int(p["mode"])
@@ -446,6 +470,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "adam": adam,
     "fill": fill,
     "copy": copy,
+    "gather_rows": gather_rows,
     "cast": cast,
     "argmax": argmax,
 }

@@ -49,7 +49,7 @@ from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
 from actors.meter import Meter
 from flow.optim import device_learning_rate
-from flow.spec import CrossEntropy
+from flow.spec_model import CrossEntropy
 
 _PROGRAMS = {"train": "train", "val": "eval", "test": "eval", "predict": "predict"}
 
@@ -253,6 +253,8 @@ class DeviceActor:
         step = batch.step if kind == "train" else None
         if written:
             ticket = self.engine.submit_filled(kind, slot, batch.rows, step)
+        elif batch.x is None:  # the dataset is on the device: its first launch gathers the rows
+            ticket = self.engine.submit_indices(kind, slot, batch.indices, step)
         else:
             rows = self.engine.write_batch(slot, batch.x, batch.y if kind != "predict" else None)
             ticket = self.engine.submit(kind, slot, rows, step)

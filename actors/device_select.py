@@ -2,7 +2,7 @@
 else the CPU backend with a message that says why and how to get a driver.
 
 Choosing stays apart from reporting: the functions here return the fallback message and the caller
-decides how to show it (``flow.runner`` logs its first line; ``flow.runner.open_backend`` is the one
+decides how to show it (``flow.runtime`` logs its first line; ``flow.runtime.open_backend`` is the one
 public ``open_backend``)."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import numpy as np
 from actors.backend import Backend
 from flow.optim import check_compatible, step_values
 from flow.planning import DevicePlan, init_parameters
-from flow.spec import CrossEntropy
+from flow.spec_model import CrossEntropy
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Engine:
         # Only a classifier counts correct answers; for regression the count is not a number.
         self.has_accuracy = isinstance(device_plan.model.loss, CrossEntropy)
         self._views = [self._slot_views(slot) for slot in range(self.slots)]
+        self._idx_views: list[np.ndarray | None] = [None] * self.slots  # set by upload_dataset
         self._staged = callable(getattr(backend, "staging_view", None)) and callable(
             getattr(backend, "upload", None)
         )
@@ -193,6 +194,58 @@ class Engine:
         else:
             self.backend.write("stepvals", values, slot)
         return self.backend.submit(self._handle(kind, slot))
+
+    # -- a dataset kept on the device -------------------------------------------------------------
+    def upload_dataset(self, x: np.ndarray, labels: np.ndarray) -> None:
+        """Put the plan's resident dataset on the device once: the samples as stored (uint8 stays
+        uint8), their labels and the fused preprocessing (DevicePlan.resident).
+
+        Args:
+            x: every sample [n, *sample_shape], as the source stores them (loaders StoredData.x).
+            labels: every label [n].
+        """
+        resident = self.plan.resident
+        if resident is None:
+            raise ValueError("this plan keeps no dataset on the device")
+        if x.shape != (resident.samples, *resident.sample_shape) or x.dtype != np.dtype(resident.dtype):
+            raise ValueError(
+                f"dataset of {x.dtype} {x.shape}; the plan keeps {resident.dtype} "
+                f"{(resident.samples, *resident.sample_shape)}"
+            )
+        self.backend.write("data:x", x)
+        self.backend.write("data:y", np.asarray(labels, np.int32))
+        self.backend.write("data:affine", np.asarray(resident.affine, np.float32))
+        self._idx_views = [self._view("idx", slot) for slot in range(self.slots)]
+
+    def _view(self, tensor: str, slot: int) -> np.ndarray | None:
+        write_into = getattr(self.backend, "write_into", None)
+        return write_into(tensor, slot) if write_into is not None else None
+
+    def submit_indices(self, kind: str, slot: int, indices: np.ndarray, step: int | None = None) -> int:
+        """Submit a batch of the resident dataset by its sample indices: the program's first
+        launch gathers the rows. The index slots past the batch get 0, a real sample, so the
+        padding rows are finite (the loss ignores them).
+
+        Args:
+            kind: ``train`` or ``eval``.
+            slot: the input slot.
+            indices: the batch's sample indices (1..batch_size of them).
+            step: the update's 0-based index (``train`` only).
+
+        Returns:
+            The program's ticket.
+        """
+        rows = int(len(indices))
+        self._check_rows(rows)
+        view = self._idx_views[slot]
+        if view is not None:
+            view[:rows] = indices
+            view[rows:] = 0
+        else:
+            padded = np.zeros(self.plan.batch_size, np.int32)
+            padded[:rows] = indices
+            self.backend.write("idx", padded, slot)
+        return self.submit(kind, slot, rows, step)
 
     def submit_filled(self, kind: str, slot: int, rows: int, step: int | None = None) -> int:
         """Submit on a slot whose batch a producer wrote through :meth:`input_views`: first the

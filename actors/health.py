@@ -24,7 +24,7 @@ import numpy as np
 
 from actors.messages import Batch, InputStatistics, StepDone
 from flow.shapes import infer_shapes
-from flow.spec import CrossEntropy, Model
+from flow.spec_model import CrossEntropy, Model
 
 # Inputs whose largest magnitude is below this are "tiny". Sources give 8-bit data in [0, 1] and
 # Normalize gives std ~1, so real inputs reach far beyond it; [0, 1] data divided by 255 again

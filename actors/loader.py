@@ -180,6 +180,8 @@ class Loader:
         inline: read on the event loop instead of in threads (deterministic tests; no threads).
         slots: the device's input slots (actors.device.InputSlots); when they have views, batches
             are read straight into them with ``source.read_into``.
+        on_device: the dataset is kept on the device (the plan's DataPlan.resident): a batch is
+            its sample indices only, which the device gathers; nothing is read here.
     """
 
     def __init__(
@@ -190,14 +192,18 @@ class Loader:
         workers: int = 1,
         inline: bool = False,
         slots: InputSlots | None = None,
+        on_device: bool = False,
     ) -> None:
         self.meter = meter
         self.source = source
         self.jobs = jobs
         self.workers = max(1, int(workers))
         self.inline = inline
+        self.on_device = on_device
+        # Indices cost nothing to "read": never a hop to a thread for them.
+        forced = True if inline or on_device else None
         self.offload = InlineOrThread(
-            self.read, InlinePolicy(forced=True if inline else None), trio.CapacityLimiter(self.workers)
+            self.read, InlinePolicy(forced=forced), trio.CapacityLimiter(self.workers)
         )
         self.slots = slots if slots is not None and slots.in_place else None
 
@@ -211,7 +217,9 @@ class Loader:
         Returns:
             The batch.
         """
-        if slot < 0:
+        if self.on_device:
+            x = y = None
+        elif slot < 0:
             x, y, _skipped = self.source.read(job.indices)
         else:
             x_slot, y_slot = self.slots.views[slot]

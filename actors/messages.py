@@ -45,8 +45,9 @@ class Batch:
         epoch: the epoch it was drawn in.
         position: its position in the epoch (sampler position before it).
         indices: the sample indices (into the source), or the rows of a fed array.
-        x: float32 inputs [n, *input_shape].
-        y: labels or targets [n, ...]; None for prediction.
+        x: float32 inputs [n, *input_shape]; None where the dataset is kept on the device (the
+            device gathers the rows of ``indices`` itself).
+        y: labels or targets [n, ...]; None for prediction and for a dataset on the device.
         split: "train", "val" or "test" (evaluation) or "predict".
         step: for "train", the step it is; for "val" and "test", the steps done when the evaluation
             runs.
@@ -60,7 +61,7 @@ class Batch:
     epoch: int
     position: int
     indices: np.ndarray
-    x: np.ndarray
+    x: np.ndarray | None
     y: np.ndarray | None
     split: Split = "train"
     step: int = 0
@@ -70,7 +71,7 @@ class Batch:
 
     @property
     def rows(self) -> int:
-        return int(self.x.shape[0])
+        return int(self.x.shape[0]) if self.x is not None else int(len(self.indices))
 
     def after(self) -> Cursor:
         """The cursor once this training batch has been applied."""

@@ -14,7 +14,7 @@ Ahead of the run's first training batch the actor sends its :class:`actors.messa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -72,6 +72,9 @@ class Preprocess:
         seed: the data seed.
         input_shape: the model's input shape (checked on every batch).
         inline: transform on the event loop instead of in a thread (deterministic tests).
+        host_rows: where the dataset is kept on the device (batches carry only indices, and the
+            device applies the preprocessing as it gathers them), the same rows computed on the
+            host, for the first batch's input statistics only.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class Preprocess:
         seed: int,
         input_shape: tuple[int, ...] | None,
         inline: bool = False,
+        host_rows: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.meter = meter
         self.preprocess = tuple(preprocess)
@@ -93,9 +97,12 @@ class Preprocess:
             self._transform, InlinePolicy(forced=True if inline else None), trio.CapacityLimiter(1)
         )
         self.measured = False  # the first training batch's InputStatistics has been sent
+        self.host_rows = host_rows
 
     def _untouched(self, batch: Batch) -> bool:
         """Whether no transform applies and the batch already is what the device takes."""
+        if batch.x is None:  # indices into a dataset on the device, which preprocesses as it gathers
+            return True
         if self.preprocess or (self.augment and batch.split == "train"):
             return False
         x = batch.x
@@ -116,12 +123,21 @@ class Preprocess:
                             item = self.offload.run_inline(item)
                         else:
                             item = await self.offload.run_in_thread(item)
-                if not self.measured and isinstance(item, Batch) and item.split == "train" and item.rows:
+                if (
+                    not self.measured
+                    and isinstance(item, Batch)
+                    and item.split == "train"
+                    and item.rows
+                    and (item.x is not None or self.host_rows is not None)
+                ):
                     # Once a run: a source and transforms that give the model nonsense (inputs
                     # scaled twice, all zeros) train at chance without an error, unless measured.
                     self.measured = True
                     with self.meter.busy():
-                        stats = input_statistics(item)
+                        shown = item
+                        if item.x is None and self.host_rows is not None:
+                            shown = replace(item, x=self.host_rows(item.indices))
+                        stats = input_statistics(shown)
                     await self.meter.send(stats)
                 await self.meter.send(item)
 

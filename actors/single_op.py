@@ -17,6 +17,7 @@ _DTYPES = {
     np.dtype(np.int32): "int32",
     np.dtype(np.uint32): "uint32",
     np.dtype(np.float16): "float16",
+    np.dtype(np.uint8): "uint8",
 }
 
 

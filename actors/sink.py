@@ -36,7 +36,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import trio
 
@@ -131,7 +131,8 @@ class Sink:
         progress: the progress line.
         keep: checkpoints to keep (``run.keep_checkpoints``); None keeps every one.
         run: the run's id, which its checkpoints carry; None draws one (a run of its own).
-        inline: write checkpoints on the event loop (deterministic tests; no threads).
+        inline: write checkpoints and open the metrics file on the event loop (deterministic tests; no
+            threads).
         skipped: returns the source's distinct skipped items and where the first few are; None
             when there is no source (predicting).
     """
@@ -305,11 +306,18 @@ class Sink:
                     }
                 )
 
+    def _open_metrics(self) -> IO[str]:
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        return open(self.metrics_path, "a", buffering=1)  # line-buffered: a kill loses one line
+
     async def run(self) -> None:
         """Record everything until the inbox ends."""
         if self.metrics_path is not None:
-            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(self.metrics_path, "a", buffering=1)  # line-buffered: a kill loses one line
+            # Opening can block (a slow or network disk): a thread, as checkpoints are saved.
+            if self.inline:
+                self._metrics = self._open_metrics()
+            else:
+                self._metrics = await trio.to_thread.run_sync(self._open_metrics, limiter=self.limiter)
         try:
             async with self.meter:
                 async for item in self.meter:

@@ -47,7 +47,7 @@ import common
 import numpy as np
 from common import Reporter, median, open_vulkan, section
 
-from shaders.registry import GEMM_SPEC_DEFAULTS, gemm_shared_bytes
+from shaders.tiles import GEMM_SPEC_DEFAULTS, gemm_shared_bytes
 
 DEFAULT_TILES = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}
 # Fixed configs timed beside the tuned choice (see sweep_gemm.py for the full search). Each sets
@@ -248,7 +248,7 @@ def coopmat_f16_checked(args, rep: Reporter, backend) -> dict[str, tuple[dict[st
     check error). Every other config gets a "skipped" line saying why."""
     from sweep_coopmat import config_name
 
-    from shaders.registry import coopmat_tile_problem
+    from shaders.tiles import coopmat_tile_problem
 
     bench, impl = "gemm", "vkflow_coopmat_f16"
     if backend is None or not backend.facts.has("cooperative_matrix"):

@@ -52,7 +52,7 @@ import common
 import numpy as np
 from common import Reporter, calibrated_reps, median, open_vulkan, section
 
-from shaders.registry import GEMM_SPEC_DEFAULTS
+from shaders.tiles import GEMM_SPEC_DEFAULTS
 
 # Tile configs tried for the large MLP besides the default (64x64x16/4x4); bench_gemm.py tries more.
 # 128x128/8x8 is not among them: on NVIDIA it ran 10x slower than the default in bench_gemm.py.
@@ -153,7 +153,7 @@ class VkTrainer:
     ) -> None:
         from actors.engine import Engine
         from flow.optim import step_values
-        from flow.runner import plan_on
+        from flow.runtime import plan_on
 
         self.backend, self.batch, self.slots = backend, batch, in_flight
         # Planned as flow.run plans: with this device's facts and its measured GEMM tiles.

@@ -4,7 +4,7 @@ For every configuration (specialisation constants: tiles BM x BN x BK, warp tile
 in flight in registers, NS shared stages, GM tile rows per L2 group; see the shader's header):
 
 1. it is skipped, with the reason, where the device cannot run it (shared memory, workgroup size,
-   subgroup size: ``registry.coopmat_tile_problem``);
+   subgroup size: ``tiles.coopmat_tile_problem``);
 2. it is checked against a float64 numpy oracle of the fp16(-rounded) inputs on two odd shapes
    (67x45x33, and 333x529x161, several tiles and slabs with partial edges) in all four
    transpositions; a config over ``--tol`` (or one that fails to compile or run) gets a line
@@ -29,7 +29,7 @@ Anywhere, no GPU needed (compile check of every config)::
 
 compiles the shader with glslangValidator, applies each config's specialisation constants with
 spirv-opt (set, freeze, fold), runs spirv-val on the result, and checks that the folded shared
-array has the size ``registry.coopmat_shared_bytes`` predicts.
+array has the size ``tiles.coopmat_shared_bytes`` predicts.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from shaders import registry  # noqa: E402
+from shaders import registry, tiles  # noqa: E402
 from shaders.compiler import compile_shader, find_compiler  # noqa: E402
 
 Spec = dict[str, int]
@@ -160,7 +160,7 @@ def check_spirv(op: str, configs: list[Spec]) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         for spec in configs:
             problem, shared = specialise(op, spec, Path(tmp))
-            predicted = registry.coopmat_shared_bytes({**spec, **operand_half(op)})
+            predicted = tiles.coopmat_shared_bytes({**spec, **operand_half(op)})
             record = {"bench": BENCH, "check": "spirv", "op": op, "tiles": config_name(spec)}
             if problem is None and shared == predicted:
                 record.update(status="valid", shared_bytes=shared)
@@ -232,7 +232,7 @@ class Sweep:
         failed: dict[str, str] = {}
         candidates = []
         for spec in configs:
-            problem = registry.coopmat_tile_problem({**spec, **operand_half(self.args.op)}, facts)
+            problem = tiles.coopmat_tile_problem({**spec, **operand_half(self.args.op)}, facts)
             if problem is not None:
                 self.line(tiles=config_name(spec), status="skipped", reason=problem)
             else:
@@ -294,7 +294,7 @@ class Sweep:
                             us=seconds * 1e6,
                             launches=launches,
                             check_err=self.check_errors.get(config_name(used)),
-                            shared_bytes=registry.coopmat_shared_bytes(
+                            shared_bytes=tiles.coopmat_shared_bytes(
                                 {**used, **operand_half(self.args.op)}
                             ),
                             **({"spec": used} if spec is None else {}),

@@ -9,7 +9,7 @@ transpositions (TF32 off) is timed with CUDA events in the same run when CUDA is
     python bench/sweep_gemm.py [--quick] [--out FILE]
 
 One JSON line per (config, shape); then, per shape, the configs sorted by time against cuBLAS. The
-registry's tile choice (``tune_gemm``) is timed too, under the name ``tuned``.
+registry's tile choice (``shaders.tiles.tune_gemm``) is timed too, under the name ``tuned``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from actors.single_op import single_op_layout
 from flow.autodiff import k_splits
 from flow.program import Barrier, Program, launch
 from shaders import gemm_tuning
-from shaders.registry import gemm_shared_bytes
+from shaders.tiles import gemm_shared_bytes
 
 # (M, N, K, trans_a, trans_b, what): the launches of the benchmark's models. The weight-gradient
 # GEMMs of dense layers with a bias have M = inputs + 1: their last row of op(A) is ones

@@ -2,14 +2,16 @@
 
 The package is in three tiers, each importing only those below it (tests/test_layers.py checks):
 
-- records: ``flow.spec`` (the job), ``flow.errors``, ``flow.program`` (launches, layouts) and the
-  device facts; frozen data with no behaviour.
+- records: ``flow.spec`` (the job; the model's and the data's records in ``flow.spec_model`` and
+  ``flow.spec_data``), ``flow.errors``, ``flow.program`` (launches, layouts) and the device facts;
+  frozen data with no behaviour.
 - pure decisions: ``flow.codec``, ``flow.validation``, ``flow.shapes``, ``flow.autodiff``,
   ``flow.optim`` (the optimiser), ``flow.planning`` and the other modules that decide from records
   without effects.
 - entry: this package's top level, ``flow.__main__``, ``flow.runner`` (``run``, ``open_pipeline``),
-  ``flow.inference`` (``predict``), ``flow.run_command`` and ``flow.testing``: the only flow modules
-  that import ``actors``, the runtime that does the effects.
+  ``flow.runtime`` (a pipeline's resources and actors), ``flow.inference`` (``predict``),
+  ``flow.run_command`` and ``flow.testing``: the only flow modules that import ``actors``, the
+  runtime that does the effects.
 
 Every name below is loaded on first use (PEP 562), so ``import flow.spec`` stays a records-only
 import (no trio, no Vulkan, no msgpack), while ``dir(flow)`` and ``help(flow)`` still list and
@@ -32,13 +34,13 @@ _EXPORTS = {
     "loads": "flow.codec",
     "save": "flow.codec",
     "check": "flow.validation",
-    "summarize": "flow.validation",
+    "summarize": "flow.summary",
     "validate": "flow.validation",
     "Plan": "flow.planning",
     "plan": "flow.planning",
-    "ActorError": "flow.runner",
+    "ActorError": "flow.runtime",
     "NonFiniteLoss": "flow.runner",
-    "RunResult": "flow.runner",
+    "RunResult": "flow.runtime",
     "open_pipeline": "flow.runner",
     "run": "flow.runner",
     "predict": "flow.inference",
@@ -55,8 +57,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from flow.errors import FlowError, PlanError, Problem, SpecError
     from flow.inference import predict
     from flow.planning import Plan, plan
-    from flow.runner import ActorError, NonFiniteLoss, RunResult, open_pipeline, run
-    from flow.validation import check, summarize, validate
+    from flow.runner import NonFiniteLoss, open_pipeline, run
+    from flow.runtime import ActorError, RunResult
+    from flow.summary import summarize
+    from flow.validation import check, validate
 
 
 def __getattr__(name: str):

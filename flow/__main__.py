@@ -67,7 +67,7 @@ def _report(file: str, work):
 
 def _check(args: argparse.Namespace) -> int:
     from flow.preflight import preflight
-    from flow.validation import summarize
+    from flow.summary import summarize
 
     spec = _report(args.file, lambda: load(args.file))
     if spec is None:
@@ -87,7 +87,7 @@ def _check(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from flow.data_plan import header_of
     from flow.planning import plan
-    from flow.runner import selected_facts
+    from flow.runtime import selected_facts
     from loaders import LoaderError, open_source
     from shaders import gemm_tuning
 

@@ -2,19 +2,21 @@
 how many steps, with evaluations and checkpoints when. Pure: it is computed from the spec and the
 source's header (:class:`SourceHeader`: a few facts an open source reports without reading a
 sample), so ``flow plan`` prints it and a mistake in it (a split with no training batch, data the
-model cannot take) is refused before any device work. The loader only follows it.
+model cannot take: :func:`data_problems`, which ``flow check`` runs too) is refused before any
+device work. The loader only follows it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from flow.errors import PlanError, Problem, SpecError
+from flow.shapes import infer_shapes
 from flow.spec import Spec
-from flow.validation import data_problems
 from loaders.sampler import Sampler
 from loaders.splits import split_indices
 
@@ -33,6 +35,8 @@ class SourceHeader:
         label_shape: the shape of one sample's label (() for a class id or one target).
         reads_in_place: whether it can read a batch straight into caller-owned arrays
             (``read_into``), such as a device's mapped input slot.
+        stored_dtype: "uint8" or "float32" where the source can hand over its whole data as
+            stored (``stored()``) to be kept on a device; None where it cannot.
     """
 
     samples: int
@@ -41,6 +45,7 @@ class SourceHeader:
     labels: np.ndarray
     label_shape: tuple[int, ...] = ()
     reads_in_place: bool = False
+    stored_dtype: str | None = None
 
 
 def header_of(source: Any) -> SourceHeader:
@@ -60,6 +65,7 @@ def header_of(source: Any) -> SourceHeader:
         labels=labels,
         label_shape=tuple(labels.shape[1:]),
         reads_in_place=callable(getattr(source, "read_into", None)),
+        stored_dtype=getattr(source, "stored_dtype", None),
     )
 
 
@@ -98,6 +104,94 @@ def total_steps(epochs: int | None, steps: int | None, batches_per_epoch: int) -
 
 
 @dataclass(frozen=True, eq=False)
+class ResidentData:
+    """A dataset kept on the device for the whole run: uploaded once as stored, each step's first
+    launch gathers its batch by index and applies the preprocessing as one affine map per channel.
+
+    Attributes:
+        samples: samples uploaded.
+        sample_shape: the shape of one sample.
+        dtype: "uint8" (8-bit data, as stored) or "float32".
+        affine: (a_0, b_0, a_1, b_1, ...) float32-rounded: channel c's value is stored * a_c + b_c
+            (the source's own scale, such as 8-bit data's 1/255, folded in).
+    """
+
+    samples: int
+    sample_shape: tuple[int, ...]
+    dtype: str
+    affine: tuple[float, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.samples * math.prod(self.sample_shape) * (1 if self.dtype == "uint8" else 4)
+
+    @property
+    def channels(self) -> int:
+        return len(self.affine) // 2
+
+    def as_dict(self) -> dict:
+        return {"dtype": self.dtype, "bytes": self.nbytes, "affine": list(self.affine)}
+
+
+def fused_affine(
+    stored_scale: float, transforms: tuple, sample_shape: tuple[int, ...]
+) -> tuple[float, ...] | None:
+    """The per-channel affine map that the source's scale followed by ``transforms`` make, or None
+    when a transform is not a Scale or a Normalize. Composed in float64 and rounded once.
+
+    Args:
+        stored_scale: what the source multiplies stored values by (1/255 for 8-bit data).
+        transforms: the spec's preprocess records.
+        sample_shape: one sample's shape; channels are its first axis, as Normalize's are.
+
+    Returns:
+        (a_0, b_0, a_1, b_1, ...) for each channel, or None.
+    """
+    channels = sample_shape[0] if sample_shape else 1
+    a = np.full(channels, float(np.float32(stored_scale)), np.float64)
+    b = np.zeros(channels, np.float64)
+    for transform in transforms:
+        kind = type(transform).__name__
+        if kind == "Scale":
+            a, b = a * transform.factor, b * transform.factor
+        elif kind == "Normalize":
+            mean = np.broadcast_to(np.asarray(transform.mean, np.float64), (channels,))
+            std = np.broadcast_to(np.asarray(transform.std, np.float64), (channels,))
+            a, b = a / std, (b - mean) / std
+        else:
+            return None
+    pairs = np.stack([a, b], axis=1).astype(np.float32).reshape(-1)
+    return tuple(float(v) for v in pairs)
+
+
+def resident_data(spec: Spec, header: SourceHeader) -> tuple[ResidentData | None, str]:
+    """Whether the run can keep its data on the device (before the memory budget, which the
+    device plan checks), and why not.
+
+    Args:
+        spec: a valid spec.
+        header: its source's header.
+
+    Returns:
+        (the resident data, "") or (None, the reason it must stream).
+    """
+    data = spec.data
+    if data.placement == "host":
+        return None, "data.placement is 'host'"
+    if header.stored_dtype is None:
+        return None, f"the {type(data.source).__name__} source cannot hand over its whole data as stored"
+    if data.augment:
+        return None, "augmentations run on the host"
+    if type(spec.model.loss).__name__ != "CrossEntropy":
+        return None, "only class-id labels are gathered on the device"
+    scale = 1.0 / 255.0 if header.stored_dtype == "uint8" else 1.0
+    affine = fused_affine(scale, data.preprocess, header.sample_shape)
+    if affine is None:
+        return None, "a preprocess transform other than Scale or Normalize runs on the host"
+    return ResidentData(header.samples, header.sample_shape, header.stored_dtype, affine), ""
+
+
+@dataclass(frozen=True, eq=False)
 class DataPlan:
     """The run's data: the splits as sample indices, how they are batched, and the schedule.
 
@@ -118,6 +212,7 @@ class DataPlan:
     seed: int
     drop_last: bool
     schedule: StepSchedule
+    resident: ResidentData | None = None
 
     def sampler(self, split: str) -> Sampler | None:
         """The sampler of ``split``: training shuffles (when asked) and may drop its last partial
@@ -162,7 +257,68 @@ class DataPlan:
             "batches_per_epoch": schedule.batches_per_epoch,
             "eval_every": schedule.eval_every if schedule.has_val else None,
             "checkpoint_every": schedule.checkpoint_every,
+            "on_device": None if self.resident is None else self.resident.as_dict(),
         }
+
+
+def data_problems(
+    spec: Spec,
+    sample_shape: tuple[int, ...],
+    num_classes: int | None,
+    label_shape: tuple[int, ...] = (),
+) -> list[Problem]:
+    """What is wrong between an opened source and the model, found before any device work.
+
+    Args:
+        spec: a valid spec.
+        sample_shape: the source's decoded sample shape.
+        num_classes: how many classes its labels hold (None for regression targets).
+        label_shape: the shape of one sample's label (every source today gives one number: ()).
+
+    Returns:
+        Every problem: a sample shape the model cannot take (checked when no transform resizes or
+        crops), class labels beyond the last layer's units for CrossEntropy, and labels that are
+        not one target per output for MSE.
+    """
+    problems = []
+    transforms = (*spec.data.preprocess, *spec.data.augment)
+    reshaping = any(type(t).__name__ in ("Resize", "RandomCrop") for t in transforms)
+    if not reshaping and tuple(sample_shape) != tuple(spec.model.input_shape):
+        problems.append(
+            Problem(
+                "model.input_shape",
+                f"the source gives samples of shape {tuple(sample_shape)}, "
+                f"but the model takes {tuple(spec.model.input_shape)}",
+            )
+        )
+    shapes = infer_shapes(spec.model)
+    outputs = shapes[-1] if shapes else tuple(spec.model.input_shape)
+    if (
+        type(spec.model.loss).__name__ == "CrossEntropy"
+        and num_classes is not None
+        and num_classes > outputs[-1]
+    ):
+        problems.append(
+            Problem(
+                f"model.layers[{len(spec.model.layers) - 1}]",
+                f"the source has {num_classes} classes, but the model ends in {outputs[-1]} outputs",
+            )
+        )
+    # MSE compares each output with its own target. One label a sample against 10 outputs would
+    # fill only the first rows' targets and train on nonsense without a word, so it is an error.
+    if type(spec.model.loss).__name__ == "MSE" and math.prod(label_shape) != math.prod(outputs):
+        labels = math.prod(label_shape)
+        given = "one label" if labels == 1 else f"{labels} labels"
+        kind = f"class ids of {num_classes} classes" if num_classes is not None else "targets"
+        hint = "; for class labels use CrossEntropy()" if num_classes is not None else ""
+        problems.append(
+            Problem(
+                "model.loss",
+                f"MSE needs one target per output, but the model ends in {math.prod(outputs)} outputs "
+                f"and the source gives {given} a sample ({kind}){hint}",
+            )
+        )
+    return problems
 
 
 def plan_data(spec: Spec, header: SourceHeader) -> DataPlan:

@@ -19,7 +19,7 @@ from actors.preprocess import transform_batch
 from flow.codec import load as load_spec
 from flow.inputs import as_inputs, batch_bounds
 from flow.planning import plan
-from flow.runner import open_backend, plan_on, start_engine
+from flow.runtime import open_backend, plan_on, start_engine
 from flow.spec import Spec
 
 

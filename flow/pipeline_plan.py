@@ -1,6 +1,6 @@
 """The actor half of a run's plan: which actor runs each pipeline node, where, with which inbox
 and outboxes, the bounded channels between them, and whether the loader reads training batches
-straight into the device's input slots. Pure: the runner opens what this says and decides nothing.
+straight into the device's input slots. Pure: the runtime opens what this says and decides nothing.
 
 Each node takes at most one inbound edge: trio has no select, so fan-in would need a forwarding
 task per input, and the stream's order, which exact resume relies on, would be lost. Fan-out is
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flow.autodiff import label_shape
 from flow.errors import PlanError, Problem
+from flow.graph import label_shape
 from flow.spec import Pipeline, Spec, default_pipeline
 
 # The kinds a pipeline must have exactly one of (the runtime drives one loader, device and sink).

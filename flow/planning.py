@@ -4,7 +4,7 @@
 (flow.data_plan), the actors and channels (flow.pipeline_plan), and for each device the programs
 (flow.autodiff) with every tensor placed in an arena, buffer reuse from lifetimes (an activation's
 memory is reused once its last backward reader has run) and memory checked against its budget.
-The runner opens what the plan says and decides nothing.
+The runtime (flow.runtime) opens what the plan says and decides nothing.
 
 Arenas: ``params``, ``grads`` and one per optimiser state share one offset per parameter, so the
 optimiser is a single launch over the flat arenas; ``work`` holds activations and temporaries;
@@ -14,23 +14,16 @@ optimiser is a single launch over the flat arenas; ``work`` holds activations an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 import numpy as np
 
-from flow.autodiff import (
-    Graph,
-    ParamDecl,
-    TensorDecl,
-    build_graph,
-    fused_bias_grads,
-    label_shape,
-    parameters,
-)
-from flow.data_plan import DataPlan, SourceHeader, plan_data
+from flow.autodiff import build_graph
+from flow.data_plan import DataPlan, ResidentData, SourceHeader, plan_data, resident_data
 from flow.device_facts import DeviceFacts, memory_budget
 from flow.errors import PlanError, Problem
+from flow.graph import Graph, ParamDecl, TensorDecl, fused_bias_grads, label_shape, parameters
 from flow.optim import optimiser_state_names
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
 from flow.program import (
@@ -42,13 +35,16 @@ from flow.program import (
     Program,
     Tensor,
     align_up,
+    launch,
     with_barriers,
 )
 from flow.shapes import infer_shapes
-from flow.spec import Model, Spec
+from flow.spec import Spec
+from flow.spec_model import Model
 from flow.validation import check
-from shaders.registry import GemmTable, resolve_program
 from shaders.registry import op as op_def
+from shaders.registry import resolve_program
+from shaders.tiles import GemmTable
 
 PROGRAM_KINDS = ("train", "eval", "predict")
 
@@ -104,6 +100,7 @@ class DevicePlan:
     stages: tuple[str, ...]
     programs: tuple[Program, ...]  # one per PROGRAM_KINDS, in that order
     precision: str = "float32"
+    resident: ResidentData | None = None  # the dataset kept on this device, if any
 
     def program(self, kind: str) -> Program:
         """The ``train``, ``eval`` or ``predict`` program (for any row count up to the batch size)."""
@@ -115,7 +112,7 @@ class DevicePlan:
 @dataclass(frozen=True)
 class Plan:
     """Everything about a run, decided before any device work: the single source of truth the
-    runner opens resources and starts actors from.
+    runtime opens resources and starts actors from.
 
     Attributes:
         spec: the spec it was planned from.
@@ -257,6 +254,34 @@ def _io_tensors(model: Model, batch: int) -> list[TensorDecl]:
     ]
 
 
+def _dataset_tensors(resident: ResidentData) -> tuple[list[Tensor], int]:
+    """The ``dataset`` arena's tensors (samples as stored, labels, the fused preprocessing) and
+    its size."""
+    decls = [
+        ("data:x", (resident.samples, *resident.sample_shape), resident.dtype),
+        ("data:y", (resident.samples,), "int32"),
+        ("data:affine", (len(resident.affine),), "float32"),
+    ]
+    tensors, offset = [], 0
+    for name, shape, dtype in decls:
+        tensors.append(Tensor(name, shape, dtype, "dataset", offset))
+        offset = align_up(offset + math.prod(shape) * ITEM_BYTES[dtype])
+    return tensors, offset
+
+
+def _gather_launch(resident: ResidentData, batch: int) -> Launch:
+    """The launch that fills the slot's x and y from the resident dataset by the slot's indices."""
+    row_elems = math.prod(resident.sample_shape)
+    return launch(
+        "gather_rows",
+        ("data:x", "data:y", "idx", "data:affine", "x", "y"),
+        rows=batch,
+        row_elems=row_elems,
+        channel_elems=row_elems // resident.channels,
+        bytes=int(resident.dtype == "uint8"),
+    )
+
+
 def plan_device(
     spec: Spec,
     device: str,
@@ -264,6 +289,7 @@ def plan_device(
     features: tuple[str, ...] | None = None,
     facts: DeviceFacts | None = None,
     tuning: GemmTable | None = None,
+    resident: ResidentData | None = None,
 ) -> DevicePlan:
     """Plan one device that runs the whole model (data parallel replicas get one each).
 
@@ -274,6 +300,9 @@ def plan_device(
         features: the device's features (DeviceFacts.features); None skips feature checks.
         facts: the device, for the launches' tiles (None: the defaults every device runs).
         tuning: the device's GEMM tuning table (shaders.gemm_tuning.load_table), or None.
+        resident: the dataset to keep on the device (flow.data_plan.resident_data), or None: then
+            a ``dataset`` arena holds it, each slot's io an ``idx`` of the batch's sample indices,
+            and the train and eval programs start with the launch that gathers the batch.
 
     Returns:
         The device plan.
@@ -309,7 +338,10 @@ def plan_device(
     # io: one copy per slot.
     io_offset = 0
     io_offsets: dict[str, int] = {}
-    for decl in _io_tensors(model, batch):
+    io = _io_tensors(model, batch)
+    if resident is not None:  # the batch's sample indices, from which the first launch gathers it
+        io.append(TensorDecl("idx", (batch,), "int32", "io"))
+    for decl in io:
         tensors.append(Tensor(decl.name, decl.shape, decl.dtype, "io", io_offset))
         io_offsets[decl.name] = io_offset
         io_offset = align_up(io_offset + decl.size * ITEM_BYTES[decl.dtype])
@@ -331,6 +363,9 @@ def plan_device(
         kind: build_graph(model, spec.optimiser, batch, kind, total_params, precision)
         for kind in PROGRAM_KINDS
     }
+    if resident is not None:
+        for kind in ("train", "eval"):
+            graphs[kind].groups.insert(0, [_gather_launch(resident, batch)])
     declared: dict[str, TensorDecl] = {}
     for graph in graphs.values():
         declared.update(graph.tensors)
@@ -354,6 +389,10 @@ def plan_device(
         Arena("work", max(work_peak, 256)),
         Arena("io", max(io_offset, 256), per_slot=True, host_visible=True),
     ]
+    if resident is not None:
+        dataset, dataset_bytes = _dataset_tensors(resident)
+        tensors += dataset
+        arenas.append(Arena("dataset", dataset_bytes))
     layout = Layout(arenas=tuple(arenas), tensors=tuple(tensors))
     _check_bindings(layout, graphs)
 
@@ -392,6 +431,7 @@ def plan_device(
         names,
         programs,
         precision,
+        resident,
     )
 
 
@@ -450,16 +490,28 @@ def plan(
         budget = memory_budget(facts, spec.devices.memory_fraction) if budget is None else budget
         features = facts.features if features is None else features
         maps_inputs = facts.kind != "cpu" if maps_inputs is None else maps_inputs
+    data = plan_data(spec, header) if header is not None and mode == "train" else None
+    device = facts.name if facts is not None else str(spec.devices.select)
+    resident, why = resident_data(spec, header) if data is not None else (None, "no data to train on")
+    if resident is None and spec.data.placement == "device" and mode == "train":
+        raise PlanError([Problem("data.placement", f"'device' asked for, but {why}")])
+    try:
+        device_plan = plan_device(spec, device, budget, features, facts, tuning, resident)
+    except PlanError:
+        if resident is None or spec.data.placement == "device":
+            raise
+        # "auto": the data does not fit beside the model, so it streams from the host.
+        resident, device_plan = None, plan_device(spec, device, budget, features, facts, tuning)
+    if data is not None:
+        data = replace(data, resident=resident)
     pipeline = plan_pipeline(
         spec,
         mode=mode,
         sample_shape=header.sample_shape if header is not None else None,
-        reads_in_place=header is not None and header.reads_in_place,
+        # A batch from resident data is gathered on the device: the loader reads nothing.
+        reads_in_place=header is not None and header.reads_in_place and resident is None,
         maps_inputs=bool(maps_inputs),
     )
-    data = plan_data(spec, header) if header is not None and mode == "train" else None
-    device = facts.name if facts is not None else str(spec.devices.select)
-    device_plan = plan_device(spec, device, budget, features, facts, tuning)
     return Plan(spec=spec, mode=mode, devices=(device_plan,), pipeline=pipeline, data=data)
 
 

@@ -9,9 +9,10 @@ raw header and a memory map, or for a CSV its one streaming pass (the class coun
 
 from __future__ import annotations
 
+from flow.data_plan import data_problems
 from flow.errors import Problem
 from flow.spec import Spec
-from flow.validation import data_problems, validate
+from flow.validation import validate
 from loaders import LoaderError, open_source
 
 

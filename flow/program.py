@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # The element types a device tensor may hold (what the shaders read); a raw source file may hold
-# more (flow.spec.SourceDType), and the loaders cast to these.
-TensorDType = Literal["float32", "int32", "uint32", "float16"]
+# more (flow.spec_data.SourceDType), and the loaders cast to these.
+# uint8 only for datasets kept on the device as stored (shaders read them as 32-bit words).
+TensorDType = Literal["float32", "int32", "uint32", "float16", "uint8"]
 
-ITEM_BYTES: dict[str, int] = {"float32": 4, "int32": 4, "uint32": 4, "float16": 2}
+ITEM_BYTES: dict[str, int] = {"float32": 4, "int32": 4, "uint32": 4, "float16": 2, "uint8": 1}
 
 # Descriptor offsets must honour minStorageBufferOffsetAlignment, which is at most 256 on every
 # device we know of; aligning every tensor to it lets one layout serve all devices.

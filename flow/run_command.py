@@ -18,7 +18,8 @@ from dataclasses import replace
 from actors.health import NonFiniteLoss
 from flow.codec import load as load_spec
 from flow.errors import FlowError
-from flow.runner import ActorError, RunResult, run
+from flow.runner import run
+from flow.runtime import ActorError, RunResult
 from loaders.errors import LoaderError
 
 

@@ -8,7 +8,8 @@ Inputs are assumed well typed (see flow.validation).
 import math
 
 from flow.errors import Problem, SpecError
-from flow.spec import Conv2d, Flatten, Layer, Linear, MaxPool2d, Model, Shape
+from flow.spec_base import Shape
+from flow.spec_model import Conv2d, Flatten, Layer, Linear, MaxPool2d, Model
 
 
 def _window(name: str, shape: Shape, kernel: int, stride: int, padding: int) -> tuple[int, int] | str:

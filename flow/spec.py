@@ -7,6 +7,12 @@ never lists, so a spec is hashable and compares by value; the codec tags each re
 name, so class and field names are part of the file format (:data:`SCHEMA_VERSION`). Constructors
 never check values: :mod:`flow.validation` does, and returns every problem at once.
 
+This module defines the job's top (:class:`Spec`), the optimisers, the devices, the pipeline and
+the run settings, and lists every record (:data:`RECORDS`, which the codec reads). The model's
+records are defined in :mod:`flow.spec_model` and the data's in :mod:`flow.spec_data`; their
+record classes (and only those) are re-exported here, so that users import every record from one
+place: ``from flow.spec import Linear, Model, Data, Digits, SGD, Spec``.
+
 Inputs, the one convention of every source: samples arrive as float32, images channels first
 (C, H, W) unless ``layout="HWC"``. 8-bit data is divided by 255, so it arrives in [0, 1]: images of
 every source (16-bit greyscale from 0..65535 alike), uint8 IDX files and uint8 RawBinary records;
@@ -23,202 +29,50 @@ Annotations here are real objects (no ``from __future__ import annotations``) be
 the validator read them from ``dataclasses.fields``.
 """
 
-from dataclasses import KW_ONLY, dataclass, fields
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
+from flow.spec_base import Record
+from flow.spec_data import (
+    CSV,
+    IDX,
+    Data,
+    Digits,
+    HorizontalFlip,
+    ImageFolder,
+    Normalize,
+    RandomCrop,
+    RawBinary,
+    Resize,
+    Scale,
+    Split,
+    Synthetic,
+)
+from flow.spec_model import (
+    GELU,
+    MSE,
+    Conv2d,
+    CrossEntropy,
+    Flatten,
+    Init,
+    LeakyReLU,
+    Linear,
+    MaxPool2d,
+    Model,
+    ReLU,
+    Sigmoid,
+    Softmax,
+    Tanh,
+)
+
 SCHEMA_VERSION = 1
-
-Shape = tuple[int, ...]
-Activation = Literal["relu", "leaky_relu", "sigmoid", "tanh", "gelu"]
-# The element types a raw source file may hold; device tensors hold fewer (flow.program.TensorDType).
-SourceDType = Literal["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64"]
-OnError = Literal["raise", "skip"]
-
-
-class _Record:
-    """Base of every spec record: turns lists into tuples so hand-written specs stay hashable and
-    equal to the same spec decoded from a file."""
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                object.__setattr__(self, f.name, _tuplify(value))
-
-
-def _tuplify(value: list) -> tuple:
-    return tuple(_tuplify(v) if isinstance(v, list) else v for v in value)
-
-
-# Layers
-
-
-@dataclass(frozen=True)
-class Linear(_Record):
-    """A dense layer on a flat input: ``y = act(x @ W + b)``, with W [in, units].
-
-    Attributes:
-        units: outputs per sample, > 0.
-        bias: whether the layer adds a learned bias b [units] (default True).
-        activation: applied to the output, fused into the layer's kernel: "relu", "leaky_relu"
-            (slope 0.01), "sigmoid", "tanh", "gelu" (exact, erf-based), or None (default) for none.
-    """
-
-    units: int
-    _: KW_ONLY
-    bias: bool = True
-    activation: Activation | None = None
-
-
-@dataclass(frozen=True)
-class Conv2d(_Record):
-    """A 2-D convolution over (C, H, W) inputs with square kernels; output (channels, OH, OW) with
-    ``OH = (H + 2 * padding - kernel) // stride + 1`` (OW alike).
-
-    Attributes:
-        channels: output channels, > 0.
-        kernel: kernel height and width in pixels, > 0.
-        stride: step between windows in pixels, > 0 (default 1).
-        padding: zeros added on each side in pixels, >= 0 (default 0).
-        bias: whether a learned bias per output channel is added (default True).
-        activation: as Linear's, fused into the convolution (default None).
-    """
-
-    channels: int
-    kernel: int
-    _: KW_ONLY
-    stride: int = 1
-    padding: int = 0
-    bias: bool = True
-    activation: Activation | None = None
-
-
-@dataclass(frozen=True)
-class MaxPool2d(_Record):
-    """The maximum of each square window of a (C, H, W) input, per channel, without padding. NaN
-    counts above every number, so a window holding NaN gives NaN.
-
-    Attributes:
-        kernel: window height and width in pixels, > 0.
-        stride: step between windows in pixels, > 0; None (default) is the same as kernel
-            (non-overlapping windows).
-    """
-
-    kernel: int
-    _: KW_ONLY
-    stride: int | None = None
-
-
-@dataclass(frozen=True)
-class Flatten(_Record):
-    """Reshapes each sample to one dimension (C * H * W values, row-major), as Linear needs."""
-
-
-@dataclass(frozen=True)
-class ReLU(_Record):
-    """``max(x, 0)`` elementwise, as a layer of its own (Linear and Conv2d can fuse it instead).
-    NaN gives NaN on every backend, as in numpy and PyTorch."""
-
-
-@dataclass(frozen=True)
-class LeakyReLU(_Record):
-    """``x`` where x > 0, else ``slope * x``, elementwise. NaN gives NaN.
-
-    Attributes:
-        slope: the factor for negative inputs (default 0.01).
-    """
-
-    slope: float = 0.01
-
-
-@dataclass(frozen=True)
-class Sigmoid(_Record):
-    """``1 / (1 + exp(-x))`` elementwise, in (0, 1). NaN gives NaN."""
-
-
-@dataclass(frozen=True)
-class Tanh(_Record):
-    """``tanh(x)`` elementwise, in (-1, 1). NaN gives NaN."""
-
-
-@dataclass(frozen=True)
-class GELU(_Record):
-    """``x * Phi(x)`` elementwise, Phi the standard normal CDF (exact, erf-based; not the tanh
-    approximation). NaN gives NaN."""
-
-
-@dataclass(frozen=True)
-class Softmax(_Record):
-    """Softmax over a flat sample: outputs in [0, 1] that sum to 1. Not before CrossEntropy, which
-    applies softmax itself; a row holding NaN gives NaN everywhere."""
-
-
-Layer = Linear | Conv2d | MaxPool2d | Flatten | ReLU | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
-
-# Losses and the model
-
-
-@dataclass(frozen=True)
-class CrossEntropy(_Record):
-    """Mean cross-entropy over the batch, for integer class labels 0..classes-1; softmax is fused
-    into the loss, so the model ends in raw logits (a Linear with one unit per class, >= 2).
-
-    A model that guesses uniformly scores ``ln(classes)`` (2.3026 for 10 classes): a run warns when
-    a whole epoch's mean training loss stays within 1% of that. Predictions are probabilities.
-    """
-
-
-@dataclass(frozen=True)
-class MSE(_Record):
-    """Mean squared error over the batch and the outputs, for float targets shaped like the model's
-    output. Predictions are the raw outputs."""
-
-
-Loss = CrossEntropy | MSE
-
-
-@dataclass(frozen=True, kw_only=True)
-class Init(_Record):
-    """How fresh weights are drawn; biases always start at 0.
-
-    Attributes:
-        scheme: "he" (default): normal with std ``sqrt(2 / fan_in)``, for relu-like activations;
-            "xavier": uniform in ``+-sqrt(6 / (fan_in + fan_out))``, for tanh and sigmoid.
-        seed: the generator's seed, >= 0 (default 0): the same seed gives the same weights.
-    """
-
-    scheme: Literal["he", "xavier"] = "he"
-    seed: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Model(_Record):
-    """The network: its input shape, its layers in order and its loss.
-
-    Attributes:
-        input_shape: one sample's shape without the batch dimension, every size > 0: (64,) for a
-            vector, (C, H, W) for images. It must equal the source's sample shape after
-            ``data.preprocess``.
-        layers: the layers, in order; each must accept the previous one's output shape.
-        loss: CrossEntropy() or MSE(); None only for a model used to predict (training needs one).
-        input_dtype: what the inputs are declared as: "float32" (default), "float16" or "uint8".
-            It is recorded and shown in summaries; every backend takes float32 inputs today, with
-            the values of the module's input convention.
-        init: how fresh weights are drawn (default ``Init()``: He, seed 0).
-    """
-
-    input_shape: Shape
-    layers: tuple[Layer, ...]
-    loss: Loss | None
-    input_dtype: Literal["float32", "float16", "uint8"] = "float32"
-    init: Init = Init()
 
 
 # Optimisers and learning-rate schedules
 
 
 @dataclass(frozen=True, kw_only=True)
-class Constant(_Record):
+class Constant(Record):
     """A constant learning rate (the default schedule), after an optional warmup.
 
     Attributes:
@@ -229,7 +83,7 @@ class Constant(_Record):
 
 
 @dataclass(frozen=True)
-class StepLR(_Record):
+class StepLR(Record):
     """The learning rate times ``gamma`` every ``step_size`` steps (counted after the warmup).
 
     Attributes:
@@ -245,7 +99,7 @@ class StepLR(_Record):
 
 
 @dataclass(frozen=True)
-class Cosine(_Record):
+class Cosine(Record):
     """Cosine decay from ``lr`` to ``min_lr``, after an optional warmup; flat at ``min_lr`` after.
 
     Attributes:
@@ -265,7 +119,7 @@ Schedule = Constant | StepLR | Cosine
 
 
 @dataclass(frozen=True)
-class SGD(_Record):
+class SGD(Record):
     """Stochastic gradient descent, as ``torch.optim.SGD``.
 
     Attributes:
@@ -286,7 +140,7 @@ class SGD(_Record):
 
 
 @dataclass(frozen=True)
-class Adam(_Record):
+class Adam(Record):
     """Adam, as ``torch.optim.Adam``.
 
     Attributes:
@@ -307,7 +161,7 @@ class Adam(_Record):
 
 
 @dataclass(frozen=True)
-class AdamW(_Record):
+class AdamW(Record):
     """AdamW, as ``torch.optim.AdamW``: Adam with weight decay applied to the weights directly.
 
     Attributes:
@@ -329,261 +183,10 @@ class AdamW(_Record):
 
 Optimiser = SGD | Adam | AdamW
 
-# Sources
-
-
-@dataclass(frozen=True)
-class ImageFolder(_Record):
-    """Image files (PNG, JPEG, BMP, GIF, WebP) under a folder. Samples are float32 in [0, 1]
-    (8-bit pixels / 255, 16-bit greyscale / 65535): never add ``Scale(1/255)``.
-
-    Attributes:
-        root: the folder.
-        size: (height, width) in pixels each image is scaled to cover and centre-cropped to, every
-            size > 0; None (default) keeps each file's own size, which must then be the same.
-        mode: "L" (default, 1 grey channel), "RGB" (3) or "RGBA" (4).
-        layout: "CHW" (default, what Conv2d takes) or "HWC".
-        labels_csv: a ``filename,label`` CSV for a flat folder, filenames relative to root,
-            labels integers or class names (sorted into ids); None (default): the label is the
-            image's sub-folder, the sorted sub-folder names being classes 0..k-1.
-        workers: decoding threads, > 0 (default 2).
-        on_error: a file that cannot be decoded: "raise" (default) stops the run; "skip" leaves
-            it out with a warning and counts it.
-    """
-
-    root: str
-    _: KW_ONLY
-    size: tuple[int, int] | None = None
-    mode: Literal["L", "RGB", "RGBA"] = "L"
-    layout: Literal["CHW", "HWC"] = "CHW"
-    labels_csv: str | None = None
-    workers: int = 2
-    on_error: OnError = "raise"
-
+# Devices, pipeline, run settings
 
 @dataclass(frozen=True)
-class CSV(_Record):
-    """Rows of a CSV file (UTF-8, comma-separated): float32 features, as written (unscaled).
-
-    The label column holds integer class ids or class names (classification) or other numbers
-    (regression targets), judged from the first label.
-
-    Attributes:
-        path: the file.
-        label_column: the label's column, by name (needs ``header``) or index >= 0.
-        feature_columns: the features' columns in order, by name or index; None (default): every
-            column but the label.
-        header: whether the first row names the columns (default True).
-        chunk_rows: rows parsed at a time, > 0 (default 4096); bounds a read's extra memory.
-        on_error: a row that does not parse: "raise" (default) or "skip" (left out, counted).
-    """
-
-    path: str
-    _: KW_ONLY
-    label_column: str | int
-    feature_columns: tuple[str | int, ...] | None = None
-    header: bool = True
-    chunk_rows: int = 4096
-    on_error: OnError = "raise"
-
-
-@dataclass(frozen=True)
-class RawBinary(_Record):
-    """Fixed-size records back to back in a raw file, mapped rather than read. uint8 records are
-    divided by 255 (samples in [0, 1], as images); other dtypes are cast to float32 unscaled.
-
-    Attributes:
-        path: the records file; its size must be a whole number of records.
-        dtype: one value's type: "uint8", "int8", "uint16", "int16", "int32", "int64", "float16",
-            "float32" or "float64" (native byte order).
-        shape: one sample's shape, every size > 0.
-        labels_path: a raw file (or ``.npy``) of one label per record; None (default): unlabelled,
-            for prediction only.
-        label_dtype: the raw labels' type (default "int32"); integers are class ids, floats
-            regression targets.
-        on_error: a bad record (NaN or infinity, or a partial record at the end): "raise"
-            (default) or "skip" (left out, counted).
-    """
-
-    path: str
-    _: KW_ONLY
-    dtype: SourceDType
-    shape: Shape
-    labels_path: str | None = None
-    label_dtype: SourceDType = "int32"
-    on_error: OnError = "raise"
-
-
-@dataclass(frozen=True)
-class IDX(_Record):
-    """An IDX images file and an IDX labels file (the MNIST format; ``.gz`` allowed). uint8 images
-    are divided by 255 (samples in [0, 1]); other types are cast to float32 unscaled. 3-D images
-    (n, H, W) become (1, H, W) samples.
-
-    Attributes:
-        images: the samples' file (n, ...).
-        labels: the labels' file (n,), integer class ids.
-    """
-
-    images: str
-    labels: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Synthetic(_Record):
-    """Generated data with a known answer, needing no files; sample i is a pure function of
-    (seed, i). Classification: balanced classes, each a Gaussian blob (noise std 0.5) around a
-    standard-normal centre; regression: a standard-normal target y and ``x = y * direction +
-    noise``. Features are float32 around 0 (no fixed range; do not scale them).
-
-    Attributes:
-        task: "classification" (default) or "regression".
-        samples: how many, > 0.
-        features: one sample's shape, every size > 0.
-        classes: classes for classification, >= 2 (default 10).
-        seed: the data's seed, >= 0 (default 0).
-    """
-
-    task: Literal["classification", "regression"] = "classification"
-    samples: int
-    features: Shape
-    classes: int = 10
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class Digits(_Record):
-    """The bundled 8x8 grey handwritten-digit set (UCI, 1797 images): (1, 8, 8) samples in [0, 1]
-    read through the image-folder loader, 10 classes. Needs no preprocessing."""
-
-
-Source = ImageFolder | CSV | RawBinary | IDX | Synthetic | Digits
-
-# Preprocessing and augmentation
-
-
-@dataclass(frozen=True)
-class Normalize(_Record):
-    """``(x - mean) / std`` per channel (axis 1 of the batch: the C of (C, H, W), or each feature
-    of a flat sample). Sources give [0, 1] for 8-bit data, so take mean and std in those units
-    (e.g. MNIST: mean (0.1307,), std (0.3081,)), not 0..255.
-
-    Attributes:
-        mean: one value for every channel, or one per channel.
-        std: as many values as mean, each > 0.
-    """
-
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Scale(_Record):
-    """Multiply every input value by ``factor``.
-
-    Sources already give 8-bit data (ImageFolder, Digits, uint8 IDX and RawBinary) as floats in
-    [0, 1], so raw bytes need no ``Scale(1/255)``: on such data it leaves inputs in [0, 1/255] and
-    the model trains at chance. The run warns when the inputs after preprocessing look like that.
-    Use Scale for data of other units, e.g. ``Scale(1/1000)`` for millimetres as metres.
-
-    Attributes:
-        factor: the multiplier.
-    """
-
-    factor: float
-
-
-@dataclass(frozen=True)
-class RandomCrop(_Record):
-    """A random (height, width) window of each (C, H, W) sample, after zero padding; an
-    augmentation (put it in ``data.augment``). Draws are seeded by the batch's place in the run.
-
-    Attributes:
-        size: (height, width) of the crop in pixels, every size > 0.
-        padding: zeros added on each side first, in pixels, >= 0 (default 0).
-    """
-
-    size: tuple[int, int]
-    _: KW_ONLY
-    padding: int = 0
-
-
-@dataclass(frozen=True)
-class HorizontalFlip(_Record):
-    """Mirror each (C, H, W) sample left to right at random; an augmentation.
-
-    Attributes:
-        p: each sample's probability of being flipped, in [0, 1] (default 0.5).
-    """
-
-    p: float = 0.5
-
-
-@dataclass(frozen=True)
-class Resize(_Record):
-    """Resize each (C, H, W) sample bilinearly (antialiased when shrinking); values keep their range.
-
-    Attributes:
-        size: (height, width) in pixels, every size > 0.
-    """
-
-    size: tuple[int, int]
-
-
-Transform = Normalize | Scale | RandomCrop | HorizontalFlip | Resize
-
-# Data, devices, pipeline, run settings
-
-
-@dataclass(frozen=True, kw_only=True)
-class Split(_Record):
-    """How the source's samples divide into training, validation and test sets (fractions that
-    sum to 1, drawn with ``data.seed``).
-
-    Attributes:
-        train: the training fraction, in (0, 1] (default 1.0).
-        val: the validation fraction, in [0, 1] (default 0.0): evaluated every ``run.eval_every``
-            steps or after each epoch.
-        test: the test fraction, in [0, 1] (default 0.0): held out from training and validation,
-            scored once after the last step (``RunResult.test``).
-        stratify: keep each class's share the same in every part (default False).
-    """
-
-    train: float = 1.0
-    val: float = 0.0
-    test: float = 0.0
-    stratify: bool = False
-
-
-@dataclass(frozen=True)
-class Data(_Record):
-    """Where the samples come from and how they are batched.
-
-    Attributes:
-        source: ImageFolder, CSV, RawBinary, IDX, Synthetic or Digits; each gives float32 samples
-            by the module's convention (8-bit data in [0, 1]).
-        batch_size: samples per batch, > 0 (default 64).
-        shuffle: reshuffle the training samples each epoch (default True).
-        seed: seeds the split, the shuffles and the augmentations, >= 0 (default 0).
-        split: training, validation and test fractions (default ``Split()``: all training).
-        drop_last: leave out each epoch's last, partial training batch (default False).
-        preprocess: transforms applied in order to every batch (default none).
-        augment: transforms applied after ``preprocess`` to training batches only (default none).
-    """
-
-    source: Source
-    _: KW_ONLY
-    batch_size: int = 64
-    shuffle: bool = True
-    seed: int = 0
-    split: Split = Split()
-    drop_last: bool = False
-    preprocess: tuple[Transform, ...] = ()
-    augment: tuple[Transform, ...] = ()
-
-
-@dataclass(frozen=True)
-class Devices(_Record):
+class Devices(Record):
     """Which device runs the model.
 
     Attributes:
@@ -602,7 +205,7 @@ NodeKind = Literal["loader", "preprocess", "device", "optimiser", "sink", "broad
 
 
 @dataclass(frozen=True)
-class Node(_Record):
+class Node(Record):
     """One actor of the pipeline.
 
     Attributes:
@@ -620,7 +223,7 @@ class Node(_Record):
 
 
 @dataclass(frozen=True)
-class Edge(_Record):
+class Edge(Record):
     """A bounded channel from one node to another.
 
     Attributes:
@@ -639,7 +242,7 @@ class Edge(_Record):
 
 
 @dataclass(frozen=True)
-class Pipeline(_Record):
+class Pipeline(Record):
     """The actors and channels of a run (default: :func:`default_pipeline`).
 
     Attributes:
@@ -652,7 +255,7 @@ class Pipeline(_Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunSettings(_Record):
+class RunSettings(Record):
     """How long to train, what to write, and how to react to trouble.
 
     Attributes:
@@ -697,7 +300,7 @@ class RunSettings(_Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Spec(_Record):
+class Spec(Record):
     """A whole training job: validate with ``flow.validate``, run with ``flow.run``.
 
     Attributes:
@@ -777,3 +380,11 @@ def default_pipeline(spec: Spec) -> Pipeline:
             Edge("device", "sink"),
         ),
     )
+
+
+# What ``help(flow.spec)`` documents and ``import *`` takes: this module's names and every record,
+# the model's and the data's included.
+__all__ = [
+    "FILE_KEYS", "RECORDS", "SCHEMA_VERSION", "NodeKind", "Optimiser", "Schedule", "default_pipeline",
+    "file_key", *(record.__name__ for record in RECORDS),
+]  # fmt: skip

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from loaders.errors import ErrorPolicy, LoaderError
-from loaders.source import SourceStatistics, StatsRecorder, check_indices, readonly
+from loaders.source import SourceStatistics, StatsRecorder, StoredData, check_indices, readonly
 
 IDX_TYPES = {
     0x08: np.dtype(np.uint8),
@@ -185,6 +185,33 @@ class _ArraySource:
             x, idx = x[ok], idx[ok]
         self._stats.add(samples=int(idx.size))
         return x, self.labels[idx], skipped
+
+
+    @property
+    def stored_dtype(self) -> str | None:
+        """What :meth:`stored` gives: "uint8" for 8-bit records, "float32" for others; None where
+        the labels are not class ids."""
+        if self.num_classes is None:
+            return None
+        return "uint8" if self._records.dtype == np.uint8 else "float32"
+
+    def stored(self) -> StoredData | None:
+        """The records as stored, for keeping on a device (see loaders.source.StoredData): uint8
+        stays uint8, anything else becomes float32. None where a record holds NaN or infinity
+        (those must go through ``read``, which applies the on_error policy to each) or where the
+        labels are not class ids.
+
+        Returns:
+            The data, or None.
+        """
+        if self.num_classes is None:
+            return None
+        records = np.asarray(self._records)
+        if records.dtype != np.uint8:
+            records = records.astype(np.float32)
+            if not np.isfinite(records).all():
+                return None
+        return StoredData(np.ascontiguousarray(records), np.asarray(self.labels), float(self._scale))
 
 
 class RawBinarySource(_ArraySource):

@@ -1,8 +1,8 @@
 """``open_source``: turn a source spec record into an open source.
 
-Specs are frozen records defined in ``flow/spec.py``. This lower layer must not import ``flow``,
-so it matches them by class name and reads their attributes; optional attributes fall back to the
-same defaults the specs use.
+Source specs are frozen records defined in ``flow/spec_data.py``. This lower layer must not import
+``flow``, so it matches them by class name and reads their attributes; optional attributes fall
+back to the same defaults the specs use.
 """
 
 from __future__ import annotations

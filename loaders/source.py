@@ -5,7 +5,9 @@ sample, all labels (cheap, for stratified splits) and ``read(indices)`` returnin
 A source may also offer ``read_into(indices, x, y) -> (rows, skipped)``, which writes the same
 batch into the caller's arrays (the rows kept first); the loader then reads straight into a
 device's mapped input slot, with no array in between. In-memory sources offer it, where a read is
-little more than that copy.
+little more than that copy. A source whose whole data is an array may also offer ``stored()``
+(:class:`StoredData`): the samples as stored, so a run can keep them on the device and read a batch
+there by index.
 :class:`StatsRecorder` is the thread-safe counter behind each source's frozen ``statistics()``.
 """
 
@@ -38,6 +40,22 @@ class SourceStatistics:
     decode_seconds: float = 0.0
     skipped_items: int = 0
     skipped_examples: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class StoredData:
+    """A whole dataset as a source stores it, for keeping on a device.
+
+    Attributes:
+        x: every sample [n, *sample_shape], uint8 (8-bit data, stored as it is) or float32.
+        labels: every label [n] (int32 class ids).
+        scale: what the source multiplies ``x`` by to emit a sample (1/255 for 8-bit data, so it
+            arrives in [0, 1]; 1.0 otherwise): ``read`` gives ``float32(x) * float32(scale)``.
+    """
+
+    x: np.ndarray
+    labels: np.ndarray
+    scale: float
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from loaders.source import SourceStatistics, StatsRecorder, check_indices, readonly
+from loaders.source import SourceStatistics, StatsRecorder, StoredData, check_indices, readonly
 
 NOISE = 0.5
 CACHE_BYTES = 256 * 2**20
@@ -141,6 +141,26 @@ class SyntheticSource:
         y[:n] = self.labels[idx]
         self._stats.add(samples=n, seconds=time.perf_counter() - t0)
         return n, 0
+
+    @property
+    def stored_dtype(self) -> str | None:
+        """What :meth:`stored` gives: "float32" for classification that fits the cache, else None."""
+        return "float32" if self.task == "classification" and self._cache is not None else None
+
+    def stored(self) -> StoredData | None:
+        """Every sample, generated now, for keeping on a device (see loaders.source.StoredData).
+        None for regression (its targets are not class ids) and for a dataset larger than the
+        cache, which would be generated twice.
+
+        Returns:
+            The data, or None.
+        """
+        if self.task != "classification" or self._cache is None:
+            return None
+        self._fill_cache(np.arange(self._n))
+        view = self._cache.view()
+        view.setflags(write=False)  # the cache stays the source's own
+        return StoredData(view, np.asarray(self.labels), 1.0)
 
     def _fill_cache(self, idx: np.ndarray) -> None:
         """Generate the samples of ``idx`` the cache does not hold yet."""

@@ -4,7 +4,7 @@ Batches are float32 ``[n, C, H, W]`` (CHW samples; ``normalize`` and ``scale`` a
 ``[n, features]``). Functions never change their input. Randomness comes only from the ``rng``
 argument, made by :func:`batch_rng` from (seed, epoch, batch position, rank), so a resumed run
 draws the same crops and flips as an uninterrupted one. :func:`apply_transforms` runs a list of
-transform specs (records from ``flow/spec.py``, matched by class name, so this layer need not
+transform specs (records from ``flow/spec_data.py``, matched by class name, so this layer need not
 import ``flow``).
 """
 

@@ -42,13 +42,10 @@ def find_compiler() -> str:
         ShaderCompileError: when none is installed, with the command that installs it.
     """
     candidates = [Path(sys.executable).parent / "glslangValidator"]
-    try:
-        import cmeel  # noqa: F401  (only to locate the cmeel prefix)
-        import cmeel.config
-
-        candidates.append(Path(cmeel.config.CMEEL_PREFIX) / "bin" / "glslangValidator")
-    except Exception:  # cmeel absent or its layout changed: fall back to PATH
-        pass
+    # cmeel wheels keep their programs in <site-packages>/cmeel.prefix/bin. Found through sys.path,
+    # not by importing cmeel: its config module makes a temporary directory at import and leaves
+    # it for the garbage collector.
+    candidates += [Path(entry, "cmeel.prefix", "bin", "glslangValidator") for entry in sys.path if entry]
     for candidate in candidates:
         if candidate.exists():
             return str(candidate)
@@ -62,7 +59,9 @@ def find_compiler() -> str:
 
 @cache
 def compiler_version() -> str:
-    out = subprocess.run([find_compiler(), "--version"], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [find_compiler(), "--version"], capture_output=True, text=True, check=False, env=compiler_env()
+    )
     return out.stdout.splitlines()[0] if out.stdout else "unknown"
 
 
@@ -123,7 +122,23 @@ def _run_compiler(
         command = [find_compiler(), *flags, f"-I{include}"]
         command += [f"-D{k}={v}" for k, v in defines.items()]
         command.append(str(path))
-        return subprocess.run(command, capture_output=True, text=True, check=False)
+        return subprocess.run(command, capture_output=True, text=True, check=False, env=compiler_env())
+
+
+def compiler_env() -> dict[str, str] | None:
+    """The environment to run the compiler in: a cmeel prefix's raw binary finds its shared
+    libraries (libglslang, libSPIRV-Tools) only through ``<prefix>/lib`` on LD_LIBRARY_PATH, which
+    cmeel's wrapper script sets and a direct run must set itself; None (inherit) otherwise.
+
+    Returns:
+        The environment, or None.
+    """
+    binary = Path(find_compiler())
+    if binary.parent.name != "bin" or binary.parent.parent.name != "cmeel.prefix":
+        return None
+    library = str(binary.parent.parent / "lib")
+    current = os.environ.get("LD_LIBRARY_PATH")
+    return {**os.environ, "LD_LIBRARY_PATH": f"{library}:{current}" if current else library}
 
 
 def preprocess(name: str, defines: dict[str, str] | None = None) -> str:

@@ -85,7 +85,7 @@ def validated(path: Path, key: str, tiles: object) -> dict[str, int]:
 def load_table(device: str) -> dict[str, dict[str, int]]:
     """The device's tuning table (shape key -> tiles), read from the first file that is for this
     device (see the module docstring), or empty. The read is the effect; choosing tiles from the
-    table (shaders.registry.tune_gemm) is pure, so the planner takes the table as data.
+    table (shaders.tiles.tune_gemm) is pure, so the planner takes the table as data.
 
     Args:
         device: the device's name.

@@ -1,5 +1,8 @@
 """The op registry: for each op, its shader, bindings, push constants, specialisation constants,
-workgroup counts and required features. Pure data and pure functions; no device access.
+workgroup counts and required features, the op-code tables the shaders share, and the resolution
+of a launch's specialisation constants for a device. Pure data and pure functions; no device
+access. The GEMM tile tables and the choice of tiles per launch live in :mod:`shaders.tiles`; the
+GEMM ops' ``tune`` hooks point there.
 
 Conventions every shader follows, so the backend can bind any op the same way:
 - set 0, binding i is the i-th tensor of the launch, a std430 storage buffer;
@@ -10,16 +13,20 @@ Conventions every shader follows, so the backend can bind any op the same way:
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from flow.device_facts import DeviceFacts
 from flow.program import Launch, Program
-from shaders import gemm_tuning
-
-# A device's measured GEMM tiles by launch shape (gemm_tuning.shape_key -> tile constants): data
-# the caller loads (gemm_tuning.load_table), so choosing tiles stays pure.
-GemmTable = Mapping[str, Mapping[str, int]]
+from shaders.tiles import (
+    COOPMAT_F16_SPEC,
+    COOPMAT_SPEC,
+    GemmTable,
+    ceil_div,
+    tune_gemm,
+    tune_gemm_coopmat,
+    tune_gemm_coopmat_f16,
+)
 
 # Activation codes shared by gemm and conv epilogues and by the unary ops.
 ACTIVATIONS: dict[str | None, int] = {
@@ -48,10 +55,6 @@ OP_CODES: dict[str, dict] = {
 }
 
 Groups = tuple[int, int, int]
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # Every device allows at least 65535 workgroups per dimension. Element-wise shaders use grid-stride
@@ -140,94 +143,6 @@ def _rows_groups(params, local, spec) -> Groups:
     return capped_groups(int(params["rows"]), 1)
 
 
-def gemm_shared_bytes(bm: int, bn: int, bk: int, sk: int = 1, db: int = 0) -> int:
-    """Shared memory gemm.comp needs for these tiles: 1 + db buffers of BK rows of BM + 4 and BN + 4
-    floats (the padding keeps vec4 rows aligned and spreads column stores over the banks), plus,
-    with sk > 1 K slices, one BM x BN partial tile through which the slices sum (16 bytes else)."""
-    return (1 + db) * bk * (bm + 4 + bn + 4) * 4 + min(sk - 1, 1) * bm * bn * 4 + 16
-
-
-# Fallback fp32 GEMM tiles, for shapes a device's tuning table does not list, largest first. The
-# defaults come from bench/sweep_gemm.py on an H100: single-buffered shared tiles (DB 0) beat
-# double-buffered ones at every size measured; 64 x 128 x 32 with 4 x 8 per thread was best for
-# big shapes with A row-major (4096^3: 37.8 TFLOP/s, against 36.5 with 128 x 128 x 32 and 31.8
-# with 64 x 128 x 16; BK 32 halves the barriers per K), and fits lavapipe's 32 KiB of shared
-# memory; sliced K for an MLP's batch of 256 (256 x 1024 x 1024 in 31 us against 48 us with
-# the best plain tile).
-GEMM_TILES: tuple[dict[str, int], ...] = (
-    {"BM": 64, "BN": 128, "BK": 32, "TM": 4, "TN": 8, "GM": 8, "SK": 1, "DB": 0},
-    {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
-    # Too few tiles to fill the GPU and a long K: 4 slices of K per 32 x 32 tile.
-    {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "GM": 1, "SK": 4, "DB": 0},
-    # Too few tiles and a short K.
-    {"BM": 32, "BN": 64, "BK": 16, "TM": 2, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
-)
-# Enough workgroups to fill a big GPU (an H100 has 132 multiprocessors).
-GEMM_MIN_WORKGROUPS = 128
-# Below this K, slicing K leaves each slice too little work.
-GEMM_SLICED_MIN_K = 128
-# On a CPU driver (lavapipe): few wide threads.
-GEMM_CPU_TILES = GEMM_TILES[1]
-# Constants a tuning-table entry or a fallback tile may leave out.
-GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
-
-
-def tune_gemm(
-    params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
-) -> dict[str, int]:
-    """Specialise gemm for one launch. Tiles: the device's tuning table (``table``, see
-    gemm_tuning) when it lists this exact shape; else the first of GEMM_TILES that fits the device and still
-    yields enough workgroups to keep every multiprocessor busy (big tiles waste a GPU on an
-    MLP's batch of 256), then sliced K, then the smallest tile; on a CPU driver (lavapipe), or
-    with no facts, GEMM_CPU_TILES. TA/TB: the launch's trans_a/trans_b (the shader compiles one
-    load path per pair, so these are required for a correct result, whatever the tiles). VEC:
-    which operands take vec4 global access (bit 0 A, bit 1 B, bit 2 C): those whose contiguous
-    dimension is a multiple of 4 (tensor offsets are 256-byte aligned, so their rows then start
-    16-byte aligned).
-
-    Args:
-        params: the launch's parameters (M, N, K, trans_a, trans_b).
-        facts: the device, or None (default tiles).
-        table: the device's tuning table, or None.
-
-    Returns:
-        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, TA, TB, VEC, and ACT and AG
-        (the launch's act and act_grad: the shader compiles only the epilogue in use).
-    """
-    m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
-    ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))
-    choice = GEMM_CPU_TILES
-    if facts is not None and facts.kind != "cpu":
-        shared, threads = facts.shared_memory_bytes, facts.max_workgroup_invocations
-        tuned = (table or {}).get(gemm_tuning.shape_key(m, n, k, ta, tb))
-        if tuned and gemm_fits(tuned, shared, threads):
-            choice = tuned
-        else:
-            fitting = [t for t in GEMM_TILES if gemm_fits(t, shared, threads)] or [GEMM_CPU_TILES]
-            plain = [t for t in fitting if t["SK"] == 1]
-            sliced = [t for t in fitting if t["SK"] > 1 and k >= GEMM_SLICED_MIN_K]
-            filling = [t for t in plain if ceil_div(m, t["BM"]) * ceil_div(n, t["BN"]) >= GEMM_MIN_WORKGROUPS]
-            if filling:
-                choice = filling[0]
-            elif sliced:
-                choice = sliced[0]
-            else:
-                choice = (plain or fitting)[-1]
-    # Under a row of ones (ones_row) A stores M - 1 rows; vec4 granules must not reach the ones.
-    stored_m = m - min(int(params.get("ones_row", 0)), 1)
-    vec = int((stored_m if ta else k) % 4 == 0) | int((k if tb else n) % 4 == 0) << 1 | int(n % 4 == 0) << 2
-    epilogue = {"ACT": int(params.get("act", 0)), "AG": int(params.get("act_grad", 0))}
-    return {**GEMM_SPEC_DEFAULTS, **choice, "TA": ta, "TB": tb, "VEC": vec, **epilogue}
-
-
-def gemm_fits(tiles: dict[str, int], shared_bytes: int, max_threads: int) -> bool:
-    """Whether gemm.comp with these tile constants fits a device's shared memory and workgroup size."""
-    sk, db = tiles.get("SK", 1), tiles.get("DB", 0)
-    threads = (tiles["BM"] // tiles["TM"]) * (tiles["BN"] // tiles["TN"]) * sk
-    need = gemm_shared_bytes(tiles["BM"], tiles["BN"], tiles["BK"], sk, db)
-    return threads <= max_threads and need <= shared_bytes
-
-
 def _gemm_groups(params, local, spec) -> Groups:
     splits = max(1, int(params.get("k_splits", 1)))
     return (ceil_div(int(params["N"]), spec["BN"]), ceil_div(int(params["M"]), spec["BM"]), splits)
@@ -305,132 +220,6 @@ _GEMM_PUSH = (
     ("alpha", "f"),
     ("slope", "f"),
 )
-
-# -- cooperative-matrix GEMM (gemm_coopmat.comp) ---------------------------------------------------
-
-# Specialisation constants after the tiles: AH/BH (operand is float16 in memory), PD (K slabs in
-# flight in registers) and NS (shared stages); see the shader's header.
-_COOPMAT_SPEC = (
-    ("BM", 128),
-    ("BN", 128),
-    ("BK", 32),
-    ("WM", 64),
-    ("WN", 64),
-    ("SG", 32),
-    ("GM", 8),
-    ("AH", 0),
-    ("BH", 0),
-    ("PD", 1),
-    ("NS", 2),
-)
-# Shared memory per workgroup assumed where the device is unknown: NVIDIA's Vulkan limit (48 KiB),
-# the smallest among the drivers with cooperative matrices we know of.
-COOPMAT_ASSUMED_SHARED_BYTES = 49152
-# Tiles for fp16 inputs, first choice first: the first that fits the device's shared memory and
-# still gives GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_F16_SMALL. Order from bench/sweep_coopmat.py
-# on an H100 (48 KiB of shared memory, 2026-11-22): 128x256x32 with one shared stage was the best
-# fixed tile over 4096^3, 8192^3 and 4000^3 (120, 128 and 86 TFLOP/s); 128x256x32 with two stages
-# needs 60 KiB and is taken only where a driver reports that much; 32x32x64 was best at 256 x 1024 x
-# 784 (37 TFLOP/s, 1.5x cuBLAS fp16 there).
-COOPMAT_F16_TILES: tuple[dict[str, int], ...] = (
-    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
-    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
-    {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
-    {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
-    {"BM": 64, "BN": 64, "BK": 64, "WM": 32, "WN": 32, "PD": 1, "NS": 2},
-)
-COOPMAT_F16_SMALL: dict[str, int] = {"BM": 32, "BN": 32, "BK": 64, "WM": 16, "WN": 16, "PD": 1, "NS": 2}
-
-
-def coopmat_shared_bytes(spec: dict[str, int]) -> int:
-    """Shared memory one gemm_coopmat workgroup declares for these specialisation constants (missing
-    ones take the registry defaults); the shader's SMEM_VECS, in bytes."""
-    s = {**dict(_COOPMAT_SPEC), **spec}
-    pad = 8  # halves of padding per shared row
-    a_halves = max(s["BM"] * (s["BK"] + pad), s["BK"] * (s["BM"] + pad))
-    b_halves = max(s["BK"] * (s["BN"] + pad), s["BN"] * (s["BK"] + pad))
-    stage = (a_halves + b_halves) // 8
-    main = (((s["NS"] - 1) & 1) + 1) * stage
-    epilogue = (s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * 16 * ((s["WN"] + 4) // 4)
-    return 16 * max(main, epilogue)
-
-
-def coopmat_tile_problem(spec: dict[str, int], facts: DeviceFacts | None = None) -> str | None:
-    """Why gemm_coopmat cannot run with these specialisation constants (missing ones take the
-    registry defaults), or None when it can. Without facts only the shader's own rules are checked.
-
-    Args:
-        spec: specialisation constants, e.g. {"BM": 128, "BN": 256, "BK": 16, "WM": 64, "WN": 64}.
-        facts: the device (``subgroup_size``, ``shared_memory_bytes``, ``max_workgroup_invocations``).
-
-    Returns:
-        A sentence, or None.
-    """
-    s = {**dict(_COOPMAT_SPEC), **spec}
-    bm, bn, bk, wm, wn = s["BM"], s["BN"], s["BK"], s["WM"], s["WN"]
-    if min(wm, wn, bk) < 16 or wm % 16 or wn % 16 or bk % 16:
-        return f"WM={wm}, WN={wn} and BK={bk} must be multiples of 16"
-    if bm % wm or bn % wn:
-        return f"the block tile {bm}x{bn} must be a multiple of the warp tile {wm}x{wn}"
-    if s["PD"] < 1 or s["NS"] not in (1, 2) or s["AH"] not in (0, 1) or s["BH"] not in (0, 1):
-        return f"PD={s['PD']} must be >= 1, NS={s['NS']} 1 or 2, AH/BH 0 or 1"
-    if facts is None:
-        return None
-    threads = (bm // wm) * (bn // wn) * s["SG"]
-    allowed = facts.max_workgroup_invocations
-    if threads > allowed:
-        return f"needs {threads} invocations per workgroup; the device allows {allowed}"
-    if s["SG"] != facts.subgroup_size:
-        return f"SG={s['SG']} is not the device's subgroup size {facts.subgroup_size}"
-    shared = coopmat_shared_bytes(s)
-    limit = facts.shared_memory_bytes
-    if shared > limit:
-        return f"needs {shared} B of shared memory; the device has {limit}"
-    return None
-
-
-def tune_gemm_coopmat_f16(
-    params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
-) -> dict[str, int]:
-    """Specialise gemm_coopmat_f16 for one launch: the first of COOPMAT_F16_TILES that the device
-    can run (with no facts: 48 KiB of shared memory) and that gives at least GEMM_MIN_WORKGROUPS
-    workgroups, else COOPMAT_F16_SMALL; AH = BH = 1 always, since they say how A and B are read.
-
-    Args:
-        params: the launch's parameters (M and N are read).
-        facts: the device, or None (tuning off).
-        table: unused (no table is measured for tensor-core tiles yet).
-
-    Returns:
-        Specialisation constants BM, BN, BK, WM, WN, PD, NS, AH, BH.
-    """
-    m, n = int(params["M"]), int(params["N"])
-    # Only shared memory is checked against the device: SG stays the registry's, as for gemm_coopmat.
-    shared = facts.shared_memory_bytes if facts is not None else COOPMAT_ASSUMED_SHARED_BYTES
-    choice = COOPMAT_F16_SMALL
-    for tiles in COOPMAT_F16_TILES:
-        if coopmat_shared_bytes(tiles) <= shared:
-            if ceil_div(m, tiles["BM"]) * ceil_div(n, tiles["BN"]) >= GEMM_MIN_WORKGROUPS:
-                choice = tiles
-                break
-    return {**choice, "AH": 1, "BH": 1}
-
-
-# gemm_coopmat_f16's defaults (tune_gemm_coopmat_f16 replaces the tiles per launch): 128x256x16
-# with two slabs in flight and two shared stages, which fits in the assumed 48 KiB.
-_COOPMAT_F16_DEFAULT = {
-    "BM": 128,
-    "BN": 256,
-    "BK": 16,
-    "WM": 64,
-    "WN": 64,
-    "PD": 2,
-    "NS": 2,
-    "AH": 1,
-    "BH": 1,
-}
-_COOPMAT_F16_SPEC = tuple((name, _COOPMAT_F16_DEFAULT.get(name, value)) for name, value in _COOPMAT_SPEC)
-
 
 _OPS: tuple[OpDef, ...] = (
     # C[M,N] = act(alpha * op(A) @ op(B) + bias[N] + (accumulate ? C : 0))
@@ -595,6 +384,18 @@ _OPS: tuple[OpDef, ...] = (
     OpDef("fill", "fill.comp", ("X",), (("n", "u"), ("value", "f")), _linear_groups("n")),
     # Copies n 32-bit elements (float32, int32 or uint32) bit for bit.
     OpDef("copy", "copy.comp", ("X", "Y"), (("n", "u"),), _linear_groups("n")),
+    # A batch from a dataset kept on the device: X[r] = float(D[idx[r]]) * a_c + b_c per channel c
+    # (affine = [a_0, b_0, a_1, b_1, ...]), Y[r] = labels[idx[r]]; D holds bytes (launch param
+    # bytes=1, uint8 data) or float32 (bytes=0).
+    OpDef(
+        "gather_rows",
+        "gather_rows.comp",
+        ("D", "labels", "idx", "affine", "X", "Y"),
+        (("rows", "u"), ("row_elems", "u"), ("channel_elems", "u")),
+        lambda params, local, spec: capped_groups(int(params["rows"]) * int(params["row_elems"]), local[0]),
+        spec=(("BYTES", 0),),
+        tune=lambda params, facts, table=None: {"BYTES": int(params.get("bytes", 0))},
+    ),
     # n elements converted by mode (CASTS); float16 is packed two per 32-bit word.
     OpDef("cast", "cast.comp", ("X", "Y"), (("n", "u"), ("mode", "u")), _linear_groups("n")),
     # out[r] = argmax_c X[r, c] (first maximum), int32.
@@ -618,25 +419,10 @@ _OPS: tuple[OpDef, ...] = (
         _GEMM_PUSH,
         _gemm_groups,
         local_size=(128, 1, 1),
-        spec=_COOPMAT_SPEC,
+        spec=COOPMAT_SPEC,
         features=frozenset({"cooperative_matrix"}),
         local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
-        # The largest tile that still gives GEMM_MIN_WORKGROUPS workgroups, else the smallest.
-        tune=lambda params, facts, table=None: dict(
-            zip(
-                ("BM", "BN", "BK", "WM", "WN"),
-                next(
-                    (
-                        t
-                        for t in ((128, 128, 32, 64, 64), (64, 64, 64, 32, 32))
-                        if ceil_div(int(params["M"]), t[0]) * ceil_div(int(params["N"]), t[1])
-                        >= GEMM_MIN_WORKGROUPS
-                    ),
-                    (32, 32, 64, 16, 16),
-                ),
-                strict=True,
-            )
-        ),
+        tune=tune_gemm_coopmat,
     ),
     # gemm_coopmat with A and B float16 tensors (C and bias stay float32): the same shader with
     # AH = BH = 1, so the halves go to shared memory as they are, 16 bytes at a time, and only fp32
@@ -649,7 +435,7 @@ _OPS: tuple[OpDef, ...] = (
         _GEMM_PUSH,
         _gemm_groups,
         local_size=(256, 1, 1),
-        spec=_COOPMAT_F16_SPEC,
+        spec=COOPMAT_F16_SPEC,
         features=frozenset({"cooperative_matrix"}),
         local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
         tune=tune_gemm_coopmat_f16,
@@ -679,6 +465,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "adam": ("P", "M", "V"),
     "fill": ("X",),
     "copy": ("Y",),
+    "gather_rows": ("X", "Y"),
     "cast": ("Y",),
     "argmax": ("out",),
     "gemm_coopmat": ("C",),
@@ -752,4 +539,3 @@ def resolve_program(program: Program, facts: DeviceFacts | None, table: GemmTabl
     """
     steps = tuple(resolve(s, facts, table) if isinstance(s, Launch) else s for s in program.steps)
     return replace(program, steps=steps)
-

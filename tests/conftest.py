@@ -12,14 +12,22 @@ orders (batch splits, CPU against Vulkan, two programs) are compared within tole
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import settings
+from specs import digits
 
 from actors.cpu_backend import CpuBackend
+from actors.outputs import LOCK_NAME
+from flow.runner import run
+from flow.spec import Spec
+from flow.testing import FakeDevice
 
 # Hypothesis draws from a seed derived from each test function, never fresh entropy, and keeps no
 # example database between runs: a run's outcome depends on the code alone. HYPOTHESIS_PROFILE=explore
@@ -79,6 +87,48 @@ def rng(request):
     seed = stable_seed(request.node.nodeid)
     print(f"rng seed for {request.node.nodeid}: {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh user cache directory for one test (through ``XDG_CACHE_HOME``): what the test caches
+    (manifests, the digits' PNGs) never touches the real cache, nor is found in it.
+
+    Returns:
+        The directory (not created yet).
+    """
+    cache = tmp_path / "user-cache"
+    monkeypatch.delenv("VKFLOW_CACHE", raising=False)  # it would win over XDG_CACHE_HOME
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """One finished Digits run's folder: step-15, -20 and -23 (final) and its metrics file."""
+    folder = tmp_path_factory.mktemp("trained")
+    run(digits(folder), backend=FakeDevice())
+    return folder / "a"
+
+
+def copy_of(trained: Path, tmp_path: Path) -> tuple[Path, Spec]:
+    """A copy of the trained run's folder as ``tmp_path/a``, and the spec that writes there."""
+    shutil.copytree(trained, tmp_path / "a", ignore=shutil.ignore_patterns(LOCK_NAME))
+    return tmp_path / "a", digits(tmp_path)
+
+
+@pytest.fixture
+def closing():
+    """``closing(thing)`` returns ``thing`` and closes it when the test ends, pass or fail: for a
+    source that holds a file open (a CSV source), which a test would otherwise leave to the garbage
+    collector and its ResourceWarning."""
+    with contextlib.ExitStack() as stack:
+
+        def close_at_end(thing):
+            stack.callback(thing.close)
+            return thing
+
+        yield close_at_end
 
 
 def near_ties(scores: np.ndarray, gap: float = 1e-4) -> int:

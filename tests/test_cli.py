@@ -1,9 +1,11 @@
 """The command line as a user meets it: every mistake in the input (the spec file, its data, the
 device asked for) is one ``error:`` line on stderr and a non-zero exit, never a traceback; ``flow
-check`` holds the spec against its data and lists every problem at once."""
+check`` holds the spec against its data and lists every problem at once; ``flow check`` and ``flow
+plan`` work on every example, and ``flow plan`` shows the whole run."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 
 from flow.codec import save
 from flow.run_command import user_error
-from flow.runner import ActorError
+from flow.runtime import ActorError
 from flow.spec import (
     CSV,
     MSE,
@@ -163,3 +165,72 @@ def test_user_errors_are_lines_and_bugs_are_left_to_their_traceback():
     for bug in (KeyError("w"), IndexError("tuple index out of range"), RuntimeError("x"), TypeError("y")):
         assert user_error(bug) is None
         assert user_error(ActorError("device", bug)) is None
+
+
+def test_cli_check_and_plan_work_on_every_example():
+    examples = sorted((ROOT / "examples").glob("*.json"))
+    assert examples
+    for path in examples:
+        for command in (["check", str(path)], ["plan", str(path), "--json"]):
+            done = subprocess.run(
+                [sys.executable, "-m", "flow", *command],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                check=False,
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
+        plan_json = json.loads(done.stdout)
+        assert plan_json["devices"][0]["programs"][0]["name"].startswith("train[")
+
+
+def test_cli_plan_shows_the_whole_run():
+    """``flow plan examples/digits.json``: the data (splits, batches, schedule) from the source's
+    header, the actors and channels, and each device's programs and memory."""
+    example = str(ROOT / "examples" / "digits.json")
+    done = subprocess.run([sys.executable, "-m", "flow", "plan", example, "--json"],
+                          capture_output=True, text=True, cwd=ROOT, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    whole = json.loads(done.stdout)
+    data = whole["data"]
+    assert data["samples"] == 1797 and data["batch_size"] == 64
+    assert data["splits"]["train"]["samples"] + data["splits"]["val"]["samples"] == 1797
+    train = data["splits"]["train"]
+    assert train["batches"] == -(-train["samples"] // 64)
+    assert train["last_batch_rows"] == train["samples"] % 64
+    assert data["steps"] == 30 * train["batches"]  # the example trains 30 epochs
+    kinds = {a["name"]: a["kind"] for a in whole["pipeline"]["actors"]}
+    assert set(kinds.values()) == {"loader", "preprocess", "device", "optimiser", "sink"}
+    assert ["preprocess", "device", 2] in whole["pipeline"]["channels"]
+    assert [p["name"] for p in whole["devices"][0]["programs"]] == ["train[64]", "eval[64]", "predict[64]"]
+    text = subprocess.run([sys.executable, "-m", "flow", "plan", example],
+                          capture_output=True, text=True, cwd=ROOT, check=True).stdout  # fmt: skip
+    for section in ("data: 1,797 samples", "actors (batches read in place", "channels: loader->preprocess",
+                    "program train[64]", "arena params"):  # fmt: skip
+        assert section in text, section
+
+
+def test_cli_check_lists_every_problem(tmp_path):
+    bad = json.loads((ROOT / "examples" / "digits.json").read_text())
+    bad["model"]["layers"][1]["units"] = -3
+    bad["model"]["layers"][2]["unitz"] = 5
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    done = subprocess.run(
+        [sys.executable, "-m", "flow", "check", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "model.layers[1].units" in done.stdout and "unitz" in done.stdout
+
+
+def test_cli_hands_run_and_bench_options_through():
+    for command, expected in ((["bench", "--help"], "--quick"), (["run", "--help"], "--resume")):
+        done = subprocess.run(
+            [sys.executable, "-m", "flow", *command], capture_output=True, text=True, cwd=ROOT, check=False
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert expected in done.stdout

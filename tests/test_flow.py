@@ -21,15 +21,17 @@ def test_help_and_dir_show_the_runtime_api():
 
 
 def test_importing_the_spec_loads_only_records():
-    """A process that only builds specs (a config generator, a notebook cell) pays for the records:
-    no codec, plan, shader registry, msgpack, trio, numpy or Vulkan."""
+    """A process that only builds specs (a config generator, a notebook cell) pays for the records
+    (flow.spec and the records modules it re-exports): no codec, plan, shader registry, msgpack,
+    trio, numpy or Vulkan."""
     code = (
         "import sys, flow.spec\n"
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('flow', 'actors', 'shaders', 'loaders', 'msgpack', 'trio', 'vulkan', 'numpy'))))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert loaded.stdout.split() == ["flow", "flow.spec"]
+    records = ["flow.spec", "flow.spec_base", "flow.spec_data", "flow.spec_model"]
+    assert loaded.stdout.split() == ["flow", *records]
 
 
 def test_functions_are_not_shadowed_by_their_modules():

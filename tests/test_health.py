@@ -2,8 +2,8 @@
 bundled digits, ``flow.predict``, ``python -m flow run``. Inputs scaled twice warn of tiny inputs
 and of a loss at ln(classes), on stderr and in the metrics file; a diverging run stops with an
 error naming the step, or trains on when asked to; NaN inputs give NaN predictions on the CPU
-backend and on Vulkan alike; the input convention is in ``help``. Below them, the pure decisions'
-own cases.
+backend and on Vulkan alike (the input convention ``help`` states is in test_spec.py). Below them,
+the pure decisions' own cases.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import pydoc
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +31,6 @@ from flow.codec import save as save_spec
 from flow.run_command import main_run, summary
 from flow.spec import (
     GELU,
-    RECORDS,
     SGD,
     Conv2d,
     CrossEntropy,
@@ -216,27 +213,6 @@ def test_nan_inputs_predict_nan_on_cpu_and_vulkan_alike(vulkan_backend, rng, act
         assert np.isfinite(probabilities[~nan]).all()
         np.testing.assert_allclose(probabilities[~nan].sum(axis=1), 1.0, rtol=1e-5)
     np.testing.assert_allclose(gpu[~nan], cpu[~nan], rtol=1e-4, atol=1e-6)
-
-
-# -- the documented convention ---------------------------------------------------------------------
-
-
-def test_help_of_scale_states_the_input_convention():
-    text = pydoc.render_doc(flow.spec.Scale, renderer=pydoc.plaintext)
-    assert "[0, 1]" in text and "Scale(1/255)" in text and "trains at chance" in text
-    assert "8-bit data is divided by 255" in flow.spec.__doc__
-
-
-@pytest.mark.parametrize("record", RECORDS, ids=lambda r: r.__name__)
-def test_every_spec_record_documents_each_field(record):
-    """help() shows a dataclass's docstring, so each field is described in its Attributes."""
-    doc = record.__doc__ or ""
-    assert doc and not doc.startswith(f"{record.__name__}("), "no docstring of its own"
-    names = [f.name for f in fields(record) if f.name != "_"]
-    if names:
-        attributes = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
-        missing = [name for name in names if f"\n        {name}: " not in attributes]
-        assert not missing, f"{record.__name__} does not document {missing}"
 
 
 # -- the pure decisions ----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def test_idx_rejects_bad_files(tmp_path: Path) -> None:
         with pytest.raises(LoaderError, match=why) as info:
             read_idx(tmp_path / f"{name}.idx")
         assert f"{name}.idx" in str(info.value)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="IDX cannot hold dtype int64"):
         write_idx(tmp_path / "x.idx", np.zeros(3, dtype=np.int64))
 
 
@@ -88,8 +88,8 @@ def test_raw_binary_records_and_labels(tmp_path: Path) -> None:
     assert reg.label_dtype == np.float32 and reg.num_classes is None and reg.sample_shape == (6,)
     unlabelled = RawBinarySource(tmp_path / "x.bin", "float32", (6,))
     assert unlabelled.labels.tolist() == [-1] * 9 and unlabelled.num_classes is None
+    labels[:8].tofile(tmp_path / "y8.bin")
     with pytest.raises(LoaderError, match="8 labels for 9 records"):
-        labels[:8].tofile(tmp_path / "y8.bin")
         RawBinarySource(tmp_path / "x.bin", "<f4", (2, 3), labels_path=tmp_path / "y8.bin")
 
 

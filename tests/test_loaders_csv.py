@@ -22,7 +22,7 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def test_columns_by_name_and_index_and_random_access(tmp_path: Path) -> None:
+def test_columns_by_name_and_index_and_random_access(tmp_path: Path, closing) -> None:
     rng = np.random.default_rng(0)
     values = rng.integers(-500, 500, (50, 4)) / 8.0  # exact in float32
     labels = rng.integers(0, 3, 50)
@@ -30,7 +30,7 @@ def test_columns_by_name_and_index_and_random_access(tmp_path: Path) -> None:
         f"{r[0]},{r[1]},{lab},{r[2]},{r[3]}" for r, lab in zip(values, labels, strict=True)
     ]
     path = _write(tmp_path / "t.csv", "\n".join(lines) + "\n")
-    src = CSVSource(path, label_column="target", chunk_rows=7)
+    src = closing(CSVSource(path, label_column="target", chunk_rows=7))
     assert len(src) == 50 and src.sample_shape == (4,) and src.num_classes == 3
     assert src.label_dtype == np.int32 and src.labels.tolist() == labels.tolist()
     order = [49, 3, 3, 17, 0, 18, 19, 20]
@@ -38,17 +38,17 @@ def test_columns_by_name_and_index_and_random_access(tmp_path: Path) -> None:
     assert skipped == 0
     np.testing.assert_array_equal(x, values[order].astype(np.float32))
     np.testing.assert_array_equal(y, labels[order])
-    picked = CSVSource(path, label_column=2, feature_columns=("d", 0))
+    picked = closing(CSVSource(path, label_column=2, feature_columns=("d", 0)))
     np.testing.assert_array_equal(picked.read([5])[0], values[[5]][:, [3, 0]].astype(np.float32))
     x_all, _, _ = src.read(range(50))
     np.testing.assert_array_equal(x_all, values.astype(np.float32))
     assert src.statistics().samples_read == 58
 
 
-def test_no_header_crlf_blank_lines_bom_and_no_final_newline(tmp_path: Path) -> None:
+def test_no_header_crlf_blank_lines_bom_and_no_final_newline(tmp_path: Path, closing) -> None:
     path = tmp_path / "raw.csv"
     path.write_bytes(b"\xef\xbb\xbf1.5,2,0\r\n\r\n3,4.25,1\r\n\n5,6,1")
-    src = CSVSource(path, label_column=-1, header=False)
+    src = closing(CSVSource(path, label_column=-1, header=False))
     assert len(src) == 3 and src.columns == ["column 0", "column 1", "column 2"]
     x, y, _ = src.read([0, 1, 2])
     np.testing.assert_array_equal(x, [[1.5, 2], [3, 4.25], [5, 6]])
@@ -57,29 +57,33 @@ def test_no_header_crlf_blank_lines_bom_and_no_final_newline(tmp_path: Path) -> 
         CSVSource(path, label_column="label", header=False)
 
 
-def test_quoted_fields_with_commas_and_newlines(tmp_path: Path) -> None:
+def test_quoted_fields_with_commas_and_newlines(tmp_path: Path, closing) -> None:
     text = 'x,note,y,label\n1,"a, b",2,cat\n3,"two\nlines",4,dog\n5,"say ""hi""",6,cat\n'
-    src = CSVSource(_write(tmp_path / "q.csv", text), label_column="label", feature_columns=("x", "y"))
+    src = closing(
+        CSVSource(_write(tmp_path / "q.csv", text), label_column="label", feature_columns=("x", "y"))
+    )
     assert len(src) == 3 and src.classes == ["cat", "dog"]
     x, y, _ = src.read([2, 1, 0])
     np.testing.assert_array_equal(x, [[5, 6], [3, 4], [1, 2]])
     assert y.tolist() == [0, 1, 0]
 
 
-def test_label_kinds_names_regression_and_task_override(tmp_path: Path) -> None:
-    names = CSVSource(_write(tmp_path / "n.csv", "f,l\n1,pear\n2,apple\n3,pear\n"), label_column="l")
+def test_label_kinds_names_regression_and_task_override(tmp_path: Path, closing) -> None:
+    names = closing(CSVSource(_write(tmp_path / "n.csv", "f,l\n1,pear\n2,apple\n3,pear\n"), label_column="l"))
     assert (
         names.classes == ["apple", "pear"] and names.labels.tolist() == [1, 0, 1] and names.num_classes == 2
     )
-    reg = CSVSource(_write(tmp_path / "r.csv", "f,l\n1,0.5\n2,-1.25\n"), label_column="l")
+    reg = closing(CSVSource(_write(tmp_path / "r.csv", "f,l\n1,0.5\n2,-1.25\n"), label_column="l"))
     assert reg.label_dtype == np.float32 and reg.num_classes is None and reg.labels.tolist() == [0.5, -1.25]
-    forced = CSVSource(_write(tmp_path / "i.csv", "f,l\n1,3\n2,7\n"), label_column="l", task="regression")
+    forced = closing(
+        CSVSource(_write(tmp_path / "i.csv", "f,l\n1,3\n2,7\n"), label_column="l", task="regression")
+    )
     assert forced.label_dtype == np.float32 and forced.num_classes is None
 
 
-def test_bad_feature_value_names_row_line_column_and_value(tmp_path: Path) -> None:
+def test_bad_feature_value_names_row_line_column_and_value(tmp_path: Path, closing) -> None:
     text = "a,b,label\n1,2,0\n3,4,1\n5,oops,0\n7,8,1\n"
-    src = CSVSource(_write(tmp_path / "bad.csv", text), label_column="label")
+    src = closing(CSVSource(_write(tmp_path / "bad.csv", text), label_column="label"))
     with pytest.raises(LoaderError) as info:
         src.read(range(4))
     msg = str(info.value)
@@ -87,8 +91,14 @@ def test_bad_feature_value_names_row_line_column_and_value(tmp_path: Path) -> No
     np.testing.assert_array_equal(src.read([0, 1, 3])[0], [[1, 2], [3, 4], [7, 8]])
 
 
+def _open_and_read_every_row(path: Path) -> None:
+    """Open the file and read every row: a bad row is found at open or when read, by its kind."""
+    with CSVSource(path, label_column="label") as src:
+        src.read(range(len(src)))
+
+
 @pytest.mark.parametrize(
-    ("row", "why"),
+    "row, why",
     [
         ("5,,0", "column 'b': cannot parse ''"),
         ("5,6,0,9", "expected 3 columns, got 4"),
@@ -101,13 +111,12 @@ def test_bad_feature_value_names_row_line_column_and_value(tmp_path: Path) -> No
 def test_each_kind_of_bad_row_is_named(tmp_path: Path, row: str, why: str) -> None:
     path = _write(tmp_path / "b.csv", f"a,b,label\n1,2,0\n{row}\n3,4,1\n")
     with pytest.raises(LoaderError, match=r"b\.csv: (row 1 \()?line 3\)?") as info:
-        src = CSVSource(path, label_column="label")
-        src.read(range(len(src)))
+        _open_and_read_every_row(path)
     assert why in info.value.why
 
 
 def test_bad_rows_are_skipped_counted_and_logged_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, closing
 ) -> None:
     rows = ["a,b,label"] + [f"{i},{i * 2},{i % 2}" for i in range(20)]
     rows[4] = "3,x,1"
@@ -115,7 +124,7 @@ def test_bad_rows_are_skipped_counted_and_logged_once(
     rows[15] = "14,28,-3"  # bad label: found while indexing at open
     path = _write(tmp_path / "s.csv", "\n".join(rows) + "\n")
     with caplog.at_level(logging.WARNING, logger="vkflow.loaders"):
-        src = CSVSource(path, label_column="label", on_error="skip", chunk_rows=4)
+        src = closing(CSVSource(path, label_column="label", on_error="skip", chunk_rows=4))
         assert len(src) == 19
         x, y, skipped = src.read(range(19))
     assert skipped == 2 and x.shape == (17, 2)

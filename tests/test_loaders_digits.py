@@ -19,12 +19,8 @@ class Digits:
     pass
 
 
-@pytest.fixture(autouse=True)
-def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    cache = tmp_path / "user-cache"
-    monkeypatch.delenv("VKFLOW_CACHE", raising=False)  # it would win over XDG_CACHE_HOME
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    return cache
+# Every test here reads and writes a fresh user cache, never the real one.
+pytestmark = pytest.mark.usefixtures("user_cache")
 
 
 def test_bundled_arrays_are_the_uci_digits() -> None:

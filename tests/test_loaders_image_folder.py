@@ -18,12 +18,8 @@ from loaders.decode import DecodeSpec, _decode_plain, decode_image, read_file
 RNG = np.random.default_rng(1234)
 
 
-@pytest.fixture(autouse=True)
-def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    cache = tmp_path / "user-cache"
-    monkeypatch.delenv("VKFLOW_CACHE", raising=False)  # it would win over XDG_CACHE_HOME
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    return cache
+# Every test here reads and writes a fresh user cache, never the real one.
+pytestmark = pytest.mark.usefixtures("user_cache")
 
 
 def _age(root: Path) -> None:
@@ -239,7 +235,8 @@ def test_cmyk_jpeg_converts_to_its_rgb_colour(tmp_path: Path, on_error: str) -> 
     colour = (200, 30, 60)
     cmyk = Image.new("RGB", (8, 8), colour).convert("CMYK")
     cmyk.save(tmp_path / "d" / "a" / "c.jpg", quality=95)
-    assert Image.open(tmp_path / "d" / "a" / "c.jpg").mode == "CMYK"
+    with Image.open(tmp_path / "d" / "a" / "c.jpg") as written:
+        assert written.mode == "CMYK"
     src = ImageFolderSource(tmp_path / "d", mode="RGB", on_error=on_error)
     x, _, skipped = src.read([0])
     assert skipped == 0
@@ -251,7 +248,8 @@ def test_16_bit_png_keeps_its_precision(tmp_path: Path, on_error: str) -> None:
     (tmp_path / "d" / "a").mkdir(parents=True)
     values = np.array([[0, 1000, 40000, 65535]] * 4, dtype=np.uint16)
     Image.fromarray(values).save(tmp_path / "d" / "a" / "deep.png")
-    assert Image.open(tmp_path / "d" / "a" / "deep.png").mode.startswith("I")
+    with Image.open(tmp_path / "d" / "a" / "deep.png") as written:
+        assert written.mode.startswith("I")
     grey = ImageFolderSource(tmp_path / "d", mode="L", on_error=on_error).read([0])
     assert grey[2] == 0
     # 1000/65535 = 0.01526; squeezing through 8 bits would give 3/255 = 0.01176.
@@ -270,8 +268,8 @@ def test_palette_png_with_transparency_becomes_alpha(tmp_path: Path, on_error: s
     img = Image.fromarray(index).convert("P")
     img.putpalette([255, 0, 0, 0, 255, 0] + [0] * 762)
     img.save(tmp_path / "d" / "a" / "p.png", transparency=0)
-    opened = Image.open(tmp_path / "d" / "a" / "p.png")
-    assert opened.mode == "P" and "transparency" in opened.info
+    with Image.open(tmp_path / "d" / "a" / "p.png") as opened:
+        assert opened.mode == "P" and "transparency" in opened.info
     rgba = ImageFolderSource(tmp_path / "d", mode="RGBA", on_error=on_error).read([0])[0][0]
     np.testing.assert_array_equal(rgba[:, 0, 0], [0, 1, 0, 1])
     np.testing.assert_array_equal(rgba[:, 3, 3], [1, 0, 0, 0])
@@ -282,9 +280,9 @@ def test_palette_png_with_transparency_becomes_alpha(tmp_path: Path, on_error: s
 
 def test_constructor_rejects_bad_settings(tmp_path: Path) -> None:
     _rgb_folder(tmp_path / "data")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="mode must be one of .*, got 'CMYK'"):
         ImageFolderSource(tmp_path / "data", mode="CMYK")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip', got 'ignore'"):
         ImageFolderSource(tmp_path / "data", on_error="ignore")
     with pytest.raises(LoaderError, match="missing: no such directory"):
         ImageFolderSource(tmp_path / "missing")

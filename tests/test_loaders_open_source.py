@@ -1,4 +1,5 @@
-"""open_source dispatch on spec class names, and the synthetic source."""
+"""open_source dispatch on spec class names (loaders.dispatch); the synthetic source itself is in
+test_loaders_synthetic.py."""
 
 from __future__ import annotations
 
@@ -72,20 +73,18 @@ class Parquet:
     path: str
 
 
-@pytest.fixture(autouse=True)
-def user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("VKFLOW_CACHE", raising=False)  # it would win over XDG_CACHE_HOME
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+# Every test here reads and writes a fresh user cache, never the real one.
+pytestmark = pytest.mark.usefixtures("user_cache")
 
 
-def test_each_spec_opens_its_source_with_its_settings(tmp_path: Path) -> None:
+def test_each_spec_opens_its_source_with_its_settings(tmp_path: Path, closing) -> None:
     (tmp_path / "img" / "a").mkdir(parents=True)
     Image.fromarray(np.full((5, 7, 3), 80, np.uint8)).save(tmp_path / "img" / "a" / "0.png")
     folder = open_source(ImageFolder(str(tmp_path / "img"), size=(4, 4), mode="L", layout="HWC"))
     assert isinstance(folder, ImageFolderSource) and folder.sample_shape == (4, 4, 1)
 
     (tmp_path / "t.csv").write_text("a,b,y\n1,2,0\n3,4,1\n")
-    table = open_source(CSV(str(tmp_path / "t.csv"), "y", feature_columns=("b",)))
+    table = closing(open_source(CSV(str(tmp_path / "t.csv"), "y", feature_columns=("b",))))
     assert isinstance(table, CSVSource) and table.sample_shape == (1,)
     assert table.read([1])[0].tolist() == [[4.0]]
 
@@ -111,36 +110,12 @@ def test_unknown_spec_is_refused_by_name() -> None:
         open_source(Parquet("x"))
 
 
-def test_synthetic_samples_depend_only_on_seed_and_index() -> None:
-    a = SyntheticSource("classification", 200, (6,), classes=4, seed=1)
-    b = SyntheticSource("classification", 200, (6,), classes=4, seed=1)
-    xa, ya, _ = a.read([5, 17, 3])
-    xb, yb, _ = b.read([3, 17, 5])
-    np.testing.assert_array_equal(xa, xb[::-1])
-    np.testing.assert_array_equal(ya, yb[::-1])
-    assert np.bincount(a.labels).tolist() == [50, 50, 50, 50]
-    other = SyntheticSource("classification", 200, (6,), classes=4, seed=2)
-    assert not np.array_equal(other.read([5])[0], xa[:1])
-
-
-def test_synthetic_tasks_are_learnable() -> None:
-    cls = SyntheticSource("classification", 400, (8,), classes=5, seed=0)
-    x, y, _ = cls.read(range(400))
-    centroids = np.stack([x[y == c].mean(axis=0) for c in range(5)])
-    predicted = np.argmin(((x[:, None, :] - centroids[None]) ** 2).sum(-1), axis=1)
-    assert (predicted == y).mean() > 0.9
-    reg = SyntheticSource("regression", 300, (5,), seed=0)
-    x, y, _ = reg.read(range(300))
-    assert reg.label_dtype == np.float32 and reg.num_classes is None
-    w, *_ = np.linalg.lstsq(x, y, rcond=None)
-    r2 = 1 - np.var(x @ w - y) / np.var(y)
-    assert r2 > 0.95
-
-
-def test_the_real_spec_records_open(tmp_path: Path) -> None:
+def test_the_real_spec_records_open(tmp_path: Path, closing) -> None:
     spec = pytest.importorskip("flow.spec")
     (tmp_path / "t.csv").write_text("a,b,y\n1,2,0\n3,4,1\n")
-    table = open_source(spec.CSV(str(tmp_path / "t.csv"), label_column="y", feature_columns=("b", "a")))
+    table = closing(
+        open_source(spec.CSV(str(tmp_path / "t.csv"), label_column="y", feature_columns=("b", "a")))
+    )
     assert table.read([1])[0].tolist() == [[4.0, 3.0]]
     (tmp_path / "img" / "a").mkdir(parents=True)
     Image.fromarray(np.full((5, 7, 3), 80, np.uint8)).save(tmp_path / "img" / "a" / "0.png")

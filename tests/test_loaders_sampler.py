@@ -62,7 +62,7 @@ def test_states_count_batches_and_resume_mid_epoch_exactly() -> None:
         assert sa == sb
         np.testing.assert_array_equal(a, b)
     assert list(s.batches(SamplerState(4, 9))) == []
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="position 10 outside 0..9 for epoch 4"):
         list(s.batches(SamplerState(4, 10)))
 
 
@@ -109,9 +109,9 @@ def test_every_rank_emits_the_same_number_of_batches(
 
 
 def test_sampler_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         Sampler(np.arange(5), 0, False, 0, False)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need 0 <= rank < world, got rank=2, world=2"):
         Sampler(np.arange(5), 2, False, 0, False, rank=2, world=2)
 
 
@@ -153,7 +153,7 @@ def test_stratified_split_gives_a_rare_class_its_share() -> None:
 
 
 def test_split_rejects_bad_fractions_and_float_labels() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be >= 0 and add up to 1, got 0.5, 0.2, 0.2"):
         split_indices(10, None, 0.5, 0.2, 0.2, seed=0, stratify=False)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="stratify=True needs class labels"):
         split_indices(10, np.linspace(0, 1, 10, dtype=np.float32), 0.5, 0.25, 0.25, seed=0, stratify=True)

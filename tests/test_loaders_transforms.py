@@ -56,9 +56,9 @@ def test_normalize_is_per_channel() -> None:
     np.testing.assert_array_equal(x, before)
     flat = normalize(_batch(shape=(4, 3)), 0.5, 0.5)
     assert flat.shape == (4, 3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="std has 2 values for 3 channels"):
         normalize(x, (0.1, 0.2), (1.0, 1.0))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"std must be > 0, got \(1.0, 0.0, 1.0\)"):
         normalize(x, 0.0, (1.0, 0.0, 1.0))
 
 
@@ -79,7 +79,7 @@ def test_random_crop_takes_windows_of_the_padded_image_reproducibly() -> None:
         assert any(np.array_equal(a[i], w) for w in windows)
     c = random_crop(x, 5, 2, batch_rng(1, 2, 4))
     assert not np.array_equal(a, c)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="crop 10x10 larger than the padded image 9x9"):
         random_crop(x, 10, 2, batch_rng(0, 0, 0))
 
 

@@ -22,8 +22,14 @@ from test_ops_gemm_conv import TRANS, a_gpu, act_oracle, as64, gemm_case, normal
 from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op, single_op_layout
 from flow.program import Program, launch
-from shaders import registry
 from shaders.registry import ACTIVATIONS, op
+from shaders.tiles import (
+    COOPMAT_ASSUMED_SHARED_BYTES,
+    COOPMAT_F16_SMALL,
+    COOPMAT_F16_TILES,
+    coopmat_shared_bytes,
+    coopmat_tile_problem,
+)
 
 TOL_FP16_ORACLE = 1e-4  # fp32 accumulation order only
 TOL_FP32_ORACLE = 5e-3  # plus the fp16 rounding of the inputs
@@ -209,7 +215,7 @@ F16_EXTRA_TILES = [
     {"BM": 64, "BN": 128, "BK": 32, "WM": 32, "WN": 64, "PD": 3, "GM": 3},
     {"BM": 16, "BN": 16, "BK": 16, "WM": 16, "WN": 16, "PD": 2},
 ]
-F16_TILES = [*registry.COOPMAT_F16_TILES, registry.COOPMAT_F16_SMALL, *F16_EXTRA_TILES]
+F16_TILES = [*COOPMAT_F16_TILES, COOPMAT_F16_SMALL, *F16_EXTRA_TILES]
 
 
 def halves(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -244,7 +250,7 @@ def run_f16(backend, a, b, bias, c, spec=None, **params):
 
 def runnable(backend, spec: dict[str, int]) -> dict[str, int]:
     """``spec``, or a skip when this device cannot run it (e.g. 60 KiB of shared memory)."""
-    problem = registry.coopmat_tile_problem({**spec, "AH": 1, "BH": 1}, backend.facts)
+    problem = coopmat_tile_problem({**spec, "AH": 1, "BH": 1}, backend.facts)
     if problem is not None:
         pytest.skip(f"{spec}: {problem}")
     return spec
@@ -274,15 +280,15 @@ def test_registry_f16():
     }
     defaults = f16_def.spec_values()
     assert defaults["AH"] == defaults["BH"] == 1
-    assert registry.coopmat_tile_problem(defaults) is None
-    assert registry.coopmat_shared_bytes(defaults) <= registry.COOPMAT_ASSUMED_SHARED_BYTES
+    assert coopmat_tile_problem(defaults) is None
+    assert coopmat_shared_bytes(defaults) <= COOPMAT_ASSUMED_SHARED_BYTES
     assert f16_def.local(defaults) == (
         (defaults["BM"] // defaults["WM"]) * (defaults["BN"] // defaults["WN"]) * 32,
         1,
         1,
     )
-    for tiles in [*F16_TILES, registry.COOPMAT_F16_SMALL]:
-        assert registry.coopmat_tile_problem(tiles) is None, tiles
+    for tiles in [*F16_TILES, COOPMAT_F16_SMALL]:
+        assert coopmat_tile_problem(tiles) is None, tiles
 
     small = dataclasses.replace(a_gpu(), subgroup_size=32)
     big = dataclasses.replace(small, shared_memory_bytes=101376)
@@ -290,30 +296,30 @@ def test_registry_f16():
         for facts in (None, small, big):
             tuned = f16_def.tune({"M": m, "N": n, "K": 64}, facts)
             assert tuned["AH"] == tuned["BH"] == 1
-            assert registry.coopmat_tile_problem(tuned, facts) is None
-            limit = facts.shared_memory_bytes if facts else registry.COOPMAT_ASSUMED_SHARED_BYTES
-            assert registry.coopmat_shared_bytes(tuned) <= limit
+            assert coopmat_tile_problem(tuned, facts) is None
+            limit = facts.shared_memory_bytes if facts else COOPMAT_ASSUMED_SHARED_BYTES
+            assert coopmat_shared_bytes(tuned) <= limit
     # A big GEMM gets the widest tile the device has room for; a small one the small tile.
     assert f16_def.tune({"M": 4096, "N": 4096}, small)["BN"] == 256
-    assert f16_def.tune({"M": 4096, "N": 4096}, big) == {**registry.COOPMAT_F16_TILES[0], "AH": 1, "BH": 1}
-    assert f16_def.tune({"M": 256, "N": 1024}, small) == {**registry.COOPMAT_F16_SMALL, "AH": 1, "BH": 1}
+    assert f16_def.tune({"M": 4096, "N": 4096}, big) == {**COOPMAT_F16_TILES[0], "AH": 1, "BH": 1}
+    assert f16_def.tune({"M": 256, "N": 1024}, small) == {**COOPMAT_F16_SMALL, "AH": 1, "BH": 1}
 
 
 def test_tile_problem_reasons():
-    assert "multiples of 16" in registry.coopmat_tile_problem({"BK": 24})
-    assert "multiple of the warp tile" in registry.coopmat_tile_problem({"BM": 96, "WM": 64})
-    assert "PD" in registry.coopmat_tile_problem({"PD": 0})
-    assert "NS" in registry.coopmat_tile_problem({"NS": 3})
+    assert "multiples of 16" in coopmat_tile_problem({"BK": 24})
+    assert "multiple of the warp tile" in coopmat_tile_problem({"BM": 96, "WM": 64})
+    assert "PD" in coopmat_tile_problem({"PD": 0})
+    assert "NS" in coopmat_tile_problem({"NS": 3})
 
     class Small:
         shared_memory_bytes = 32768
         subgroup_size = 32
         max_workgroup_invocations = 1024
 
-    assert "shared memory" in registry.coopmat_tile_problem({"BM": 128, "BN": 128, "BK": 32}, Small())
+    assert "shared memory" in coopmat_tile_problem({"BM": 128, "BN": 128, "BK": 32}, Small())
     small = Small()
     small.subgroup_size = 64
-    assert "subgroup size" in registry.coopmat_tile_problem({"BM": 32, "BN": 32, "WM": 16, "WN": 16}, small)
+    assert "subgroup size" in coopmat_tile_problem({"BM": 32, "BN": 32, "WM": 16, "WN": 16}, small)
 
 
 def _sweep_module():
@@ -353,7 +359,7 @@ def test_specialised_spirv_valid(op_name, tmp_path):
         seen.add(name)
         problem, shared = sweep.specialise(op_name, config, tmp_path)
         assert problem is None, f"{name}: {problem}"
-        assert shared == registry.coopmat_shared_bytes({**config, **sweep.operand_half(op_name)}), name
+        assert shared == coopmat_shared_bytes({**config, **sweep.operand_half(op_name)}), name
 
 
 # -- the CPU backend's emulation (runs everywhere) -----------------------------------------------------

@@ -932,3 +932,40 @@ def test_max_reduce_keeps_nan(backend, rng, axis):
     bindings = {"X": x, "Y": np.zeros(out_len, np.float32)}
     out = run(backend, "reduce", bindings, rows=rows, cols=cols, axis=axis, fn=REDUCE["max"], alpha=1.0)["Y"]
     assert_nans_match(out, np.max(x.astype(np.float64), axis=axis))
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_rows: a batch from a dataset kept on the device
+
+
+@pytest.mark.parametrize("stored", ["uint8", "float32"])
+@pytest.mark.parametrize("shape", [(1, 5, 3), (3, 7, 5), (2, 1, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_gather_rows_picks_converts_and_preprocesses(backend, rng, stored, shape):
+    """X[r] = D[idx[r]] * a_c + b_c per channel, Y[r] = labels[idx[r]], for the first ``rows``
+    rows; repeated and unordered indices alike; the rows past them are left alone."""
+    samples, rows, capacity = 37, 11, 13
+    if stored == "uint8":
+        data = rng.integers(0, 256, (samples, *shape)).astype(np.uint8)
+    else:
+        data = f32(rng.standard_normal((samples, *shape)))
+    labels = rng.integers(0, 10, samples).astype(np.int32)
+    idx = rng.integers(0, samples, capacity).astype(np.int32)
+    channels = shape[0]
+    scales, shifts = rng.uniform(0.5, 2.0, channels), rng.standard_normal(channels)
+    affine = f32(np.stack([scales, shifts], axis=1).reshape(-1))
+    sentinel_x = f32(rng.standard_normal((capacity, *shape)))
+    out = run(
+        backend,
+        "gather_rows",
+        {"D": data, "labels": labels, "idx": idx, "affine": affine, "X": sentinel_x.copy(),
+         "Y": np.full(capacity, -7, np.int32)},
+        rows=rows, row_elems=int(np.prod(shape)), channel_elems=int(np.prod(shape[1:])),
+        bytes=int(stored == "uint8"),
+    )  # fmt: skip
+    a = affine[0::2].astype(np.float64).reshape(channels, *(1,) * (len(shape) - 1))
+    b = affine[1::2].astype(np.float64).reshape(channels, *(1,) * (len(shape) - 1))
+    expected = data[idx[:rows]].astype(np.float64) * a + b
+    check(out["X"][:rows], expected, what="gathered rows")
+    np.testing.assert_array_equal(out["X"][rows:], sentinel_x[rows:])
+    np.testing.assert_array_equal(out["Y"][:rows], labels[idx[:rows]])
+    assert (out["Y"][rows:] == -7).all()

@@ -22,15 +22,15 @@ from actors.single_op import run_op, single_op_layout
 from flow.planning import plan
 from flow.program import Program, launch
 from flow.spec import SGD, CrossEntropy, Data, Linear, Model, Spec, Synthetic
-from shaders import gemm_tuning, registry
-from shaders.registry import (
-    ACTIVATIONS,
+from shaders import gemm_tuning
+from shaders.registry import ACTIVATIONS, op
+from shaders.tiles import (
     GEMM_CPU_TILES,
     GEMM_MIN_WORKGROUPS,
+    GEMM_SPEC_DEFAULTS,
     GEMM_TILES,
     gemm_fits,
     gemm_shared_bytes,
-    op,
     tune_gemm,
 )
 
@@ -759,8 +759,8 @@ def test_the_plan_resolves_every_launch_with_the_device_tiles():
         assert all(s.constants for s in launches if s.op == "gemm")
     tuned_first = dict(next(s for s in tuned.launches if s.op == "gemm").constants)
     assert {k: tuned_first[k] for k in entry} == entry
-    assert dict(first.constants) == {**registry.GEMM_SPEC_DEFAULTS, **dict(first.constants)}
-    assert dict(first.constants)["BM"] == registry.GEMM_CPU_TILES["BM"]  # no facts: the CPU tiles
+    assert dict(first.constants) == {**GEMM_SPEC_DEFAULTS, **dict(first.constants)}
+    assert dict(first.constants)["BM"] == GEMM_CPU_TILES["BM"]  # no facts: the CPU tiles
 
 
 # ---------------------------------------------------------------------------------------------

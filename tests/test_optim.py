@@ -45,7 +45,7 @@ from flow.spec import (
 
 
 @pytest.mark.parametrize(
-    ("optimiser", "step", "expected"),
+    "optimiser, step, expected",
     [
         (SGD(0.1), 0, 0.1),
         (SGD(0.1), 1000, 0.1),
@@ -97,7 +97,7 @@ def _f32(values: list[float]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("optimiser", "step", "rows", "expected"),
+    "optimiser, step, rows, expected",
     [
         # SGD has no bias corrections: 1.0 for both, whatever the step.
         (SGD(0.1), 0, 32, [0.1, 1.0, 1.0, 1.0, 32.0]),
@@ -137,7 +137,7 @@ def test_step_values_without_an_update_carry_only_the_rows(optimiser):
 
 
 @pytest.mark.parametrize(
-    ("optimiser", "names"),
+    "optimiser, names",
     [
         (SGD(0.1), ()),
         (SGD(0.1, momentum=0.9), ("momentum",)),
@@ -192,7 +192,7 @@ def test_check_compatible_accepts_a_state_that_fits():
 
 
 @pytest.mark.parametrize(
-    ("saved", "needs", "named"),
+    "saved, needs, named",
     [
         # An SGD-with-momentum checkpoint restored into an Adam plan.
         (_state(("momentum",), 64), ("exp_avg", "exp_avg_sq"),

@@ -1,13 +1,18 @@
-"""Spec records, the default pipeline and shape inference (the learning-rate schedules are in
+"""Spec records, their documentation (``help`` describes every field, and states the input
+convention), the default pipeline and shape inference (the learning-rate schedules are in
 test_optim.py)."""
 
 import dataclasses
+import pydoc
+from dataclasses import fields
 
 import pytest
 
+import flow.spec
 from flow.errors import SpecError
 from flow.shapes import count_parameters, infer_shapes, layer_parameters
 from flow.spec import (
+    RECORDS,
     SGD,
     Adam,
     AdamW,
@@ -104,3 +109,21 @@ def test_infer_shapes_names_the_layer_that_does_not_fit():
     assert str(error.value) == (
         "model.layers[2]: Conv2d needs a (channels, height, width) input, got shape (4,)"
     )
+
+
+def test_help_of_scale_states_the_input_convention():
+    text = pydoc.render_doc(flow.spec.Scale, renderer=pydoc.plaintext)
+    assert "[0, 1]" in text and "Scale(1/255)" in text and "trains at chance" in text
+    assert "8-bit data is divided by 255" in flow.spec.__doc__
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: r.__name__)
+def test_every_spec_record_documents_each_field(record):
+    """help() shows a dataclass's docstring, so each field is described in its Attributes."""
+    doc = record.__doc__ or ""
+    assert doc and not doc.startswith(f"{record.__name__}("), "no docstring of its own"
+    names = [f.name for f in fields(record) if f.name != "_"]
+    if names:
+        attributes = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
+        missing = [name for name in names if f"\n        {name}: " not in attributes]
+        assert not missing, f"{record.__name__} does not document {missing}"

@@ -4,7 +4,7 @@ Every check reads the uploaded tensor through a program (a bit-exact ``copy`` la
 values the GPU sees are tested, not only the bytes the host wrote. Data is fresh random (never
 zeros: a copy that never happened must not pass) in odd sizes. On lavapipe, which has one queue,
 uploads share the compute queue; the cross-queue waits are tested as pure bookkeeping
-(``QueueOrder``, ``choose_upload_queue``) and run for real on devices with a transfer queue.
+(test_vulkan_queues_policy.py) and run for real on devices with a transfer queue.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
-from test_backends import H100_TYPES
 
-from actors.backend import MemoryType, QueueFamily, run_program
-from actors.memory import choose_staging_type
-from actors.vulkan.queues_policy import UPLOAD_TICKETS, QueueOrder, choose_upload_queue
+from actors.backend import run_program
+from actors.vulkan.queues_policy import UPLOAD_TICKETS
 from flow.program import Arena, Layout, Program, Tensor, align_up, launch
 
 SIZES = [1, 1023, (3 * 2**20 + 4) // 4]  # 3 MiB + 4 bytes of float32
@@ -210,44 +208,6 @@ def test_program_timestamps_reset_in_the_command_buffer_or_from_the_host(vulkan_
 
 
 # -- pure decisions ---------------------------------------------------------------------------------
-
-
-def test_staging_memory_is_cached_host_memory_where_there_is_some():
-    assert choose_staging_type(H100_TYPES, 0b11111).index == 3
-    assert choose_staging_type(H100_TYPES, 0b10111).index == 2  # uncached system memory next
-    assert choose_staging_type(H100_TYPES, 0b10011).index == 4  # ReBAR only as a last resort
-    lavapipe = (MemoryType(0, 0, ("device_local", "host_visible", "host_coherent", "host_cached")),)
-    assert choose_staging_type(lavapipe, 0b1).index == 0
-    with pytest.raises(MemoryError):
-        choose_staging_type(H100_TYPES, 0b00011)
-
-
-def test_uploads_prefer_a_transfer_only_family_then_a_second_compute_queue():
-    h100 = (
-        QueueFamily(0, 16, graphics=True, compute=True, transfer=True, timestamp_bits=64),
-        QueueFamily(1, 2, graphics=False, compute=False, transfer=True, timestamp_bits=64),
-        QueueFamily(2, 8, graphics=False, compute=True, transfer=True, timestamp_bits=64),
-    )
-    assert choose_upload_queue(h100, 2, timeline=True) == (1, 0)
-    assert choose_upload_queue(h100[::2], 2, timeline=True) == (2, 1)
-    lavapipe = (QueueFamily(0, 1, graphics=True, compute=True, transfer=True, timestamp_bits=64),)
-    assert choose_upload_queue(lavapipe, 0, timeline=True) == (0, 0)
-    assert choose_upload_queue(h100, 2, timeline=False) == (2, 0)  # one queue orders itself
-
-
-def test_queue_order_waits_only_where_a_buffer_is_shared_and_only_once():
-    order = QueueOrder()
-    assert order.upload(("batch", 0), 1) == 0  # nothing used the buffer yet
-    assert order.upload(("batch", 1), 2) == 0
-    assert order.program({("work", 0)}, 1) == 0  # binds no uploaded buffer
-    assert order.program({("batch", 0), ("work", 0)}, 2) == 1  # read after the upload
-    assert order.program({("batch", 0), ("work", 0)}, 3) == 0  # the queue already waited
-    assert order.program({("batch", 1)}, 4) == 2
-    assert order.upload(("batch", 0), 3) == 3  # write after the read of ticket 3
-    assert order.upload(("batch", 0), 4) == 0  # the transfer queue already waited
-    assert order.upload(("work", 0), 5) == 0  # ticket 3 bound it too: covered by that wait
-    assert order.upload(("batch", 1), 6) == 4
-    assert order.program({("work", 0)}, 5) == 5
 
 
 def test_without_timeline_semaphores_fences_order_uploads_and_programs(monkeypatch, rng):

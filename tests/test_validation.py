@@ -34,7 +34,8 @@ from flow.spec import (
     Synthetic,
     default_pipeline,
 )
-from flow.validation import check, summarize, validate
+from flow.summary import summarize
+from flow.validation import check, validate
 
 
 def mlp(**model_changes) -> Spec:
@@ -111,7 +112,7 @@ def test_wrong_objects_and_literals():
 
 
 @pytest.mark.parametrize(
-    ("layers", "input_shape", "path", "words"),
+    "layers, input_shape, path, words",
     [
         ((Linear(10),), (1, 8, 8), "model.layers[0]", "add Flatten()"),
         ((Flatten(), Conv2d(4, 3), Linear(10)), (1, 8, 8), "model.layers[1]", "(channels, height, width)"),
@@ -162,7 +163,7 @@ def test_unknown_devices(select):
 
 
 @pytest.mark.parametrize(
-    ("source", "path"),
+    "source, path",
     [
         (ImageFolder(""), "data.source.root"),
         (ImageFolder("x", labels_csv=""), "data.source.labels_csv"),
@@ -276,7 +277,7 @@ def test_summarize():
 
 
 def test_mse_needs_one_target_per_output_from_the_data():
-    from flow.validation import data_problems
+    from flow.data_plan import data_problems
 
     ten = mlp(loss=MSE())
     (problem,) = data_problems(ten, (1, 8, 8), 10)

@@ -15,8 +15,9 @@ from actors.vulkan import library
 from actors.vulkan.library import check
 from actors.vulkan.queues import Recorded
 from flow.program import Barrier, Program
-from shaders.registry import GemmTable, resolve
 from shaders.registry import op as op_def
+from shaders.registry import resolve
+from shaders.tiles import GemmTable
 
 if TYPE_CHECKING:
     from actors.vulkan.memory import DeviceMemory

@@ -1,0 +1,786 @@
+"""A real training job, start to finish: Fashion-MNIST with vkflow and PyTorch on the same GPU.
+
+The job (issue 13): 60000 training and 10000 test images of 28x28 uint8 pixels in 10 classes, read
+from IDX files as shipped; batch 256, SGD (lr 0.05, momentum 0.9), cross-entropy, every training
+sample once per epoch in a fresh shuffle (the last batch of an epoch is partial: 60000 = 234 x 256
++ 96), then accuracy on the test set. Two models:
+
+- ``mlp``: Flatten -> Linear(1024, relu) -> Linear(1024, relu) -> Linear(10), 10 epochs.
+- ``cnn``: Conv2d(32, 3, padding 1, relu) -> MaxPool2d(2) -> Conv2d(64, 3, padding 1, relu) ->
+  MaxPool2d(2) -> Flatten -> Linear(128, relu) -> Linear(10), input (1, 28, 28), 2 epochs.
+
+Data: Debian's ``dataset-fashion-mnist`` package ships the four files under
+``/usr/share/datasets/fashion-mnist/`` (``train-images-idx3-ubyte.gz``, ``train-labels-idx1-ubyte.gz``,
+``t10k-images-idx3-ubyte.gz``, ``t10k-labels-idx1-ubyte.gz``). Where they are absent, the script
+writes a set of the same size and shape into a temporary folder with ``loaders.write_idx``: each
+class is a few Gaussian blobs at class-specific places, each image one of them shifted by up to 3
+pixels, scaled, with pixel noise (learnable, not trivial). Every JSON line says which it used:
+``"data": "fashion-mnist"`` or ``"data": "generated"``.
+
+The implementations, each trained from scratch once per repetition, in one process, on one GPU:
+
+- ``vkflow``: ``flow.run`` on a spec reading the IDX files through ``flow.spec.IDX`` (uint8 arrives in
+  [0, 1]) with ``Split(train=1.0)``, the default ``RunSettings`` (in_flight 2) plus a metrics file and
+  a checkpoint folder in a temporary directory. Test accuracy: ``flow.predict(result.checkpoint,
+  IDX(test images, test labels))``, argmax against the labels. Every run reuses one opened Vulkan
+  backend (the counterpart of torch's CUDA context, which is also made once, before any timing).
+- ``torch_eager_loader``: PyTorch eager; a ``DataLoader`` over a ``TensorDataset`` of the float
+  images (shuffle, ``pin_memory=True``, no worker processes), each batch copied with
+  ``.to(device, non_blocking=True)``.
+- ``torch_eager_resident``: the whole data set on the GPU (uint8 uploaded, converted there); each
+  epoch a ``torch.randperm`` on the GPU, each batch gathered by indexing.
+- ``torch_graph_resident``: as resident, with one training step (gather by a static index buffer,
+  forward, backward, SGD update) captured in one CUDA graph after a warm-up on a side stream, as
+  in the PyTorch CUDA graphs docs and bench_mlp.py. A step copies its indices into the static
+  buffer and replays. The partial last batch replays the same graph with its missing rows pointing
+  at row 0 and weighted 0 (the loss is the weighted sum of per-row losses, weights 1/rows), so its
+  update equals that of a 96-row batch. The warm-up runs with every weight 0, so it leaves the
+  parameters and the momentum buffers unchanged.
+  Without CUDA, torch runs on the CPU (``torch_cpu_*`` names) and the graph variant is "not available".
+  torch computes in fp32 with TF32 off (``common.import_torch``); cuDNN keeps its defaults.
+
+Figures, each the median and range (min, max) over ``--reps`` timed runs, after ``--warmup``
+untimed runs per implementation (their wall time is reported as ``cold_s``: shader compilation,
+cuBLAS/cuDNN start-up):
+
+- ``wall_s``: wall time with setup, on the host clock: for vkflow the ``flow.run`` call (planning,
+  opening and reading the files, uploads, recording, every epoch, the final checkpoint write); for
+  torch from reading the IDX files (the same ``loaders.read_idx``) through building the model,
+  optimiser, loader or resident tensors and graph, every epoch, to a final synchronize. The test
+  evaluation is outside it (reported as ``eval_s``).
+- ``epoch_s``: steady seconds per epoch, the mean over epochs 2..E (the first holds warm-up and
+  pipeline start). vkflow: from the metrics file's step lines, whose ``elapsed`` is the host time
+  at which the sink received each step's result; an epoch's end is its last step's line, so
+  epoch e takes elapsed(last step of e) - elapsed(last step of e-1). torch: a host timer around
+  each epoch, ending in ``torch.cuda.synchronize()``.
+- ``samples_per_s``: training samples over the steady epochs divided by their time.
+- ``accuracy``: test accuracy of the trained model, mean(argmax == label) over the test images.
+- ratio lines ``vkflow/<torch impl>`` of the medians, for ``epoch_s`` and ``wall_s`` (time ratios:
+  above 1 means vkflow took longer).
+
+Options: ``--quick`` (generated 2048 train / 512 test images, narrower models (MLP 784-256-256-10,
+CNN 4/8 channels and 16 units), 2 epochs so a steady epoch exists, 1 repetition, no warm-up: a smoke
+run on lavapipe), ``--reps N`` (default 5), ``--warmup N`` (default 1), ``--epochs N`` (both models),
+``--only mlp,cnn``, ``--data auto|generated|DIR`` (auto: the Debian folder when all four files are
+there, else generated; a DIR with ``--quick`` is cut to the quick sizes), ``--out FILE`` (append the
+JSON lines), ``--device`` (the Vulkan device: index, name substring or auto). Progress goes to stderr.
+
+Output: one JSON line per figure as soon as it is known (``{"bench": "realworld", "model", "shape",
+"metric", "median", "min", "max", "values", ..., "impl", "device", "data"}``), then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import common
+import numpy as np
+from common import Reporter, open_vulkan, section
+
+from loaders import read_idx, write_idx
+
+BENCH = "realworld"
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_FILES = {
+    "train_images": "train-images-idx3-ubyte.gz",
+    "train_labels": "train-labels-idx1-ubyte.gz",
+    "test_images": "t10k-images-idx3-ubyte.gz",
+    "test_labels": "t10k-labels-idx1-ubyte.gz",
+}
+MODELS = ("mlp", "cnn")
+METRICS = ("wall_s", "epoch_s", "samples_per_s", "accuracy")
+BATCH = 256
+LR = 0.05
+MOMENTUM = 0.9
+CLASSES = 10
+SIDE = 28
+
+
+@dataclass(frozen=True)
+class Sizes:
+    train: int
+    test: int
+    mlp_hidden: tuple[int, ...]
+    cnn_channels: tuple[int, int]
+    cnn_hidden: int
+    epochs: dict[str, int]
+    reps: int
+    warmup: int
+
+
+FULL = Sizes(
+    train=60000,
+    test=10000,
+    mlp_hidden=(1024, 1024),
+    cnn_channels=(32, 64),
+    cnn_hidden=128,
+    epochs={"mlp": 10, "cnn": 2},
+    reps=5,
+    warmup=1,
+)
+QUICK = Sizes(
+    train=2048,
+    test=512,
+    mlp_hidden=(256, 256),
+    cnn_channels=(4, 8),
+    cnn_hidden=16,
+    epochs={"mlp": 2, "cnn": 2},
+    reps=1,
+    warmup=0,
+)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataSet:
+    kind: str  # "fashion-mnist" or "generated"
+    train_images: str
+    train_labels: str
+    test_images: str
+    test_labels: str
+    train: int
+    test: int
+
+
+def generate(rng: np.random.Generator, count: int, centres: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` MNIST-shaped images (uint8, 28x28) and labels: each class a sum of Gaussian blobs
+    at its own places (``centres``: [classes, blobs, 3] of row, column, width), each image shifted by
+    up to 3 pixels, scaled by 0.6..1 and overlaid with noise.
+
+    Args:
+        rng: the generator.
+        count: how many images.
+        centres: the blobs of each class.
+
+    Returns:
+        (images [count, 28, 28] uint8, labels [count] uint8), classes balanced.
+    """
+    grid = np.arange(SIDE, dtype=np.float32)
+    templates = np.zeros((CLASSES, SIDE, SIDE), np.float32)
+    for c in range(CLASSES):
+        for row, col, width in centres[c]:
+            templates[c] += np.exp(
+                -((grid[:, None] - row) ** 2 + (grid[None, :] - col) ** 2) / (2 * width**2)
+            )
+    templates /= templates.max(axis=(1, 2), keepdims=True)
+    labels = (np.arange(count) % CLASSES).astype(np.uint8)
+    rng.shuffle(labels)
+    images = np.empty((count, SIDE, SIDE), np.uint8)
+    chunk = 8192
+    for start in range(0, count, chunk):
+        y = labels[start : start + chunk]
+        n = len(y)
+        # Shift by (dy, dx) in [-3, 3]: roll each image's template (few distinct shifts: loop them).
+        shifts = rng.integers(-3, 4, size=(n, 2))
+        x = templates[y]
+        for dy in range(-3, 4):
+            for dx in range(-3, 4):
+                pick = (shifts[:, 0] == dy) & (shifts[:, 1] == dx)
+                if pick.any():
+                    x[pick] = np.roll(x[pick], (dy, dx), axis=(1, 2))
+        x = x * rng.uniform(0.6, 1.0, size=(n, 1, 1)).astype(np.float32) * 220.0
+        x += rng.normal(0.0, 45.0, size=x.shape).astype(np.float32)
+        images[start : start + n] = np.clip(x, 0, 255).astype(np.uint8)
+    return images, labels
+
+
+def generated_set(folder: Path, train: int, test: int, seed: int = 13) -> DataSet:
+    """Write a generated train and test set as four IDX files in ``folder``."""
+    rng = np.random.default_rng(seed)
+    blobs = 3
+    centres = np.stack(
+        [
+            rng.uniform(5, 23, (CLASSES, blobs)),
+            rng.uniform(5, 23, (CLASSES, blobs)),
+            rng.uniform(1.5, 4.0, (CLASSES, blobs)),
+        ],
+        axis=-1,
+    )
+    paths = {name: str(folder / f"generated-{name}.idx") for name in FASHION_FILES}
+    for split, count in (("train", train), ("test", test)):
+        images, labels = generate(rng, count, centres)
+        write_idx(paths[f"{split}_images"], images)
+        write_idx(paths[f"{split}_labels"], labels)
+    return DataSet("generated", **paths, train=train, test=test)
+
+
+def fashion_set(folder: Path) -> DataSet | None:
+    """The Fashion-MNIST files in ``folder``, or None when any of the four is missing."""
+    paths = {name: folder / file for name, file in FASHION_FILES.items()}
+    if not all(path.is_file() for path in paths.values()):
+        return None
+    train = int(read_idx(paths["train_labels"]).shape[0])
+    test = int(read_idx(paths["test_labels"]).shape[0])
+    return DataSet("fashion-mnist", **{k: str(v) for k, v in paths.items()}, train=train, test=test)
+
+
+def cut(data: DataSet, folder: Path, train: int, test: int) -> DataSet:
+    """The first ``train`` / ``test`` samples of ``data``, written as IDX files in ``folder``."""
+    paths = {name: str(folder / f"cut-{name}.idx") for name in FASHION_FILES}
+    for split, count in (("train", train), ("test", test)):
+        for part in ("images", "labels"):
+            key = f"{split}_{part}"
+            write_idx(paths[key], np.asarray(read_idx(getattr(data, key))[:count]))
+    total_train = min(train, data.train)
+    total_test = min(test, data.test)
+    return DataSet(data.kind, **paths, train=total_train, test=total_test)
+
+
+def open_data(choice: str, sizes: Sizes, quick: bool, folder: Path) -> DataSet:
+    """The data set the run uses (see ``--data``): --quick trains on generated images unless given
+    a folder, which it cuts to the quick sizes."""
+    if choice == "generated" or (quick and choice == "auto"):
+        return generated_set(folder, sizes.train, sizes.test)
+    where = FASHION_DIR if choice == "auto" else Path(choice)
+    found = fashion_set(where)
+    if found is None:
+        if choice != "auto":
+            raise SystemExit(f"--data {choice}: the four Fashion-MNIST IDX files are not all there")
+        log(f"no Fashion-MNIST under {where}: generating an MNIST-shaped set")
+        return generated_set(folder, sizes.train, sizes.test)
+    return cut(found, folder, sizes.train, sizes.test) if quick else found
+
+
+# -- models ----------------------------------------------------------------------------------------
+
+
+def shape_of(model: str, sizes: Sizes) -> str:
+    if model == "mlp":
+        return "-".join(map(str, (SIDE * SIDE, *sizes.mlp_hidden, CLASSES)))
+    c1, c2 = sizes.cnn_channels
+    return f"conv{c1}-pool-conv{c2}-pool-{sizes.cnn_hidden}-{CLASSES}"
+
+
+def vk_layers(model: str, sizes: Sizes) -> tuple:
+    from flow.spec import Conv2d, Flatten, Linear, MaxPool2d
+
+    if model == "mlp":
+        hidden = tuple(Linear(units, activation="relu") for units in sizes.mlp_hidden)
+        return (Flatten(), *hidden, Linear(CLASSES))
+    c1, c2 = sizes.cnn_channels
+    return (
+        Conv2d(c1, 3, padding=1, activation="relu"),
+        MaxPool2d(2),
+        Conv2d(c2, 3, padding=1, activation="relu"),
+        MaxPool2d(2),
+        Flatten(),
+        Linear(sizes.cnn_hidden, activation="relu"),
+        Linear(CLASSES),
+    )
+
+
+def torch_net(torch, model: str, sizes: Sizes):
+    nn = torch.nn
+    if model == "mlp":
+        layers: list = [nn.Flatten()]
+        fan_in = SIDE * SIDE
+        for units in sizes.mlp_hidden:
+            layers += [nn.Linear(fan_in, units), nn.ReLU()]
+            fan_in = units
+        return nn.Sequential(*layers, nn.Linear(fan_in, CLASSES))
+    c1, c2 = sizes.cnn_channels
+    return nn.Sequential(
+        nn.Conv2d(1, c1, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(c2 * (SIDE // 4) ** 2, sizes.cnn_hidden),
+        nn.ReLU(),
+        nn.Linear(sizes.cnn_hidden, CLASSES),
+    )
+
+
+# -- one run of each implementation -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One training run: wall seconds with setup, seconds of each epoch, test accuracy, and more."""
+
+    wall_s: float
+    epoch_s: tuple[float, ...]
+    accuracy: float
+    loss: float
+    eval_s: float
+
+    def steady(self) -> float:
+        """Mean seconds of epochs 2..E; NaN with one epoch."""
+        rest = self.epoch_s[1:]
+        return sum(rest) / len(rest) if rest else math.nan
+
+
+def epochs_from_metrics(path: Path) -> tuple[float, ...]:
+    """Each epoch's seconds from a metrics file: the first from the sink's start to the epoch's last
+    step line, each later one between the last step lines of two epochs."""
+    last: dict[int, float] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") == "step":
+            last[int(record["epoch"])] = float(record["elapsed"])
+    ends = [last[e] for e in sorted(last)]
+    return tuple(b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True))
+
+
+def vk_once(
+    backend, model: str, sizes: Sizes, data: DataSet, epochs: int, seed: int, folder: Path
+) -> Outcome:
+    import flow
+    from flow.spec import IDX, SGD, CrossEntropy, Data, Init, Model, RunSettings, Spec, Split
+
+    stamp = time.perf_counter_ns()
+    metrics = folder / f"metrics-{model}-{stamp}.jsonl"
+    spec = Spec(
+        model=Model(
+            input_shape=(1, SIDE, SIDE),
+            layers=vk_layers(model, sizes),
+            loss=CrossEntropy(),
+            init=Init(seed=seed),
+        ),
+        optimiser=SGD(LR, momentum=MOMENTUM),
+        data=Data(
+            IDX(data.train_images, data.train_labels),
+            batch_size=BATCH,
+            seed=seed,
+            split=Split(train=1.0),
+        ),
+        run=RunSettings(
+            epochs=epochs,
+            checkpoint_dir=str(folder / f"checkpoints-{model}-{stamp}"),
+            metrics_file=str(metrics),
+        ),
+    )
+    start = time.perf_counter()
+    result = flow.run(spec, backend=backend)
+    wall = time.perf_counter() - start
+    labels = np.asarray(read_idx(data.test_labels)).astype(np.int64)
+    start = time.perf_counter()
+    probabilities = flow.predict(result.checkpoint, IDX(data.test_images, data.test_labels), backend=backend)
+    eval_s = time.perf_counter() - start
+    accuracy = float(np.mean(np.argmax(probabilities, axis=1) == labels))
+    return Outcome(wall, epochs_from_metrics(metrics), accuracy, float(result.loss), eval_s)
+
+
+def torch_impl(torch, variant: str) -> str:
+    base = "torch" if torch.cuda.is_available() else "torch_cpu"
+    return f"{base}_{variant}"
+
+
+def torch_once(
+    torch, variant: str, model: str, sizes: Sizes, data: DataSet, epochs: int, seed: int
+) -> Outcome:
+    """One run of ``variant`` ("eager_loader", "eager_resident" or "graph_resident"); see the module
+    docstring."""
+    functional = torch.nn.functional
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    sync()
+    start = time.perf_counter()
+    images = np.array(read_idx(data.train_images))  # a writable copy, as torch wants
+    labels = np.array(read_idx(data.train_labels)).astype(np.int64)
+    n = len(labels)
+    torch.manual_seed(seed)
+    net = torch_net(torch, model, sizes).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    last_loss = [None]
+
+    def step(x, y) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        last_loss[0] = loss
+
+    if variant == "eager_loader":
+        x_all = torch.from_numpy(images).unsqueeze(1).float().div_(255.0)
+        dataset = torch.utils.data.TensorDataset(x_all, torch.from_numpy(labels))
+        loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, pin_memory=cuda)
+
+        def epoch() -> None:
+            for x, y in loader:
+                step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+
+    else:
+        x_all = torch.from_numpy(images).to(device).unsqueeze(1).float().div_(255.0)
+        y_all = torch.from_numpy(labels).to(device)
+        if variant == "eager_resident":
+
+            def epoch() -> None:
+                order = torch.randperm(n, device=device)
+                for first in range(0, n, BATCH):
+                    rows = order[first : first + BATCH]
+                    step(x_all[rows], y_all[rows])
+
+        else:
+            epoch = graph_epoch(torch, net, opt, x_all, y_all, last_loss)
+    sync()
+    times = []
+    for _ in range(epochs):
+        begun = time.perf_counter()
+        epoch()
+        sync()
+        times.append(time.perf_counter() - begun)
+    wall = time.perf_counter() - start
+    loss = float(last_loss[0].detach().cpu()) if last_loss[0] is not None else math.nan
+
+    begun = time.perf_counter()
+    net.eval()
+    test_x = (
+        torch.from_numpy(np.array(read_idx(data.test_images))).to(device).unsqueeze(1).float().div_(255.0)
+    )
+    test_y = np.array(read_idx(data.test_labels)).astype(np.int64)
+    with torch.no_grad():
+        predicted = torch.cat([net(chunk).argmax(dim=1) for chunk in test_x.split(2000)]).cpu().numpy()
+    eval_s = time.perf_counter() - begun
+    return Outcome(wall, tuple(times), float(np.mean(predicted == test_y)), loss, eval_s)
+
+
+def graph_epoch(torch, net, opt, x_all, y_all, last_loss: list) -> Callable[[], None]:
+    """Capture one training step in a CUDA graph and return a function that trains one epoch by
+    replaying it (see the module docstring for the partial batch and the warm-up)."""
+    functional = torch.nn.functional
+    n = int(y_all.shape[0])
+    device = x_all.device
+    index = torch.zeros(BATCH, dtype=torch.long, device=device)
+    weight = torch.zeros(BATCH, dtype=torch.float32, device=device)  # 0 while warming up: no change
+
+    def loss_of():
+        x = x_all.index_select(0, index)
+        y = y_all.index_select(0, index)
+        return (functional.cross_entropy(net(x), y, reduction="none") * weight).sum()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss_of().backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+    last_loss[0] = loss
+    weight.fill_(1.0 / BATCH)
+
+    def epoch() -> None:
+        order = torch.randperm(n, device=device)
+        for first in range(0, n, BATCH):
+            rows = min(BATCH, n - first)
+            if rows == BATCH:
+                index.copy_(order[first : first + BATCH])
+                graph.replay()
+                continue
+            index.zero_()
+            index[:rows].copy_(order[first:])
+            weight.zero_()
+            weight[:rows].fill_(1.0 / rows)
+            graph.replay()
+            weight.fill_(1.0 / BATCH)
+
+    return epoch
+
+
+# -- reporting -------------------------------------------------------------------------------------
+
+
+class RealWorldReporter(Reporter):
+    """common.Reporter with the data set (kind and sizes) on every line and a table of its own."""
+
+    def __init__(self, out: str | None, data: DataSet) -> None:
+        super().__init__(out)
+        self.data = {"data": data.kind, "train": data.train, "test": data.test}
+
+    def emit(self, record: dict) -> dict:
+        return super().emit({**record, **self.data})
+
+    def table(self) -> str:
+        figures: dict[tuple[str, str], dict[str, dict]] = {}
+        notes: list[tuple[str, ...]] = []
+        for row in self.rows:
+            key = (row.get("model", "-"), row.get("impl", row.get("ratio", "-")))
+            if "ratio" in row:
+                notes.append((row["model"], row["ratio"], row["metric"], f"{row['value']:.3f}"))
+            elif "status" in row:
+                status = f"{row['metric']}: {row['status']}" if "metric" in row else row["status"]
+                notes.append((row.get("model", "-"), row["impl"], status, row.get("reason", "")[:70]))
+            else:
+                figures.setdefault(key, {})[row["metric"]] = row
+        header = ("model", "impl", *(f"{m} median [min, max]" for m in METRICS))
+        lines = [header]
+        for (model, impl), by_metric in figures.items():
+            cells = []
+            for metric in METRICS:
+                row = by_metric.get(metric)
+                cells.append(
+                    "-" if row is None else f"{_fmt(row['median'])} [{_fmt(row['min'])}, {_fmt(row['max'])}]"
+                )
+            lines.append((model, impl, *cells))
+        text = aligned(lines)
+        if notes:
+            text += "\n\n" + aligned([("model", "ratio / impl", "metric / status", "value / reason"), *notes])
+        return text
+
+
+def _fmt(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "nan"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
+
+
+def aligned(lines: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(lines[0]))]
+    out = []
+    for index, line in enumerate(lines):
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+        if index == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def spread(values: list[float]) -> dict:
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "values": values}
+    rounded = [float(f"{v:.6g}") for v in values]
+    return {"median": common.median(finite), "min": min(finite), "max": max(finite), "values": rounded}
+
+
+def report(
+    rep: Reporter,
+    model: str,
+    shape: str,
+    impl: str,
+    device: str,
+    runs: list[Outcome],
+    cold: list[Outcome],
+    samples: int,
+    epochs: int,
+) -> dict[str, float]:
+    """Emit the four figures of one implementation; returns their medians."""
+    steady = [run.steady() for run in runs]
+    rates = [samples / s if s > 0 else math.nan for s in steady]
+    labels = {"model": model, "shape": shape, "batch": BATCH, "epochs": epochs, "reps": len(runs)}
+    medians = {}
+    for metric, values, extra in (
+        (
+            "wall_s",
+            [run.wall_s for run in runs],
+            {
+                "cold_s": [round(run.wall_s, 4) for run in cold],
+                "first_epoch_s": common.median([run.epoch_s[0] for run in runs]),
+                "outside_epochs_s": common.median([run.wall_s - sum(run.epoch_s) for run in runs]),
+            },
+        ),
+        ("epoch_s", steady, {"epochs_timed": max(epochs - 1, 0)}),
+        ("samples_per_s", rates, {}),
+        (
+            "accuracy",
+            [run.accuracy for run in runs],
+            {
+                "loss": common.median([run.loss for run in runs]),
+                "eval_s": common.median([run.eval_s for run in runs]),
+            },
+        ),
+    ):
+        if metric in ("epoch_s", "samples_per_s") and epochs < 2:
+            rep.missing(
+                BENCH,
+                impl,
+                "not available",
+                "a steady epoch needs --epochs 2 or more",
+                model=model,
+                shape=shape,
+                metric=metric,
+            )
+            medians[metric] = math.nan
+            continue
+        figure = spread(values)
+        rep.figure(BENCH, impl, device, **labels, metric=metric, **figure, **extra)
+        medians[metric] = figure["median"]
+    return medians
+
+
+def measure(
+    rep: Reporter,
+    args,
+    model: str,
+    impl: str,
+    device: str,
+    once: Callable[[int], Outcome],
+    samples: int,
+    epochs: int,
+    shape: str,
+) -> dict[str, float] | None:
+    """``args.warmup`` untimed runs and ``args.reps`` timed ones of ``once(seed)``, then the figures."""
+
+    def runs() -> dict[str, float]:
+        cold, timed = [], []
+        total = args.warmup + args.reps
+        for index in range(total):
+            began = time.perf_counter()
+            outcome = once(index)
+            kind = "warm-up" if index < args.warmup else "rep"
+            number = index + 1 if index < args.warmup else index - args.warmup + 1
+            count = args.warmup if index < args.warmup else args.reps
+            log(
+                f"[{model}] {impl} {kind} {number}/{count}: wall {outcome.wall_s:.3f} s, steady epoch "
+                f"{outcome.steady():.4f} s, accuracy {outcome.accuracy:.4f}, loss {outcome.loss:.4f} "
+                f"({time.perf_counter() - began:.1f} s with the test)"
+            )
+            (cold if index < args.warmup else timed).append(outcome)
+        return report(rep, model, shape, impl, device, timed, cold, samples, epochs)
+
+    return rep.guarded(BENCH, impl, runs, model=model, shape=shape)
+
+
+def bench_model(
+    args,
+    rep: Reporter,
+    model: str,
+    sizes: Sizes,
+    data: DataSet,
+    backend,
+    vk_device: str,
+    torch,
+    torch_device: str,
+    folder: Path,
+) -> None:
+    epochs = args.epochs or sizes.epochs[model]
+    shape = shape_of(model, sizes)
+    section(
+        f"{model} {shape} on {data.kind} ({data.train} train, {data.test} test), batch {BATCH}, "
+        f"SGD lr {LR} momentum {MOMENTUM}, {epochs} epochs, {args.reps} reps"
+    )
+    vk = None
+    if backend is None:
+        rep.missing(BENCH, "vkflow", "not available", vk_device, model=model, shape=shape)
+    else:
+        vk = measure(
+            rep,
+            args,
+            model,
+            "vkflow",
+            vk_device,
+            lambda seed: vk_once(backend, model, sizes, data, epochs, seed, folder),
+            data.train,
+            epochs,
+            shape,
+        )
+    if torch is None:
+        for variant in ("eager_loader", "eager_resident", "graph_resident"):
+            rep.missing(
+                BENCH, f"torch_{variant}", "not available", "torch is not installed", model=model, shape=shape
+            )
+        return
+    for variant in ("eager_loader", "eager_resident", "graph_resident"):
+        impl = torch_impl(torch, variant)
+        if variant.startswith("graph") and not torch.cuda.is_available():
+            rep.missing(
+                BENCH, impl, "not available", "no CUDA: CUDA graphs need a GPU", model=model, shape=shape
+            )
+            continue
+        found = measure(
+            rep,
+            args,
+            model,
+            impl,
+            torch_device,
+            lambda seed, variant=variant: torch_once(torch, variant, model, sizes, data, epochs, seed),
+            data.train,
+            epochs,
+            shape,
+        )
+        if vk is None or found is None:
+            continue
+        for metric in ("epoch_s", "wall_s"):
+            rep.ratio(BENCH, f"vkflow/{impl}", vk[metric], found[metric], model=model, metric=metric)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny generated data and models, 1 rep (smoke run)"
+    )
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per implementation (default 5)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 1; quick 0)")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="epochs for every model (default mlp 10, cnn 2)"
+    )
+    parser.add_argument("--only", default=",".join(MODELS), help="models to run: mlp,cnn (default both)")
+    parser.add_argument(
+        "--data", default="auto", help="auto (default), generated, or a folder of the four files"
+    )
+    parser.add_argument("--out", default=None, help="also append every JSON line to this file")
+    parser.add_argument("--device", default="auto", help="Vulkan device: index, name substring or auto")
+    args = parser.parse_args()
+    args.models = [m.strip().lower() for m in args.only.split(",") if m.strip()]
+    unknown = set(args.models) - set(MODELS)
+    if unknown or not args.models:
+        parser.error(f"--only takes mlp and/or cnn; got {args.only!r}")
+    sizes = QUICK if args.quick else FULL
+    args.reps = sizes.reps if args.reps is None else args.reps
+    args.warmup = sizes.warmup if args.warmup is None else args.warmup
+    if args.reps < 1 or args.warmup < 0 or (args.epochs is not None and args.epochs < 1):
+        parser.error("--reps and --epochs must be >= 1, --warmup >= 0")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    sizes = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    torch, torch_device = common.open_torch()
+    if torch is not None and torch.cuda.is_available():
+        torch.zeros(1, device="cuda").sum().item()  # the CUDA context, made once before any timing
+    backend, why = open_vulkan(args.device)
+    if backend is None:
+        vk_device = f"no Vulkan: {why}"
+        print(f"vkflow: {vk_device}")
+    else:
+        vk_device = backend.facts.name
+        print(f"vkflow on {vk_device} ({backend.facts.driver_version}, Vulkan {backend.facts.api_version})")
+    with tempfile.TemporaryDirectory(prefix="bench-realworld-") as tmp:
+        folder = Path(tmp)
+        began = time.perf_counter()
+        data = open_data(args.data, sizes, args.quick, folder)
+        print(
+            f"data: {data.kind}, {data.train} train and {data.test} test images "
+            f"({Path(data.train_images).parent}; ready in {time.perf_counter() - began:.1f} s)"
+        )
+        rep = RealWorldReporter(args.out, data)
+        try:
+            for model in args.models:
+                bench_model(args, rep, model, sizes, data, backend, vk_device, torch, torch_device, folder)
+        finally:
+            common.finish(rep, backend, started)
+
+
+if __name__ == "__main__":
+    main()

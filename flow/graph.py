@@ -1,0 +1,195 @@
+"""The model as its programs see it, and the records autodiff emits into: the stages (the layers
+after an activation layer is folded into the Linear or Conv2d before it), the trainable parameters
+in arena order with their fans, the dense layers whose weight and bias gradients one GEMM writes,
+the labels' shape, and the :class:`Graph` of tensor declarations and launch groups that
+:mod:`flow.autodiff` fills and :mod:`flow.planning` places in memory. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from flow.program import TENSOR_ALIGNMENT, Launch, TensorDType
+from flow.shapes import infer_shapes
+from flow.spec_model import GELU, MSE, Conv2d, LeakyReLU, Linear, Model, ReLU, Sigmoid, Tanh
+
+_ACTIVATION_LAYERS = {ReLU: "relu", LeakyReLU: "leaky_relu", Sigmoid: "sigmoid", Tanh: "tanh", GELU: "gelu"}
+
+# Where each role lives: parameters, gradients and optimiser state persist for the whole run;
+# io is per input slot (host-visible); work is reused within a step once a tensor is dead.
+Role = str  # "param" | "grad" | "state" | "io" | "work"
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    shape: tuple[int, ...]
+    dtype: TensorDType
+    role: Role
+    view_of: str | None = None  # a reshape that shares its base tensor's memory
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamDecl:
+    """One trainable tensor and how to initialise it."""
+
+    name: str
+    shape: tuple[int, ...]
+    fan_in: int
+    fan_out: int
+    is_bias: bool
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A layer after fusion: the spec layer index it came from and its effective activation."""
+
+    index: int
+    layer: object
+    activation: str | None
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+
+@dataclass
+class Graph:
+    tensors: dict[str, TensorDecl] = field(default_factory=dict)
+    groups: list[list[Launch]] = field(default_factory=list)
+
+    def add(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        role: Role = "work",
+        dtype: TensorDType = "float32",
+        view_of: str | None = None,
+    ) -> str:
+        declared = TensorDecl(name, tuple(int(d) for d in shape), dtype, role, view_of)
+        existing = self.tensors.get(name)
+        if existing is not None and existing != declared:
+            raise AssertionError(f"tensor {name!r} declared twice differently: {existing} vs {declared}")
+        self.tensors[name] = declared
+        return name
+
+    def emit(self, *launches: Launch) -> None:
+        """Append a group of independent launches."""
+        group = [item for item in launches if item is not None]
+        if group:
+            self.groups.append(group)
+
+
+def stages(model: Model) -> list[Stage]:
+    """The model's layers with each activation layer that follows a Linear or Conv2d without an
+    activation folded into that layer's epilogue."""
+    shapes = infer_shapes(model)
+    result: list[Stage] = []
+    in_shape = tuple(model.input_shape)
+    for index, layer in enumerate(model.layers):
+        activation = _ACTIVATION_LAYERS.get(type(layer))
+        previous = result[-1] if result else None
+        if (
+            activation is not None
+            and previous is not None
+            and isinstance(previous.layer, Linear | Conv2d)
+            and previous.activation is None
+        ):
+            result[-1] = replace(
+                previous,
+                activation=activation,
+                layer=_with_slope(previous.layer, layer),
+                out_shape=shapes[index],
+            )
+        else:
+            own = getattr(layer, "activation", None) if isinstance(layer, Linear | Conv2d) else activation
+            result.append(Stage(index, layer, own, in_shape, shapes[index]))
+        in_shape = shapes[index]
+    return result
+
+
+def _with_slope(layer, activation_layer):
+    # Carry a folded LeakyReLU's slope on the stage via a private attribute-free record.
+    slope = getattr(activation_layer, "slope", None)
+    if slope is None:
+        return layer
+    return _Sloped(layer, slope)
+
+
+@dataclass(frozen=True)
+class _Sloped:
+    inner: object
+    slope: float
+
+
+def unwrap(layer) -> tuple[object, float]:
+    """A stage's layer and its activation's slope: a folded LeakyReLU's, else the layer's own, else
+    LeakyReLU's default 0.01."""
+    if isinstance(layer, _Sloped):
+        return layer.inner, layer.slope
+    return layer, getattr(layer, "slope", 0.01)
+
+
+def parameters(model: Model) -> list[ParamDecl]:
+    """Every trainable tensor, in layer order (weights then bias).
+
+    Linear weights are stored [in, out] (so the forward GEMM needs no transpose); conv weights
+    [out_channels, in_channels, kh, kw].
+    """
+    params: list[ParamDecl] = []
+    for stage in stages(model):
+        layer, _ = unwrap(stage.layer)
+        if isinstance(layer, Linear):
+            fan_in, fan_out = stage.in_shape[0], layer.units
+            params.append(
+                ParamDecl(f"layers[{stage.index}].weight", (fan_in, fan_out), fan_in, fan_out, False)
+            )
+            if layer.bias:
+                params.append(ParamDecl(f"layers[{stage.index}].bias", (fan_out,), fan_in, fan_out, True))
+        elif isinstance(layer, Conv2d):
+            c = stage.in_shape[0]
+            area = layer.kernel * layer.kernel
+            shape = (layer.channels, c, layer.kernel, layer.kernel)
+            params.append(
+                ParamDecl(f"layers[{stage.index}].weight", shape, c * area, layer.channels * area, False)
+            )
+            if layer.bias:
+                params.append(
+                    ParamDecl(
+                        f"layers[{stage.index}].bias",
+                        (layer.channels,),
+                        c * area,
+                        layer.channels * area,
+                        True,
+                    )
+                )
+    return params
+
+
+def fused_bias_grads(model: Model) -> dict[str, tuple[str, tuple[int, int]]]:
+    """The dense layers whose weight and bias gradients one GEMM writes (see gemm.comp ones_row):
+    view name -> (weight name, view shape [in + 1, out]). A layer qualifies when its bias
+    parameter directly follows its weight in the flat arenas: parameters are laid out in
+    ``parameters`` order at aligned offsets, so when the weight's bytes are a multiple of the
+    alignment the bias starts exactly where the weight ends, and the pair is one [in + 1, out]
+    matrix. The plan declares these views; the backward pass writes them.
+    """
+    views: dict[str, tuple[str, tuple[int, int]]] = {}
+    for stage in stages(model):
+        layer, _ = unwrap(stage.layer)
+        if isinstance(layer, Linear) and layer.bias:
+            fan_in, fan_out = stage.in_shape[0], layer.units
+            if (fan_in * fan_out * 4) % TENSOR_ALIGNMENT == 0:
+                weight = f"layers[{stage.index}].weight"
+                views[f"grad:{weight}+bias"] = (weight, (fan_in + 1, fan_out))
+    return views
+
+def label_shape(model: Model, batch: int) -> tuple[tuple[int, ...], TensorDType]:
+    """Shape and dtype of a batch of labels: class ids for CrossEntropy, targets for MSE."""
+    out_shape = infer_shapes(model)[-1] if model.layers else tuple(model.input_shape)
+    if isinstance(model.loss, MSE):
+        return (batch, *out_shape), "float32"
+    return (batch,), "int32"

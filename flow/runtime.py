@@ -1,0 +1,501 @@
+"""The runtime of one pipeline: it opens what the plan names and wires the plan's actors with
+bounded channels, guards each actor, and gathers what they did into a :class:`RunResult`.
+
+:class:`Runtime` opens in an order that refuses every mistake before it costs: a training run first
+claims its checkpoint directory and metrics file (actors.outputs: another run's, or a live run's,
+are refused), then reads the source's header and the device's facts without opening a device,
+plans, and only then opens the device and records every program before the first step. Shutdown is
+structured: at the end of the data every actor drains its inbox and closes its outboxes, so the end
+flows downstream (the loader's final mark makes the device snapshot, the sink writes the final
+checkpoint). An actor that raises is recorded as an :class:`ActorError` naming it; after a
+KeyboardInterrupt the device is drained and a checkpoint written (:meth:`Runtime.interrupted`).
+Sources and backends opened here are closed by :meth:`Runtime.close`, and the outputs' claims are
+released last. flow.runner runs a Runtime in a nursery and turns what ends it into one error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import trio
+
+from actors import checkpoint as checkpoints
+from actors import device_select
+from actors import optimiser as optim
+from actors.backend import Backend
+from actors.device import DeviceActor, InputSlots
+from actors.engine import Engine
+from actors.loader import Loader, jobs
+from actors.messages import Cursor, EvalDone, InputStatistics
+from actors.meter import HookList, Hooks, Meter
+from actors.optimiser import OptimiserActor
+from actors.outputs import Outputs, open_outputs
+from actors.preprocess import Preprocess
+from actors.progress import Progress
+from actors.sink import Sink
+from actors.statistics import ActorStatistics
+from flow.data_plan import header_of
+from flow.device_facts import DeviceFacts
+from flow.optim import describe_optimiser
+from flow.pipeline_plan import ActorPlan
+from flow.planning import Plan, plan
+from flow.spec import Devices, Spec
+from shaders import gemm_tuning
+
+logger = logging.getLogger("vkflow")
+
+Mode = Literal["train", "predict"]
+
+
+class ActorError(RuntimeError):
+    """An actor failed; the run was cancelled. The original exception is ``__cause__``.
+
+    Attributes:
+        actor: the pipeline node's name.
+        error: the original exception.
+    """
+
+    def __init__(self, actor: str, error: BaseException) -> None:
+        super().__init__(f"actor {actor!r} failed: {type(error).__name__}: {error}")
+        self.actor = actor
+        self.error = error
+
+
+@dataclass(frozen=True, eq=False)
+class RunResult:
+    """What a run did.
+
+    Attributes:
+        steps: training steps done (the run's step counter; a resumed run counts from 0).
+        epochs: epochs completed.
+        loss: the last training step's loss.
+        accuracy: the last validation round's accuracy (None without a validation split or for
+            regression).
+        evals: every evaluation of this process (validation and test rounds), in order.
+        checkpoint: the last checkpoint written, if any.
+        metrics_file: the metrics file, if any.
+        parameters: the final weights by parameter name.
+        device: the device's name.
+        seconds: wall time of this process's run, setup included.
+        statistics: every actor's final statistics.
+        resumed_from: the step the run resumed at (0 for a fresh run).
+        test: the test split's score after the last step (None without a test split).
+        skipped: distinct bad items the source left out under ``on_error="skip"`` in this process
+            (a bad file met in every epoch counts once).
+        skipped_examples: where the first few of them are (file, or file and row).
+        inputs: the range of the first training batch after preprocessing (None when no
+            preprocess node saw one), as the ``"inputs"`` metrics event records it.
+        warnings: what looked wrong, in order (inputs constant or tiny, a loss at chance, a
+            non-finite loss under ``on_nonfinite="continue"``), each also logged and in the file.
+    """
+
+    steps: int
+    epochs: int
+    loss: float | None
+    accuracy: float | None
+    evals: tuple[EvalDone, ...]
+    checkpoint: str | None
+    metrics_file: str | None
+    parameters: dict[str, np.ndarray] = field(repr=False)
+    device: str = ""
+    seconds: float = 0.0
+    statistics: dict[str, ActorStatistics] = field(default_factory=dict, repr=False)
+    resumed_from: int = 0
+    test: EvalDone | None = None
+    skipped: int = 0
+    skipped_examples: tuple[str, ...] = ()
+    inputs: InputStatistics | None = None
+    warnings: tuple[str, ...] = ()
+
+
+# -- effects ---------------------------------------------------------------------------------------
+
+
+def selected_facts(devices: Devices) -> DeviceFacts:
+    """The facts of the device ``devices.select`` asks for, without opening it: "cpu", "auto" (the
+    best Vulkan device, else the CPU with a one-line warning), or a Vulkan device by index or name.
+
+    Args:
+        devices: the spec's devices.
+
+    Returns:
+        The facts (open the device with actors.device_select.open_device).
+
+    Raises:
+        LookupError: a named Vulkan device that cannot be had.
+    """
+    facts, message = device_select.select_facts(devices.select)
+    if message:
+        logger.warning("vkflow: %s", message.splitlines()[0])
+    return facts
+
+
+def plan_on(spec: Spec, facts: DeviceFacts, **options: Any) -> Plan:
+    """The run's plan on the device with ``facts``, with that device's measured GEMM tiles (the
+    table is read here, the effect; the planner only chooses from it).
+
+    Args:
+        spec: the spec.
+        facts: the device's facts.
+        **options: the rest of flow.planning.plan's keywords (header, mode, maps_inputs, budget).
+
+    Returns:
+        The plan.
+    """
+    return plan(spec, facts=facts, tuning=gemm_tuning.load_table(facts.name), **options)
+
+
+def start_engine(
+    run_plan: Plan, backend: Backend, state: dict[str, np.ndarray] | None = None, cursor: Cursor | None = None
+) -> tuple[Engine, Cursor]:
+    """Bring the plan's device up: its memory, its weights (fresh, or ``state`` restored) and every
+    program the plan's mode launches, recorded for every slot before the first step.
+
+    Args:
+        run_plan: the plan.
+        backend: the opened device.
+        state: a checkpoint's parameters and optimiser state, or None for fresh weights.
+        cursor: the checkpoint's cursor, or None.
+
+    Returns:
+        (engine, the cursor the run starts at).
+    """
+    spec = run_plan.spec
+    engine = Engine(run_plan.devices[0], backend)
+    start = optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state, cursor)
+    engine.prepare(("train", "eval") if run_plan.mode == "train" else ("predict",))
+    return engine, start
+
+
+def open_backend(devices: Devices) -> Backend:
+    """Open the backend ``devices.select`` asks for: "cpu", "auto" (the best Vulkan device, else the
+    CPU with a one-line warning), or a Vulkan device by index or name.
+
+    Args:
+        devices: the spec's devices.
+
+    Returns:
+        The backend; the caller closes it.
+
+    Raises:
+        LookupError: a named Vulkan device that cannot be had.
+    """
+    return device_select.open_device(selected_facts(devices), devices.memory_fraction)
+
+
+class _Relay:
+    """A node that forwards everything (broadcast nodes; the optimiser when predicting)."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+
+    async def run(self) -> None:
+        async with self.meter:
+            async for item in self.meter:
+                await self.meter.send(item)
+
+    def statistics(self) -> ActorStatistics:
+        return self.meter.statistics()
+
+
+class Runtime:
+    """Everything a pipeline holds: the opened resources, the actors and their channels."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        mode: Mode,
+        saved: checkpoints.Checkpoint | None,
+        backend: Backend | None,
+        hooks: Sequence[Hooks],
+        progress: Progress | None,
+    ) -> None:
+        self.spec = spec
+        self.mode = mode
+        self.saved = saved
+        self.backend = backend
+        self.owns_backend = backend is None
+        self.hooks = HookList(hooks) if hooks else None
+        self.progress = progress
+        self.source = None
+        self.engine: Engine | None = None
+        self.slots: InputSlots | None = None
+        self.actors: dict[str, Any] = {}
+        self.device: DeviceActor | None = None
+        self.sink: Sink | None = None
+        self.feed: Meter | None = None
+        self.results: trio.MemoryReceiveChannel | None = None
+        self.channels: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self.failure: ActorError | None = None
+        self.running = 0
+        self.finished = trio.Event()
+        self.started = time.monotonic()
+        self.start_cursor = Cursor()
+        self.plan: Plan | None = None
+        self.inline = False
+        # A resumed run is the same run: its checkpoints and metrics lines carry the saved id.
+        self.run_id = saved.run if saved is not None else checkpoints.new_run_id()
+        self.outputs: Outputs | None = None
+        self.stored = None  # the source's whole data where the plan keeps it on the device
+
+    async def _blocking(self, fn, *args):
+        """Setup work that may take a while (device creation, recording, opening a source): in a
+        thread so the caller's event loop keeps running, except for a thread-free fake device."""
+        if self.inline:
+            return fn(*args)
+        return await trio.to_thread.run_sync(fn, *args)
+
+    async def open(self) -> None:
+        """Open what the plan says, in an order that refuses every mistake before it costs: the
+        outputs (another run's checkpoints), then the source's header (opening a source reads no
+        sample) and the device's facts (no device is opened), then the plan, which checks the
+        pipeline, the data against the model and the memory budget all at once. Only then is the
+        device opened and its programs recorded, every one of them before the first step."""
+        spec = self.spec
+        header = None
+        if self.mode == "train":
+            # Another run's checkpoints or metrics, or a live run writing them: refused at once.
+            start = self.saved.cursor.step if self.saved is not None else None
+            self.outputs = open_outputs(self.run_id, spec.run.checkpoint_dir, spec.run.metrics_file, start)
+            from loaders import open_source
+
+            self.source = await self._blocking(open_source, spec.data.source)
+            header = header_of(self.source)
+        if self.backend is not None:
+            facts = self.backend.facts
+            maps_inputs = callable(getattr(self.backend, "write_into", None))
+        else:
+            facts = await trio.to_thread.run_sync(selected_facts, spec.devices)
+            maps_inputs = None  # as the plan assumes for the facts' kind
+        self.plan = plan_on(spec, facts, header=header, mode=self.mode, maps_inputs=maps_inputs)
+        if self.backend is None:
+            self.backend = await trio.to_thread.run_sync(
+                device_select.open_device, facts, spec.devices.memory_fraction
+            )
+        self.inline = bool(getattr(self.backend, "runs_inline", False))
+        state, cursor = (self.saved.state, self.saved.cursor) if self.saved else (None, None)
+        # Partial batches run the same programs (see flow.planning.DevicePlan), so every one the
+        # run launches is recorded here, before the first step.
+        started = await self._blocking(start_engine, self.plan, self.backend, state, cursor)
+        self.engine, self.start_cursor = started
+        resident = self.plan.data.resident if self.plan.data is not None else None
+        if resident is not None:
+            # Once, before the first step: every sample as stored, then batches travel as indices.
+            self.stored = await self._blocking(self.source.stored)
+            await self._blocking(self.engine.upload_dataset, self.stored.x, self.stored.labels)
+        self._wire()
+
+    @property
+    def total(self) -> int:
+        """Training steps in the whole run (0 when predicting)."""
+        return self.plan.data.schedule.total_steps if self.plan and self.plan.data else 0
+
+    @property
+    def per_epoch(self) -> int:
+        """Training batches a epoch (1 when predicting)."""
+        return self.plan.data.schedule.batches_per_epoch if self.plan and self.plan.data else 1
+
+    def _wire(self) -> None:
+        """Open the plan's channels and make its actors."""
+        pipeline = self.plan.pipeline
+        views = self.engine.input_views() if pipeline.in_place else None
+        if pipeline.in_place and views is None:
+            raise AssertionError("the plan reads batches in place, but the device maps no input slots")
+        self.slots = InputSlots(self.engine.slots, views)
+        for src, dst, capacity in pipeline.channels:
+            self.channels[(src, dst)] = trio.open_memory_channel(capacity)
+        for actor in pipeline.actors:
+            inbox = self.channels[(actor.inbox, actor.name)][1] if actor.inbox else None
+            outboxes = [self.channels[(actor.name, dst)][0] for dst in actor.outboxes]
+            if actor.kind == "sink" and self.mode == "predict":
+                send, self.results = trio.open_memory_channel(max(1, self.engine.slots))
+                outboxes.append(send)
+            meter = Meter(actor.name, inbox, outboxes, self.hooks)
+            self.actors[actor.name] = self._actor(actor, meter)
+        if self.hooks is not None:
+            self.hooks.attach(dict(self.channels))
+
+    def _host_rows(self, indices: np.ndarray) -> np.ndarray:
+        """Rows of the resident dataset preprocessed on the host, as the gather launch does (for
+        the first batch's input statistics)."""
+        resident = self.plan.data.resident
+        affine = np.asarray(resident.affine, np.float64).reshape(1, -1, 2, 1)
+        rows = self.stored.x[indices].astype(np.float64).reshape(len(indices), resident.channels, 1, -1)
+        values = (rows * affine[:, :, :1] + affine[:, :, 1:]).reshape(len(indices), *resident.sample_shape)
+        return values.astype(np.float32)
+
+    def _jobs(self):
+        """The loader's stream, from the cursor the run starts at."""
+        data = self.plan.data
+        return jobs(
+            self.start_cursor, data.schedule, data.sampler("train"), data.sampler("val"), data.sampler("test")
+        )
+
+    def _actor(self, actor: ActorPlan, meter: Meter):
+        spec = self.spec
+        if actor.kind == "loader":
+            if self.mode == "predict":
+                self.feed = meter
+                return None  # the caller feeds: PipelineHandle.feed
+            return Loader(
+                meter,
+                self.source,
+                self._jobs(),
+                workers=actor.workers,
+                inline=self.inline,
+                slots=self.slots,
+                on_device=self.stored is not None,
+            )
+        if actor.kind == "preprocess":
+            return Preprocess(
+                meter,
+                spec.data.preprocess,
+                spec.data.augment,
+                spec.data.seed,
+                tuple(spec.model.input_shape),
+                inline=self.inline,
+                host_rows=self._host_rows if self.stored is not None else None,
+            )
+        if actor.kind == "device":
+            self.device = DeviceActor(
+                meter, self.engine, self.start_cursor, inline=self.inline, slots=self.slots
+            )
+            return self.device
+        if actor.kind == "optimiser" and self.mode == "train":
+            return OptimiserActor(meter, spec.optimiser, self.start_cursor.step)
+        if actor.kind == "sink":
+            self.sink = Sink(
+                meter,
+                spec,
+                self.total,
+                self.start_cursor.step,
+                self.statistics,
+                describe_optimiser(spec.optimiser, self.engine.plan.state_names),
+                spec.run.checkpoint_dir if self.mode == "train" else None,
+                spec.run.metrics_file if self.mode == "train" else None,
+                self.progress if self.mode == "train" else Progress(enabled=False),
+                keep=spec.run.keep_checkpoints,
+                run=self.run_id,
+                inline=self.inline,
+                skipped=self.skipped if self.mode == "train" else None,
+            )
+            return self.sink
+        return _Relay(meter)
+
+    def statistics(self) -> dict[str, ActorStatistics]:
+        stats = {name: actor.statistics() for name, actor in self.actors.items() if actor is not None}
+        if self.feed is not None:
+            stats[self.feed.name] = self.feed.statistics()
+        return stats
+
+    def start(self, nursery: trio.Nursery) -> None:
+        for name, actor in self.actors.items():
+            if actor is not None:
+                self.running += 1
+                nursery.start_soon(self._guard, name, actor, name=f"vkflow actor {name}")
+        if self.running == 0:
+            self.finished.set()
+
+    async def _guard(self, name: str, actor) -> None:
+        try:
+            await actor.run()
+        except BaseException as error:
+            real = _real_error(error)
+            if real is None:
+                raise
+            failure = ActorError(name, real)
+            if self.failure is None:
+                self.failure = failure
+            raise failure from real
+        self.running -= 1
+        if self.running == 0:
+            self.finished.set()
+
+    def interrupted(self) -> Path | None:
+        """After a KeyboardInterrupt: drain the device and write a checkpoint (blocking)."""
+        directory = self.spec.run.checkpoint_dir
+        if self.mode != "train" or self.device is None or directory is None:
+            return None
+        snapshot = self.device.snapshot_now()
+        describe = describe_optimiser(self.spec.optimiser, self.engine.plan.state_names)
+        checkpoint = checkpoints.from_snapshot(self.spec, snapshot, describe, self.run_id)
+        return checkpoints.save(directory, checkpoint, self.spec.run.keep_checkpoints)
+
+    def result(self) -> RunResult:
+        sink = self.sink
+        steps = self.start_cursor.step
+        epochs = self.start_cursor.epoch
+        if sink is not None and sink.final is not None:
+            cursor = sink.final.cursor
+            steps = cursor.step
+            epochs = cursor.epoch + (1 if cursor.position >= self.per_epoch else 0)
+        elif sink is not None and sink.last_step is not None:
+            steps, epochs = sink.last_step.step + 1, sink.last_step.epoch
+        evals = tuple(sink.evals) if sink else ()
+        vals = [e for e in evals if e.split == "val"]
+        accuracy = vals[-1].accuracy if vals and math.isfinite(vals[-1].accuracy) else None
+        test = next((e for e in reversed(evals) if e.split == "test"), None)
+        skipped, examples = self.skipped()
+        return RunResult(
+            steps=steps,
+            epochs=epochs,
+            loss=sink.last_step.loss if sink and sink.last_step else None,
+            accuracy=accuracy,
+            evals=evals,
+            checkpoint=str(sink.checkpoint) if sink and sink.checkpoint else None,
+            metrics_file=self.spec.run.metrics_file,
+            parameters=self.engine.parameters() if self.engine else {},
+            device=self.backend.facts.name if self.backend else "",
+            seconds=time.monotonic() - self.started,
+            statistics=self.statistics(),
+            resumed_from=self.start_cursor.step,
+            test=test,
+            skipped=skipped,
+            skipped_examples=examples,
+            inputs=sink.inputs if sink else None,
+            warnings=tuple(sink.warnings) if sink else (),
+        )
+
+    def skipped(self) -> tuple[int, tuple[str, ...]]:
+        """The source's distinct bad items so far and where the first few are."""
+        # A source of a test's own making may keep no statistics, or none of these counters.
+        statistics = getattr(self.source, "statistics", None)
+        stats = statistics() if callable(statistics) else None
+        return getattr(stats, "skipped_items", 0), tuple(getattr(stats, "skipped_examples", ()))
+
+    def close(self) -> None:
+        try:
+            if self.source is not None:
+                self.source.close()
+                self.source = None
+            if self.owns_backend and self.backend is not None:
+                self.backend.close()
+        finally:
+            # Last: the interrupt's checkpoint is written under the lock. Always: a claim left
+            # behind would refuse every later run of this process into these outputs.
+            if self.outputs is not None:
+                self.outputs.close()
+                self.outputs = None
+
+
+def error_leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions inside ``error``, exception groups flattened, in order."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in error_leaves(inner)]
+    return [error]
+
+
+def _real_error(error: BaseException) -> BaseException | None:
+    """The exception an actor really failed with; None for cancellation and interrupts, which must
+    propagate untouched."""
+    leaves = [e for e in error_leaves(error) if not isinstance(e, trio.Cancelled)]
+    if not leaves or any(isinstance(e, KeyboardInterrupt | SystemExit) for e in leaves):
+        return None
+    return leaves[0]

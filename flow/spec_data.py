@@ -1,0 +1,275 @@
+"""The data's records: the sources, the transforms (preprocessing and augmentation), the split and
+:class:`Data`, which says where samples come from and how they are batched. Every source follows
+the input convention in :mod:`flow.spec`'s docstring, which re-exports these records for users;
+annotations are real objects (no ``from __future__ import annotations``) because the codec and the
+validator read them from ``dataclasses.fields``.
+"""
+
+from dataclasses import KW_ONLY, dataclass
+from typing import Literal
+
+from flow.spec_base import Record, Shape
+
+# The element types a raw source file may hold; device tensors hold fewer (flow.program.TensorDType).
+SourceDType = Literal["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64"]
+OnError = Literal["raise", "skip"]
+
+# Sources
+
+
+@dataclass(frozen=True)
+class ImageFolder(Record):
+    """Image files (PNG, JPEG, BMP, GIF, WebP) under a folder. Samples are float32 in [0, 1]
+    (8-bit pixels / 255, 16-bit greyscale / 65535): never add ``Scale(1/255)``.
+
+    Attributes:
+        root: the folder.
+        size: (height, width) in pixels each image is scaled to cover and centre-cropped to, every
+            size > 0; None (default) keeps each file's own size, which must then be the same.
+        mode: "L" (default, 1 grey channel), "RGB" (3) or "RGBA" (4).
+        layout: "CHW" (default, what Conv2d takes) or "HWC".
+        labels_csv: a ``filename,label`` CSV for a flat folder, filenames relative to root,
+            labels integers or class names (sorted into ids); None (default): the label is the
+            image's sub-folder, the sorted sub-folder names being classes 0..k-1.
+        workers: decoding threads, > 0 (default 2).
+        on_error: a file that cannot be decoded: "raise" (default) stops the run; "skip" leaves
+            it out with a warning and counts it.
+    """
+
+    root: str
+    _: KW_ONLY
+    size: tuple[int, int] | None = None
+    mode: Literal["L", "RGB", "RGBA"] = "L"
+    layout: Literal["CHW", "HWC"] = "CHW"
+    labels_csv: str | None = None
+    workers: int = 2
+    on_error: OnError = "raise"
+
+
+@dataclass(frozen=True)
+class CSV(Record):
+    """Rows of a CSV file (UTF-8, comma-separated): float32 features, as written (unscaled).
+
+    The label column holds integer class ids or class names (classification) or other numbers
+    (regression targets), judged from the first label.
+
+    Attributes:
+        path: the file.
+        label_column: the label's column, by name (needs ``header``) or index >= 0.
+        feature_columns: the features' columns in order, by name or index; None (default): every
+            column but the label.
+        header: whether the first row names the columns (default True).
+        chunk_rows: rows parsed at a time, > 0 (default 4096); bounds a read's extra memory.
+        on_error: a row that does not parse: "raise" (default) or "skip" (left out, counted).
+    """
+
+    path: str
+    _: KW_ONLY
+    label_column: str | int
+    feature_columns: tuple[str | int, ...] | None = None
+    header: bool = True
+    chunk_rows: int = 4096
+    on_error: OnError = "raise"
+
+
+@dataclass(frozen=True)
+class RawBinary(Record):
+    """Fixed-size records back to back in a raw file, mapped rather than read. uint8 records are
+    divided by 255 (samples in [0, 1], as images); other dtypes are cast to float32 unscaled.
+
+    Attributes:
+        path: the records file; its size must be a whole number of records.
+        dtype: one value's type: "uint8", "int8", "uint16", "int16", "int32", "int64", "float16",
+            "float32" or "float64" (native byte order).
+        shape: one sample's shape, every size > 0.
+        labels_path: a raw file (or ``.npy``) of one label per record; None (default): unlabelled,
+            for prediction only.
+        label_dtype: the raw labels' type (default "int32"); integers are class ids, floats
+            regression targets.
+        on_error: a bad record (NaN or infinity, or a partial record at the end): "raise"
+            (default) or "skip" (left out, counted).
+    """
+
+    path: str
+    _: KW_ONLY
+    dtype: SourceDType
+    shape: Shape
+    labels_path: str | None = None
+    label_dtype: SourceDType = "int32"
+    on_error: OnError = "raise"
+
+
+@dataclass(frozen=True)
+class IDX(Record):
+    """An IDX images file and an IDX labels file (the MNIST format; ``.gz`` allowed). uint8 images
+    are divided by 255 (samples in [0, 1]); other types are cast to float32 unscaled. 3-D images
+    (n, H, W) become (1, H, W) samples.
+
+    Attributes:
+        images: the samples' file (n, ...).
+        labels: the labels' file (n,), integer class ids.
+    """
+
+    images: str
+    labels: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Synthetic(Record):
+    """Generated data with a known answer, needing no files; sample i is a pure function of
+    (seed, i). Classification: balanced classes, each a Gaussian blob (noise std 0.5) around a
+    standard-normal centre; regression: a standard-normal target y and ``x = y * direction +
+    noise``. Features are float32 around 0 (no fixed range; do not scale them).
+
+    Attributes:
+        task: "classification" (default) or "regression".
+        samples: how many, > 0.
+        features: one sample's shape, every size > 0.
+        classes: classes for classification, >= 2 (default 10).
+        seed: the data's seed, >= 0 (default 0).
+    """
+
+    task: Literal["classification", "regression"] = "classification"
+    samples: int
+    features: Shape
+    classes: int = 10
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Digits(Record):
+    """The bundled 8x8 grey handwritten-digit set (UCI, 1797 images): (1, 8, 8) samples in [0, 1]
+    read through the image-folder loader, 10 classes. Needs no preprocessing."""
+
+
+Source = ImageFolder | CSV | RawBinary | IDX | Synthetic | Digits
+
+# Preprocessing and augmentation
+
+
+@dataclass(frozen=True)
+class Normalize(Record):
+    """``(x - mean) / std`` per channel (axis 1 of the batch: the C of (C, H, W), or each feature
+    of a flat sample). Sources give [0, 1] for 8-bit data, so take mean and std in those units
+    (e.g. MNIST: mean (0.1307,), std (0.3081,)), not 0..255.
+
+    Attributes:
+        mean: one value for every channel, or one per channel.
+        std: as many values as mean, each > 0.
+    """
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Scale(Record):
+    """Multiply every input value by ``factor``.
+
+    Sources already give 8-bit data (ImageFolder, Digits, uint8 IDX and RawBinary) as floats in
+    [0, 1], so raw bytes need no ``Scale(1/255)``: on such data it leaves inputs in [0, 1/255] and
+    the model trains at chance. The run warns when the inputs after preprocessing look like that.
+    Use Scale for data of other units, e.g. ``Scale(1/1000)`` for millimetres as metres.
+
+    Attributes:
+        factor: the multiplier.
+    """
+
+    factor: float
+
+
+@dataclass(frozen=True)
+class RandomCrop(Record):
+    """A random (height, width) window of each (C, H, W) sample, after zero padding; an
+    augmentation (put it in ``data.augment``). Draws are seeded by the batch's place in the run.
+
+    Attributes:
+        size: (height, width) of the crop in pixels, every size > 0.
+        padding: zeros added on each side first, in pixels, >= 0 (default 0).
+    """
+
+    size: tuple[int, int]
+    _: KW_ONLY
+    padding: int = 0
+
+
+@dataclass(frozen=True)
+class HorizontalFlip(Record):
+    """Mirror each (C, H, W) sample left to right at random; an augmentation.
+
+    Attributes:
+        p: each sample's probability of being flipped, in [0, 1] (default 0.5).
+    """
+
+    p: float = 0.5
+
+
+@dataclass(frozen=True)
+class Resize(Record):
+    """Resize each (C, H, W) sample bilinearly (antialiased when shrinking); values keep their range.
+
+    Attributes:
+        size: (height, width) in pixels, every size > 0.
+    """
+
+    size: tuple[int, int]
+
+
+Transform = Normalize | Scale | RandomCrop | HorizontalFlip | Resize
+
+# The split and the data
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split(Record):
+    """How the source's samples divide into training, validation and test sets (fractions that
+    sum to 1, drawn with ``data.seed``).
+
+    Attributes:
+        train: the training fraction, in (0, 1] (default 1.0).
+        val: the validation fraction, in [0, 1] (default 0.0): evaluated every ``run.eval_every``
+            steps or after each epoch.
+        test: the test fraction, in [0, 1] (default 0.0): held out from training and validation,
+            scored once after the last step (``RunResult.test``).
+        stratify: keep each class's share the same in every part (default False).
+    """
+
+    train: float = 1.0
+    val: float = 0.0
+    test: float = 0.0
+    stratify: bool = False
+
+
+@dataclass(frozen=True)
+class Data(Record):
+    """Where the samples come from and how they are batched.
+
+    Attributes:
+        source: ImageFolder, CSV, RawBinary, IDX, Synthetic or Digits; each gives float32 samples
+            by the module's convention (8-bit data in [0, 1]).
+        batch_size: samples per batch, > 0 (default 64).
+        shuffle: reshuffle the training samples each epoch (default True).
+        seed: seeds the split, the shuffles and the augmentations, >= 0 (default 0).
+        split: training, validation and test fractions (default ``Split()``: all training).
+        drop_last: leave out each epoch's last, partial training batch (default False).
+        preprocess: transforms applied in order to every batch (default none).
+        augment: transforms applied after ``preprocess`` to training batches only (default none).
+        placement: where the samples live during training. "auto" (default): on the device when
+            the source can hand over its whole data as stored (IDX, raw binary, Synthetic
+            classification), every transform is a Scale or Normalize (they are fused into the
+            step's first launch), there is no augmentation, the loss is CrossEntropy and it fits the
+            device's memory budget beside the model; else streamed from the host. "device":
+            require it (a plan error says why not). "host": always stream. ``flow plan`` shows
+            the choice.
+    """
+
+    source: Source
+    _: KW_ONLY
+    batch_size: int = 64
+    shuffle: bool = True
+    seed: int = 0
+    split: Split = Split()
+    drop_last: bool = False
+    preprocess: tuple[Transform, ...] = ()
+    augment: tuple[Transform, ...] = ()
+    placement: Literal["auto", "device", "host"] = "auto"

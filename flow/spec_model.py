@@ -1,0 +1,176 @@
+"""The model's records: its layers, its loss, how fresh weights are drawn (:class:`Init`) and the
+:class:`Model` that holds them. Frozen data like every spec record (see :mod:`flow.spec`, which
+re-exports these for users); annotations are real objects (no ``from __future__ import
+annotations``) because the codec and the validator read them from ``dataclasses.fields``.
+"""
+
+from dataclasses import KW_ONLY, dataclass
+from typing import Literal
+
+from flow.spec_base import Record, Shape
+
+Activation = Literal["relu", "leaky_relu", "sigmoid", "tanh", "gelu"]
+
+
+# Layers
+
+
+@dataclass(frozen=True)
+class Linear(Record):
+    """A dense layer on a flat input: ``y = act(x @ W + b)``, with W [in, units].
+
+    Attributes:
+        units: outputs per sample, > 0.
+        bias: whether the layer adds a learned bias b [units] (default True).
+        activation: applied to the output, fused into the layer's kernel: "relu", "leaky_relu"
+            (slope 0.01), "sigmoid", "tanh", "gelu" (exact, erf-based), or None (default) for none.
+    """
+
+    units: int
+    _: KW_ONLY
+    bias: bool = True
+    activation: Activation | None = None
+
+
+@dataclass(frozen=True)
+class Conv2d(Record):
+    """A 2-D convolution over (C, H, W) inputs with square kernels; output (channels, OH, OW) with
+    ``OH = (H + 2 * padding - kernel) // stride + 1`` (OW alike).
+
+    Attributes:
+        channels: output channels, > 0.
+        kernel: kernel height and width in pixels, > 0.
+        stride: step between windows in pixels, > 0 (default 1).
+        padding: zeros added on each side in pixels, >= 0 (default 0).
+        bias: whether a learned bias per output channel is added (default True).
+        activation: as Linear's, fused into the convolution (default None).
+    """
+
+    channels: int
+    kernel: int
+    _: KW_ONLY
+    stride: int = 1
+    padding: int = 0
+    bias: bool = True
+    activation: Activation | None = None
+
+
+@dataclass(frozen=True)
+class MaxPool2d(Record):
+    """The maximum of each square window of a (C, H, W) input, per channel, without padding. NaN
+    counts above every number, so a window holding NaN gives NaN.
+
+    Attributes:
+        kernel: window height and width in pixels, > 0.
+        stride: step between windows in pixels, > 0; None (default) is the same as kernel
+            (non-overlapping windows).
+    """
+
+    kernel: int
+    _: KW_ONLY
+    stride: int | None = None
+
+
+@dataclass(frozen=True)
+class Flatten(Record):
+    """Reshapes each sample to one dimension (C * H * W values, row-major), as Linear needs."""
+
+
+@dataclass(frozen=True)
+class ReLU(Record):
+    """``max(x, 0)`` elementwise, as a layer of its own (Linear and Conv2d can fuse it instead).
+    NaN gives NaN on every backend, as in numpy and PyTorch."""
+
+
+@dataclass(frozen=True)
+class LeakyReLU(Record):
+    """``x`` where x > 0, else ``slope * x``, elementwise. NaN gives NaN.
+
+    Attributes:
+        slope: the factor for negative inputs (default 0.01).
+    """
+
+    slope: float = 0.01
+
+
+@dataclass(frozen=True)
+class Sigmoid(Record):
+    """``1 / (1 + exp(-x))`` elementwise, in (0, 1). NaN gives NaN."""
+
+
+@dataclass(frozen=True)
+class Tanh(Record):
+    """``tanh(x)`` elementwise, in (-1, 1). NaN gives NaN."""
+
+
+@dataclass(frozen=True)
+class GELU(Record):
+    """``x * Phi(x)`` elementwise, Phi the standard normal CDF (exact, erf-based; not the tanh
+    approximation). NaN gives NaN."""
+
+
+@dataclass(frozen=True)
+class Softmax(Record):
+    """Softmax over a flat sample: outputs in [0, 1] that sum to 1. Not before CrossEntropy, which
+    applies softmax itself; a row holding NaN gives NaN everywhere."""
+
+
+Layer = Linear | Conv2d | MaxPool2d | Flatten | ReLU | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
+
+# Losses and the model
+
+
+@dataclass(frozen=True)
+class CrossEntropy(Record):
+    """Mean cross-entropy over the batch, for integer class labels 0..classes-1; softmax is fused
+    into the loss, so the model ends in raw logits (a Linear with one unit per class, >= 2).
+
+    A model that guesses uniformly scores ``ln(classes)`` (2.3026 for 10 classes): a run warns when
+    a whole epoch's mean training loss stays within 1% of that. Predictions are probabilities.
+    """
+
+
+@dataclass(frozen=True)
+class MSE(Record):
+    """Mean squared error over the batch and the outputs, for float targets shaped like the model's
+    output. Predictions are the raw outputs."""
+
+
+Loss = CrossEntropy | MSE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Init(Record):
+    """How fresh weights are drawn; biases always start at 0.
+
+    Attributes:
+        scheme: "he" (default): normal with std ``sqrt(2 / fan_in)``, for relu-like activations;
+            "xavier": uniform in ``+-sqrt(6 / (fan_in + fan_out))``, for tanh and sigmoid.
+        seed: the generator's seed, >= 0 (default 0): the same seed gives the same weights.
+    """
+
+    scheme: Literal["he", "xavier"] = "he"
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model(Record):
+    """The network: its input shape, its layers in order and its loss.
+
+    Attributes:
+        input_shape: one sample's shape without the batch dimension, every size > 0: (64,) for a
+            vector, (C, H, W) for images. It must equal the source's sample shape after
+            ``data.preprocess``.
+        layers: the layers, in order; each must accept the previous one's output shape.
+        loss: CrossEntropy() or MSE(); None only for a model used to predict (training needs one).
+        input_dtype: what the inputs are declared as: "float32" (default), "float16" or "uint8".
+            It is recorded and shown in summaries; every backend takes float32 inputs today, with
+            the values of the module's input convention.
+        init: how fresh weights are drawn (default ``Init()``: He, seed 0).
+    """
+
+    input_shape: Shape
+    layers: tuple[Layer, ...]
+    loss: Loss | None
+    input_dtype: Literal["float32", "float16", "uint8"] = "float32"
+    init: Init = Init()

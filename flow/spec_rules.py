@@ -1,0 +1,394 @@
+"""Each spec record's own rules, as the validator applies them once a record's fields have passed
+their type checks (:mod:`flow.validation`): ranges, fields that must agree, and what spans records
+(layer shapes and the loss against the last layer, the pipeline's graph and its cycles, the schema
+version). A rule sees a :class:`Rule`: the record, its path, and which fields passed; it checks only
+those, so one mistake is reported once and never crashes a later rule. Pure.
+"""
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from flow.errors import did_you_mean
+from flow.shapes import count_parameters, trace
+from flow.spec import (
+    SCHEMA_VERSION,
+    SGD,
+    Adam,
+    AdamW,
+    Constant,
+    Cosine,
+    Devices,
+    Edge,
+    Node,
+    Pipeline,
+    RunSettings,
+    Spec,
+    StepLR,
+    file_key,
+)
+from flow.spec_data import (
+    CSV,
+    IDX,
+    Data,
+    HorizontalFlip,
+    ImageFolder,
+    Normalize,
+    RandomCrop,
+    RawBinary,
+    Resize,
+    Split,
+    Synthetic,
+)
+from flow.spec_model import Conv2d, CrossEntropy, Init, Linear, MaxPool2d, Model, Softmax
+
+
+def join(path: str, name: str) -> str:
+    """The path of ``name`` inside ``path`` ('' is the spec itself)."""
+    return f"{path}.{name}" if path else name
+
+
+def show(value: Any) -> str:
+    """A value for a problem's message, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class Walk(Protocol):
+    """What the rules report to: the validator's walk over a spec (flow.validation)."""
+
+    def add(self, path: str, message: str) -> None: ...
+
+    def bad(self, path: str) -> bool: ...
+
+
+class Rule:
+    """What a record's rule sees: the record, its path, and which fields passed their checks."""
+
+    def __init__(self, walk: Walk, obj: Any, path: str, clean: set[str]) -> None:
+        self.walk, self.obj, self.path, self.clean = walk, obj, path, clean
+
+    def good(self, *names: str) -> bool:
+        """Whether these fields passed their checks and no rule has found a problem in them yet."""
+        return all(n in self.clean and not self.walk.bad(self.where(n)) for n in names)
+
+    def where(self, name: str) -> str:
+        """The path of a field (or of something inside it, e.g. 'layers[2]')."""
+        return join(self.path, file_key(type(self.obj), name)) if name else self.path
+
+    def need(self, name: str, test: Callable[[Any], bool], message: str) -> None:
+        """Add '<message>, got <value>' unless the field is unchecked, None, or passes the test."""
+        value = getattr(self.obj, name)
+        if name in self.clean and value is not None and not test(value):
+            self.add(name, f"{message}, got {show(value)}")
+
+    def add(self, name: str, message: str) -> None:
+        self.walk.add(self.where(name), message)
+
+
+def _positive(v: Any) -> bool:
+    return v > 0
+
+
+def _non_negative(v: Any) -> bool:
+    return v >= 0
+
+
+def _filled(v: Any) -> bool:
+    return len(v) > 0
+
+
+def _sizes(v: Any) -> bool:
+    return all(d > 0 for d in v)
+
+
+def _column(v: Any) -> bool:
+    return v >= 0 if isinstance(v, int) else v != ""
+
+
+def _linear(r: Rule) -> None:
+    r.need("units", _positive, "must be > 0")
+
+
+def _conv2d(r: Rule) -> None:
+    for name in ("channels", "kernel", "stride"):
+        r.need(name, _positive, "must be > 0")
+    r.need("padding", _non_negative, "must be >= 0")
+
+
+def _max_pool(r: Rule) -> None:
+    r.need("kernel", _positive, "must be > 0")
+    r.need("stride", _positive, "must be > 0")
+
+
+def _init(r: Rule) -> None:
+    r.need("seed", _non_negative, "must be >= 0")
+
+
+def _model(r: Rule) -> None:
+    model: Model = r.obj
+    r.need("input_shape", _filled, "must not be empty")
+    r.need("input_shape", _sizes, "every size must be > 0")
+    if not r.good("input_shape") or not isinstance(model.layers, tuple):
+        return
+    # Shapes are only traced through layers that are themselves fine.
+    layers = model.layers
+    fine = next((i for i in range(len(layers)) if r.walk.bad(r.where(f"layers[{i}]"))), len(layers))
+    shapes, failure = trace(model.input_shape, layers[:fine])
+    if failure is not None:
+        r.add(f"layers[{failure[0]}]", failure[1])
+        return
+    if fine < len(layers) or not isinstance(model.loss, CrossEntropy):
+        return
+    last = shapes[-1] if shapes else tuple(model.input_shape)
+    where = f"layers[{len(layers) - 1}]" if layers else "loss"
+    if len(last) != 1 or last[0] < 2:
+        r.add(where, f"CrossEntropy needs a 1-D output of at least 2 classes, got shape {last}")
+    if layers and isinstance(layers[-1], Softmax):
+        r.add(where, "remove this Softmax: CrossEntropy applies softmax itself, fused with the loss")
+
+
+def _warmup(r: Rule) -> None:
+    r.need("warmup_steps", _non_negative, "must be >= 0")
+
+
+def _step_lr(r: Rule) -> None:
+    r.need("step_size", _positive, "must be > 0")
+    r.need("gamma", _positive, "must be > 0")
+    _warmup(r)
+
+
+def _cosine(r: Rule) -> None:
+    r.need("total_steps", _positive, "must be > 0")
+    r.need("min_lr", _non_negative, "must be >= 0")
+    _warmup(r)
+    if r.good("total_steps", "warmup_steps") and r.obj.warmup_steps >= r.obj.total_steps:
+        r.add("warmup_steps", f"must be < total_steps ({r.obj.total_steps}), got {r.obj.warmup_steps}")
+
+
+def _optimiser(r: Rule) -> None:
+    r.need("lr", _positive, "must be > 0")
+    r.need("weight_decay", _non_negative, "must be >= 0")
+    if isinstance(r.obj, SGD):
+        r.need("momentum", lambda m: 0 <= m < 1, "must be in [0, 1)")
+        if r.good("momentum", "nesterov") and r.obj.nesterov and r.obj.momentum == 0:
+            r.add("nesterov", "needs momentum > 0")
+    else:
+        r.need("betas", lambda b: all(0 <= x < 1 for x in b), "each must be in [0, 1)")
+        r.need("eps", _positive, "must be > 0")
+    schedule = r.obj.schedule
+    if (
+        r.good("lr")
+        and isinstance(schedule, Cosine)
+        and not r.walk.bad(r.where("schedule.min_lr"))
+        and schedule.min_lr > r.obj.lr
+    ):
+        r.add("schedule.min_lr", f"must be <= lr ({r.obj.lr}), got {schedule.min_lr}")
+
+
+def _path(r: Rule, name: str) -> None:
+    # Only the string: whether the file exists is for the loader to say, at load time.
+    r.need(name, _filled, "must not be empty")
+
+
+def _image_folder(r: Rule) -> None:
+    _path(r, "root")
+    _path(r, "labels_csv")
+    r.need("size", _sizes, "every size must be > 0")
+    r.need("workers", _positive, "must be > 0")
+
+
+def _csv(r: Rule) -> None:
+    _path(r, "path")
+    r.need("label_column", _column, "must be a column index >= 0 or a non-empty name")
+    r.need("feature_columns", _filled, "must not be empty (None means every other column)")
+    r.need("feature_columns", lambda cs: all(_column(c) for c in cs), "must be indices >= 0 or names")
+    r.need("chunk_rows", _positive, "must be > 0")
+    obj = r.obj
+    if r.good("header", "label_column", "feature_columns") and not obj.header:
+        named = [c for c in (obj.label_column, *(obj.feature_columns or ())) if isinstance(c, str)]
+        if named:
+            r.add("header", f"columns named {named} need header=True; without one use column indices")
+    if r.good("label_column", "feature_columns") and obj.label_column in (obj.feature_columns or ()):
+        r.add("feature_columns", f"must not include the label column {obj.label_column!r}")
+
+
+def _raw_binary(r: Rule) -> None:
+    _path(r, "path")
+    _path(r, "labels_path")
+    r.need("shape", _filled, "must not be empty")
+    r.need("shape", _sizes, "every size must be > 0")
+
+
+def _idx(r: Rule) -> None:
+    _path(r, "images")
+    _path(r, "labels")
+
+
+def _synthetic(r: Rule) -> None:
+    r.need("samples", _positive, "must be > 0")
+    r.need("features", _filled, "must not be empty")
+    r.need("features", _sizes, "every size must be > 0")
+    r.need("seed", _non_negative, "must be >= 0")
+    if r.good("task") and r.obj.task == "classification":
+        r.need("classes", lambda c: c >= 2, "must be >= 2")
+
+
+def _normalize(r: Rule) -> None:
+    r.need("mean", _filled, "must not be empty")
+    r.need("std", _filled, "must not be empty")
+    r.need("std", lambda s: all(x > 0 for x in s), "every value must be > 0")
+    if r.good("mean", "std") and len(r.obj.mean) != len(r.obj.std):
+        r.add("std", f"must have as many values as mean ({len(r.obj.mean)}), got {len(r.obj.std)}")
+
+
+def _random_crop(r: Rule) -> None:
+    r.need("size", _sizes, "every size must be > 0")
+    r.need("padding", _non_negative, "must be >= 0")
+
+
+def _flip(r: Rule) -> None:
+    r.need("p", lambda p: 0 <= p <= 1, "must be in [0, 1]")
+
+
+def _resize(r: Rule) -> None:
+    r.need("size", _sizes, "every size must be > 0")
+
+
+def _split(r: Rule) -> None:
+    for name in ("train", "val", "test"):
+        r.need(name, lambda f: 0 <= f <= 1, "must be in [0, 1]")
+    r.need("train", _positive, "must be > 0")
+    if r.good("train", "val", "test"):
+        total = r.obj.train + r.obj.val + r.obj.test
+        if abs(total - 1.0) > 1e-6:
+            r.add("", f"train + val + test must be 1, got {total:g}")
+
+
+def _data(r: Rule) -> None:
+    r.need("batch_size", _positive, "must be > 0")
+    r.need("seed", _non_negative, "must be >= 0")
+
+
+def _devices(r: Rule) -> None:
+    r.need("select", _column, "must be 'auto', 'cpu', a device index >= 0 or a non-empty device name")
+    r.need("memory_fraction", lambda f: 0 < f <= 1, "must be in (0, 1]")
+
+
+def _node(r: Rule) -> None:
+    r.need("name", _filled, "must not be empty")
+    r.need("device", _non_negative, "must be >= 0")
+    r.need("workers", _positive, "must be > 0")
+
+
+def _edge(r: Rule) -> None:
+    r.need("capacity", _positive, "must be > 0 (channels are always bounded)")
+
+
+def _pipeline(r: Rule) -> None:
+    nodes, edges = r.obj.nodes, r.obj.edges
+    if not isinstance(nodes, tuple) or not isinstance(edges, tuple):
+        return
+    names: list[str] = []
+    for i, node in enumerate(nodes):
+        if isinstance(node, Node) and isinstance(node.name, str):
+            if node.name in names:
+                r.add(f"nodes[{i}].name", f"duplicate node name {node.name!r}")
+            names.append(node.name)
+    for i, edge in enumerate(edges):
+        for end in ("src", "dst"):
+            name = getattr(edge, end, None)
+            if isinstance(edge, Edge) and isinstance(name, str) and name not in names:
+                hint = did_you_mean(name, names) or f"; nodes are {', '.join(dict.fromkeys(names))}"
+                r.add(f"edges[{i}].{end}", f"unknown node {name!r}{hint}")
+    # Credit edges are left out: a cycle is only a deadlock risk if none of its edges has credits.
+    links = [e for e in edges if isinstance(e, Edge) and not e.credit and e.src in names and e.dst in names]
+    for cycle in _cycles(names, links):
+        r.add(
+            "edges",
+            f"cycle {' -> '.join(cycle)} has no credit edge; bounded channels in a cycle can deadlock: "
+            "mark one of its edges credit=True",
+        )
+
+
+def _cycles(names: list[str], edges: list[Edge]) -> list[list[str]]:
+    """One cycle for each set of nodes that forms one, found by depth-first search."""
+    graph: dict[str, list[str]] = {n: [] for n in names}
+    for edge in edges:
+        graph[edge.src].append(edge.dst)
+    found: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+    state: dict[str, str] = {}  # "open" while on the current path, then "done"
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt) :]
+                if frozenset(cycle) not in seen:
+                    seen.add(frozenset(cycle))
+                    found.append([*cycle, nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name)
+    return found
+
+
+def _run(r: Rule) -> None:
+    for name in ("epochs", "steps", "eval_every", "checkpoint_every", "in_flight"):
+        r.need(name, _positive, "must be > 0")
+    r.need("keep_checkpoints", _positive, "must be > 0 (or null to keep every checkpoint)")
+    _path(r, "checkpoint_dir")
+    _path(r, "metrics_file")
+    obj = r.obj
+    if r.good("epochs", "steps") and obj.epochs is None and obj.steps is None:
+        r.add("", "set epochs or steps: with neither the run never ends")
+    if r.good("checkpoint_every", "checkpoint_dir") and obj.checkpoint_every and obj.checkpoint_dir is None:
+        r.add("checkpoint_every", "needs checkpoint_dir")
+
+
+def _spec(r: Rule) -> None:
+    r.need("version", lambda v: v == SCHEMA_VERSION, f"must be {SCHEMA_VERSION}")
+    model = r.obj.model
+    if r.good("model") and count_parameters(model) == 0:
+        r.add("model.layers", "the model has no parameters to train")
+    if isinstance(model, Model) and model.loss is None:
+        r.add("model.loss", "a training spec needs a loss: CrossEntropy() or MSE()")
+
+
+RULES: dict[type, Callable[[Rule], None]] = {
+    Linear: _linear,
+    Conv2d: _conv2d,
+    MaxPool2d: _max_pool,
+    Init: _init,
+    Model: _model,
+    Constant: _warmup,
+    StepLR: _step_lr,
+    Cosine: _cosine,
+    SGD: _optimiser,
+    Adam: _optimiser,
+    AdamW: _optimiser,
+    ImageFolder: _image_folder,
+    CSV: _csv,
+    RawBinary: _raw_binary,
+    IDX: _idx,
+    Synthetic: _synthetic,
+    Normalize: _normalize,
+    RandomCrop: _random_crop,
+    HorizontalFlip: _flip,
+    Resize: _resize,
+    Split: _split,
+    Data: _data,
+    Devices: _devices,
+    Node: _node,
+    Edge: _edge,
+    Pipeline: _pipeline,
+    RunSettings: _run,
+    Spec: _spec,
+}

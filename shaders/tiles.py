@@ -1,0 +1,263 @@
+"""GEMM tiles: the tile tables of the fp32 GEMM (gemm.comp) and of the cooperative-matrix GEMM
+(gemm_coopmat.comp), what each tile needs from a device (shared memory, invocations, subgroup
+size), and the choice of tiles for one launch on one device. Pure: a device's measured table
+(:mod:`shaders.gemm_tuning`) arrives as data, and the op registry (:mod:`shaders.registry`) calls
+:func:`tune_gemm`, :func:`tune_gemm_coopmat` and :func:`tune_gemm_coopmat_f16` as its ops' ``tune``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flow.device_facts import DeviceFacts
+from shaders import gemm_tuning
+
+# A device's measured GEMM tiles by launch shape (gemm_tuning.shape_key -> tile constants): data
+# the caller loads (gemm_tuning.load_table), so choosing tiles stays pure.
+GemmTable = Mapping[str, Mapping[str, int]]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemm_shared_bytes(bm: int, bn: int, bk: int, sk: int = 1, db: int = 0) -> int:
+    """Shared memory gemm.comp needs for these tiles: 1 + db buffers of BK rows of BM + 4 and BN + 4
+    floats (the padding keeps vec4 rows aligned and spreads column stores over the banks), plus,
+    with sk > 1 K slices, one BM x BN partial tile through which the slices sum (16 bytes else)."""
+    return (1 + db) * bk * (bm + 4 + bn + 4) * 4 + min(sk - 1, 1) * bm * bn * 4 + 16
+
+
+# Fallback fp32 GEMM tiles, for shapes a device's tuning table does not list, largest first. The
+# defaults come from bench/sweep_gemm.py on an H100: single-buffered shared tiles (DB 0) beat
+# double-buffered ones at every size measured; 64 x 128 x 32 with 4 x 8 per thread was best for
+# big shapes with A row-major (4096^3: 37.8 TFLOP/s, against 36.5 with 128 x 128 x 32 and 31.8
+# with 64 x 128 x 16; BK 32 halves the barriers per K), and fits lavapipe's 32 KiB of shared
+# memory; sliced K for an MLP's batch of 256 (256 x 1024 x 1024 in 31 us against 48 us with
+# the best plain tile).
+GEMM_TILES: tuple[dict[str, int], ...] = (
+    {"BM": 64, "BN": 128, "BK": 32, "TM": 4, "TN": 8, "GM": 8, "SK": 1, "DB": 0},
+    {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
+    # Too few tiles to fill the GPU and a long K: 4 slices of K per 32 x 32 tile.
+    {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "GM": 1, "SK": 4, "DB": 0},
+    # Too few tiles and a short K.
+    {"BM": 32, "BN": 64, "BK": 16, "TM": 2, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
+)
+# Enough workgroups to fill a big GPU (an H100 has 132 multiprocessors).
+GEMM_MIN_WORKGROUPS = 128
+# Below this K, slicing K leaves each slice too little work.
+GEMM_SLICED_MIN_K = 128
+# On a CPU driver (lavapipe): few wide threads.
+GEMM_CPU_TILES = GEMM_TILES[1]
+# Constants a tuning-table entry or a fallback tile may leave out.
+GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
+
+
+def tune_gemm(
+    params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
+) -> dict[str, int]:
+    """Specialise gemm for one launch. Tiles: the device's tuning table (``table``, see
+    gemm_tuning) when it lists this exact shape; else the first of GEMM_TILES that fits the device and still
+    yields enough workgroups to keep every multiprocessor busy (big tiles waste a GPU on an
+    MLP's batch of 256), then sliced K, then the smallest tile; on a CPU driver (lavapipe), or
+    with no facts, GEMM_CPU_TILES. TA/TB: the launch's trans_a/trans_b (the shader compiles one
+    load path per pair, so these are required for a correct result, whatever the tiles). VEC:
+    which operands take vec4 global access (bit 0 A, bit 1 B, bit 2 C): those whose contiguous
+    dimension is a multiple of 4 (tensor offsets are 256-byte aligned, so their rows then start
+    16-byte aligned).
+
+    Args:
+        params: the launch's parameters (M, N, K, trans_a, trans_b).
+        facts: the device, or None (default tiles).
+        table: the device's tuning table, or None.
+
+    Returns:
+        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, TA, TB, VEC, and ACT and AG
+        (the launch's act and act_grad: the shader compiles only the epilogue in use).
+    """
+    m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
+    ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))
+    choice = GEMM_CPU_TILES
+    if facts is not None and facts.kind != "cpu":
+        shared, threads = facts.shared_memory_bytes, facts.max_workgroup_invocations
+        tuned = (table or {}).get(gemm_tuning.shape_key(m, n, k, ta, tb))
+        if tuned and gemm_fits(tuned, shared, threads):
+            choice = tuned
+        else:
+            fitting = [t for t in GEMM_TILES if gemm_fits(t, shared, threads)] or [GEMM_CPU_TILES]
+            plain = [t for t in fitting if t["SK"] == 1]
+            sliced = [t for t in fitting if t["SK"] > 1 and k >= GEMM_SLICED_MIN_K]
+            filling = [t for t in plain if ceil_div(m, t["BM"]) * ceil_div(n, t["BN"]) >= GEMM_MIN_WORKGROUPS]
+            if filling:
+                choice = filling[0]
+            elif sliced:
+                choice = sliced[0]
+            else:
+                choice = (plain or fitting)[-1]
+    # Under a row of ones (ones_row) A stores M - 1 rows; vec4 granules must not reach the ones.
+    stored_m = m - min(int(params.get("ones_row", 0)), 1)
+    vec = int((stored_m if ta else k) % 4 == 0) | int((k if tb else n) % 4 == 0) << 1 | int(n % 4 == 0) << 2
+    epilogue = {"ACT": int(params.get("act", 0)), "AG": int(params.get("act_grad", 0))}
+    return {**GEMM_SPEC_DEFAULTS, **choice, "TA": ta, "TB": tb, "VEC": vec, **epilogue}
+
+
+def gemm_fits(tiles: dict[str, int], shared_bytes: int, max_threads: int) -> bool:
+    """Whether gemm.comp with these tile constants fits a device's shared memory and workgroup size."""
+    sk, db = tiles.get("SK", 1), tiles.get("DB", 0)
+    threads = (tiles["BM"] // tiles["TM"]) * (tiles["BN"] // tiles["TN"]) * sk
+    need = gemm_shared_bytes(tiles["BM"], tiles["BN"], tiles["BK"], sk, db)
+    return threads <= max_threads and need <= shared_bytes
+
+
+# -- cooperative-matrix GEMM (gemm_coopmat.comp) ---------------------------------------------------
+
+# gemm_coopmat's specialisation constants with their defaults, in the registry's order. After the
+# tiles: AH/BH (operand is float16 in memory), PD (K slabs in flight in registers) and NS (shared
+# stages); see the shader's header.
+COOPMAT_SPEC = (
+    ("BM", 128),
+    ("BN", 128),
+    ("BK", 32),
+    ("WM", 64),
+    ("WN", 64),
+    ("SG", 32),
+    ("GM", 8),
+    ("AH", 0),
+    ("BH", 0),
+    ("PD", 1),
+    ("NS", 2),
+)
+# Shared memory per workgroup assumed where the device is unknown: NVIDIA's Vulkan limit (48 KiB),
+# the smallest among the drivers with cooperative matrices we know of.
+COOPMAT_ASSUMED_SHARED_BYTES = 49152
+# Tiles for fp16 inputs, first choice first: the first that fits the device's shared memory and
+# still gives GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_F16_SMALL. Order from bench/sweep_coopmat.py
+# on an H100 (48 KiB of shared memory, 2026-11-22): 128x256x32 with one shared stage was the best
+# fixed tile over 4096^3, 8192^3 and 4000^3 (120, 128 and 86 TFLOP/s); 128x256x32 with two stages
+# needs 60 KiB and is taken only where a driver reports that much; 32x32x64 was best at 256 x 1024 x
+# 784 (37 TFLOP/s, 1.5x cuBLAS fp16 there).
+COOPMAT_F16_TILES: tuple[dict[str, int], ...] = (
+    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
+    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
+    {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
+    {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
+    {"BM": 64, "BN": 64, "BK": 64, "WM": 32, "WN": 32, "PD": 1, "NS": 2},
+)
+COOPMAT_F16_SMALL: dict[str, int] = {"BM": 32, "BN": 32, "BK": 64, "WM": 16, "WN": 16, "PD": 1, "NS": 2}
+
+
+def coopmat_shared_bytes(spec: dict[str, int]) -> int:
+    """Shared memory one gemm_coopmat workgroup declares for these specialisation constants (missing
+    ones take gemm_coopmat's defaults, COOPMAT_SPEC); the shader's SMEM_VECS, in bytes."""
+    s = {**dict(COOPMAT_SPEC), **spec}
+    pad = 8  # halves of padding per shared row
+    a_halves = max(s["BM"] * (s["BK"] + pad), s["BK"] * (s["BM"] + pad))
+    b_halves = max(s["BK"] * (s["BN"] + pad), s["BN"] * (s["BK"] + pad))
+    stage = (a_halves + b_halves) // 8
+    main = (((s["NS"] - 1) & 1) + 1) * stage
+    epilogue = (s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * 16 * ((s["WN"] + 4) // 4)
+    return 16 * max(main, epilogue)
+
+
+def coopmat_tile_problem(spec: dict[str, int], facts: DeviceFacts | None = None) -> str | None:
+    """Why gemm_coopmat cannot run with these specialisation constants (missing ones take the
+    defaults of COOPMAT_SPEC), or None when it can. Without facts only the shader's own rules are
+    checked.
+
+    Args:
+        spec: specialisation constants, e.g. {"BM": 128, "BN": 256, "BK": 16, "WM": 64, "WN": 64}.
+        facts: the device (``subgroup_size``, ``shared_memory_bytes``, ``max_workgroup_invocations``).
+
+    Returns:
+        A sentence, or None.
+    """
+    s = {**dict(COOPMAT_SPEC), **spec}
+    bm, bn, bk, wm, wn = s["BM"], s["BN"], s["BK"], s["WM"], s["WN"]
+    if min(wm, wn, bk) < 16 or wm % 16 or wn % 16 or bk % 16:
+        return f"WM={wm}, WN={wn} and BK={bk} must be multiples of 16"
+    if bm % wm or bn % wn:
+        return f"the block tile {bm}x{bn} must be a multiple of the warp tile {wm}x{wn}"
+    if s["PD"] < 1 or s["NS"] not in (1, 2) or s["AH"] not in (0, 1) or s["BH"] not in (0, 1):
+        return f"PD={s['PD']} must be >= 1, NS={s['NS']} 1 or 2, AH/BH 0 or 1"
+    if facts is None:
+        return None
+    threads = (bm // wm) * (bn // wn) * s["SG"]
+    allowed = facts.max_workgroup_invocations
+    if threads > allowed:
+        return f"needs {threads} invocations per workgroup; the device allows {allowed}"
+    if s["SG"] != facts.subgroup_size:
+        return f"SG={s['SG']} is not the device's subgroup size {facts.subgroup_size}"
+    shared = coopmat_shared_bytes(s)
+    limit = facts.shared_memory_bytes
+    if shared > limit:
+        return f"needs {shared} B of shared memory; the device has {limit}"
+    return None
+
+
+# gemm_coopmat's tiles (BM, BN, BK, WM, WN), largest first, and the one for problems too small to
+# fill the GPU with either.
+COOPMAT_TILES: tuple[tuple[int, int, int, int, int], ...] = ((128, 128, 32, 64, 64), (64, 64, 64, 32, 32))
+COOPMAT_SMALL: tuple[int, int, int, int, int] = (32, 32, 64, 16, 16)
+
+
+def tune_gemm_coopmat(
+    params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
+) -> dict[str, int]:
+    """Specialise gemm_coopmat for one launch: the largest of COOPMAT_TILES that still gives
+    GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_SMALL.
+
+    Args:
+        params: the launch's parameters (M and N are read).
+        facts: unused (the tiles depend on the launch's size only).
+        table: unused (no table is measured for tensor-core tiles yet).
+
+    Returns:
+        Specialisation constants BM, BN, BK, WM, WN.
+    """
+    m, n = int(params["M"]), int(params["N"])
+    filling = (t for t in COOPMAT_TILES if ceil_div(m, t[0]) * ceil_div(n, t[1]) >= GEMM_MIN_WORKGROUPS)
+    choice = next(filling, COOPMAT_SMALL)
+    return dict(zip(("BM", "BN", "BK", "WM", "WN"), choice, strict=True))
+
+
+def tune_gemm_coopmat_f16(
+    params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
+) -> dict[str, int]:
+    """Specialise gemm_coopmat_f16 for one launch: the first of COOPMAT_F16_TILES that the device
+    can run (with no facts: 48 KiB of shared memory) and that gives at least GEMM_MIN_WORKGROUPS
+    workgroups, else COOPMAT_F16_SMALL; AH = BH = 1 always, since they say how A and B are read.
+
+    Args:
+        params: the launch's parameters (M and N are read).
+        facts: the device, or None (tuning off).
+        table: unused (no table is measured for tensor-core tiles yet).
+
+    Returns:
+        Specialisation constants BM, BN, BK, WM, WN, PD, NS, AH, BH.
+    """
+    m, n = int(params["M"]), int(params["N"])
+    # Only shared memory is checked against the device: SG stays COOPMAT_SPEC's, as for gemm_coopmat.
+    shared = facts.shared_memory_bytes if facts is not None else COOPMAT_ASSUMED_SHARED_BYTES
+    choice = COOPMAT_F16_SMALL
+    for tiles in COOPMAT_F16_TILES:
+        if coopmat_shared_bytes(tiles) <= shared:
+            if ceil_div(m, tiles["BM"]) * ceil_div(n, tiles["BN"]) >= GEMM_MIN_WORKGROUPS:
+                choice = tiles
+                break
+    return {**choice, "AH": 1, "BH": 1}
+
+
+# gemm_coopmat_f16's defaults (tune_gemm_coopmat_f16 replaces the tiles per launch): 128x256x16
+# with two slabs in flight and two shared stages, which fits in the assumed 48 KiB.
+_COOPMAT_F16_DEFAULT = {
+    "BM": 128,
+    "BN": 256,
+    "BK": 16,
+    "WM": 64,
+    "WN": 64,
+    "PD": 2,
+    "NS": 2,
+    "AH": 1,
+    "BH": 1,
+}
+COOPMAT_F16_SPEC = tuple((name, _COOPMAT_F16_DEFAULT.get(name, value)) for name, value in COOPMAT_SPEC)

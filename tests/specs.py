@@ -1,0 +1,62 @@
+"""Spec builders that several test files share: small whole runs that finish in a moment on the
+CPU backend."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from flow.codec import load as load_spec
+from flow.spec import (
+    Adam,
+    CrossEntropy,
+    Data,
+    Devices,
+    Flatten,
+    HorizontalFlip,
+    Linear,
+    Model,
+    Normalize,
+    RandomCrop,
+    RunSettings,
+    Spec,
+    Split,
+    Synthetic,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "examples" / "digits.json"
+
+
+def image_spec(tmp: Path | None = None, **run) -> Spec:
+    """A tiny image classifier with augmentation (random crops and flips draw from the batch rng),
+    so exact resume covers the random streams too."""
+    settings = {"epochs": 3, "in_flight": 2, **run}
+    if tmp is not None:
+        settings.setdefault("checkpoint_dir", str(tmp / "ckpt"))
+        settings.setdefault("metrics_file", str(tmp / "metrics.jsonl"))
+    return Spec(
+        model=Model(input_shape=(1, 6, 6), layers=(Flatten(), Linear(16, activation="relu"), Linear(4)),
+                    loss=CrossEntropy()),
+        optimiser=Adam(0.01),
+        data=Data(Synthetic(samples=200, features=(1, 6, 6), classes=4, seed=3), batch_size=16, seed=5,
+                  split=Split(train=0.8, val=0.2), preprocess=(Normalize((0.0,), (2.0,)),),
+                  augment=(RandomCrop((6, 6), padding=1), HorizontalFlip(0.5))),
+        devices=Devices("cpu"),
+        run=RunSettings(**settings),
+    )  # fmt: skip
+
+
+def digits_spec(**run) -> Spec:
+    spec = load_spec(DIGITS)
+    # The example writes to runs/digits under the working directory: a test writes only where it says.
+    run = {"checkpoint_dir": None, "metrics_file": None, **run}
+    return dataclasses.replace(spec, run=dataclasses.replace(spec.run, **run))
+
+
+def digits(tmp: Path, name: str = "a", **run) -> Spec:
+    """The bundled Digits example for one epoch (23 steps) on the CPU, writing under ``tmp/name``."""
+    spec = load_spec(DIGITS)
+    settings = {"epochs": 1, "checkpoint_every": 5, "checkpoint_dir": str(tmp / name),
+                "metrics_file": str(tmp / name / "metrics.jsonl"), **run}  # fmt: skip
+    return dataclasses.replace(spec, devices=Devices("cpu"), run=dataclasses.replace(spec.run, **settings))
