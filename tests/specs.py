@@ -60,3 +60,21 @@ def digits(tmp: Path, name: str = "a", **run) -> Spec:
     settings = {"epochs": 1, "checkpoint_every": 5, "checkpoint_dir": str(tmp / name),
                 "metrics_file": str(tmp / name / "metrics.jsonl"), **run}  # fmt: skip
     return dataclasses.replace(spec, devices=Devices("cpu"), run=dataclasses.replace(spec.run, **settings))
+
+
+def synthetic_spec(tmp=None, **run) -> Spec:
+    """250 samples in batches of 16 with a validation split: partial batches in both splits.
+    Streamed from the host (placement "host"): these tests are about batches read in place into
+    the device's slots, which a dataset kept on the device does not need."""
+    settings = {"epochs": 3, "in_flight": 2, **run}
+    if tmp is not None:
+        settings.setdefault("checkpoint_dir", str(tmp / "ckpt"))
+        settings.setdefault("metrics_file", str(tmp / "metrics.jsonl"))
+    return Spec(
+        model=Model(input_shape=(6,), layers=(Linear(12, activation="relu"), Linear(3)), loss=CrossEntropy()),
+        optimiser=Adam(0.01),
+        data=Data(Synthetic(samples=250, features=(6,), classes=3, seed=2), batch_size=16, seed=4,
+                  split=Split(train=0.8, val=0.2), placement="host"),
+        devices=Devices("cpu"),
+        run=RunSettings(**settings),
+    )  # fmt: skip

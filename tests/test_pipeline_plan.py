@@ -5,41 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 
+from specs import synthetic_spec
+
 from flow.pipeline_plan import plan_pipeline
 from flow.spec import (
     MSE,
-    Adam,
-    CrossEntropy,
-    Data,
-    Devices,
     Edge,
     Linear,
-    Model,
     Node,
     Normalize,
     Pipeline,
-    RunSettings,
-    Spec,
-    Split,
-    Synthetic,
     default_pipeline,
 )
-
-
-def synthetic_spec(tmp=None, **run) -> Spec:
-    """250 samples in batches of 16 with a validation split: partial batches in both splits."""
-    settings = {"epochs": 3, "in_flight": 2, **run}
-    if tmp is not None:
-        settings.setdefault("checkpoint_dir", str(tmp / "ckpt"))
-        settings.setdefault("metrics_file", str(tmp / "metrics.jsonl"))
-    return Spec(
-        model=Model(input_shape=(6,), layers=(Linear(12, activation="relu"), Linear(3)), loss=CrossEntropy()),
-        optimiser=Adam(0.01),
-        data=Data(Synthetic(samples=250, features=(6,), classes=3, seed=2), batch_size=16, seed=4,
-                  split=Split(train=0.8, val=0.2)),
-        devices=Devices("cpu"),
-        run=RunSettings(**settings),
-    )  # fmt: skip
 
 
 def test_the_plan_reads_in_place_only_where_nothing_changes_a_batch():

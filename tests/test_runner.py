@@ -152,6 +152,9 @@ def test_a_model_over_the_budget_is_refused_before_the_data_is_read():
     assert peak < 64 * 2**20, f"{peak:,} bytes allocated before the refusal"
 
 
+# -- whole runs, on both backends ------------------------------------------------------------------
+
+
 class Recorder(Hooks):
     """Keeps every StepDone the sink receives."""
 
@@ -230,6 +233,9 @@ def test_cpu_and_vulkan_give_the_same_loss_curve(vulkan_backend):
     np.testing.assert_allclose(curves[1], curves[0], rtol=1e-4)
 
 
+# -- failures --------------------------------------------------------------------------------------
+
+
 class BrokenDevice(CpuBackend):
     """A backend whose 4th submission fails, as a lost device would."""
 
@@ -266,6 +272,9 @@ async def test_a_real_failure_names_its_actor():
         async with open_pipeline(image_spec(), backend=BrokenDevice()):
             pass
     assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+# -- exact resume ----------------------------------------------------------------------------------
 
 
 def test_resume_after_an_interrupt_at_a_random_step_is_bit_exact(tmp_path, rng):

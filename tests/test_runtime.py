@@ -18,7 +18,7 @@ from collections import deque
 import numpy as np
 import pytest
 import trio
-from specs import digits_spec, image_spec
+from specs import digits_spec, image_spec, synthetic_spec
 
 from actors import checkpoint as checkpoints
 from actors.cpu_backend import CpuBackend, cpu_facts
@@ -28,9 +28,7 @@ from flow import pipeline_plan
 from flow.runner import open_pipeline, run
 from flow.runtime import ActorError
 from flow.spec import (
-    Adam,
     CrossEntropy,
-    Data,
     Devices,
     Edge,
     Flatten,
@@ -38,10 +36,7 @@ from flow.spec import (
     Model,
     Node,
     Pipeline,
-    RunSettings,
-    Spec,
     Split,
-    Synthetic,
 )
 from flow.testing import ChannelProbe, FailAt, FakeDevice, Slow
 from runs import thread_snapshot, vkflow_threads
@@ -145,24 +140,6 @@ async def test_a_slow_sink_blocks_the_loader_and_memory_stays_bounded(autojump_c
     assert stats["sink"].items_in == stats["loader"].items_out + 1
     # The sink's pace set the run's: one virtual second per item it took.
     assert trio.current_time() - start >= stats["sink"].items_in * 1.0
-
-
-def synthetic_spec(tmp=None, **run) -> Spec:
-    """250 samples in batches of 16 with a validation split: partial batches in both splits.
-    Streamed from the host (placement "host"): these tests are about batches read in place into
-    the device's slots, which a dataset kept on the device does not need."""
-    settings = {"epochs": 3, "in_flight": 2, **run}
-    if tmp is not None:
-        settings.setdefault("checkpoint_dir", str(tmp / "ckpt"))
-        settings.setdefault("metrics_file", str(tmp / "metrics.jsonl"))
-    return Spec(
-        model=Model(input_shape=(6,), layers=(Linear(12, activation="relu"), Linear(3)), loss=CrossEntropy()),
-        optimiser=Adam(0.01),
-        data=Data(Synthetic(samples=250, features=(6,), classes=3, seed=2), batch_size=16, seed=4,
-                  split=Split(train=0.8, val=0.2), placement="host"),
-        devices=Devices("cpu"),
-        run=RunSettings(**settings),
-    )  # fmt: skip
 
 
 class Mapped(CpuBackend):
