@@ -84,7 +84,10 @@ def test_data_that_does_not_fit_the_model_is_refused_before_any_device_work(monk
 
     existing = thread_snapshot()
     opened = []
-    monkeypatch.setattr(runtime, "open_backend", lambda devices: opened.append(devices) or CpuBackend())
+    # Where the runtime opens a device: never reached for data the plan refuses.
+    monkeypatch.setattr(
+        runtime.device_select, "open_device", lambda facts, fraction: opened.append(facts) or CpuBackend()
+    )
     spec = digits_spec(epochs=1, checkpoint_dir=None, metrics_file=None)
     wrong = dataclasses.replace(
         spec,
