@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 from conftest import near_ties
+from run_checks import assert_same_weights, thread_snapshot, vkflow_threads
 from specs import image_spec
 
 from actors.cpu_backend import CpuBackend
@@ -22,7 +23,6 @@ from flow.planning import plan
 from flow.runner import run
 from flow.runtime import ActorError
 from flow.testing import FakeDevice
-from runs import assert_same_weights, thread_snapshot, vkflow_threads
 
 
 async def test_the_device_actor_reports_in_order_and_sums_evaluations(autojump_clock):

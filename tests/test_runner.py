@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import trio
 from conftest import near_ties
+from run_checks import assert_same_weights, thread_snapshot, vkflow_threads
 from specs import digits_spec, image_spec
 
 import flow
@@ -51,7 +52,6 @@ from flow.spec import (
 )
 from flow.testing import FailAt
 from loaders import open_source, split_indices
-from runs import assert_same_weights, thread_snapshot, vkflow_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,6 +18,7 @@ from collections import deque
 import numpy as np
 import pytest
 import trio
+from run_checks import thread_snapshot, vkflow_threads
 from specs import digits_spec, image_spec, synthetic_spec
 
 from actors import checkpoint as checkpoints
@@ -39,7 +40,6 @@ from flow.spec import (
     Split,
 )
 from flow.testing import ChannelProbe, FailAt, FakeDevice, Slow
-from runs import thread_snapshot, vkflow_threads
 
 runtime = importlib.import_module("flow.runtime")
 
