@@ -85,20 +85,20 @@ def upload_target(
     if layout is None:
         raise RuntimeError(f"upload to {tensor!r}: no layout is open (call open_layout first)")
     try:
-        spec = layout.tensor(tensor)
+        declared = layout.tensor(tensor)
     except KeyError:
         raise KeyError(f"upload: layout has no tensor named {tensor!r}") from None
     if not 0 <= slot < max(slots, 1):
         raise IndexError(f"upload to {tensor!r}: slot {slot} out of range (0..{max(slots, 1) - 1})")
     if data is not None:
         array = np.asarray(data)
-        if array.dtype != np.dtype(spec.dtype):
-            raise TypeError(f"upload to {tensor!r}: data is {array.dtype}, the tensor holds {spec.dtype}")
-        if array.shape not in (tuple(spec.shape), (spec.size,)):
+        if array.dtype != np.dtype(declared.dtype):
+            raise TypeError(f"upload to {tensor!r}: data is {array.dtype}, the tensor holds {declared.dtype}")
+        if array.shape not in (tuple(declared.shape), (declared.size,)):
             raise ValueError(
-                f"upload to {tensor!r}: data has shape {array.shape}, the tensor is {tuple(spec.shape)}"
+                f"upload to {tensor!r}: data has shape {array.shape}, the tensor is {tuple(declared.shape)}"
             )
-    return spec
+    return declared
 
 
 def run_program(backend: Backend, program: Program, slot: int = 0) -> None:

@@ -163,34 +163,36 @@ class CpuBackend:
 
     def write(self, tensor: str, data: np.ndarray, slot: int = 0) -> None:
         assert self._layout is not None, "open_layout first"
-        spec = self._layout.tensor(tensor)
+        declared = self._layout.tensor(tensor)
         flat = np.asarray(data).reshape(-1)
-        if flat.size > spec.size:
-            raise ValueError(f"write to {tensor!r}: holds {spec.size} elements {spec.shape}, got {flat.size}")
+        if flat.size > declared.size:
+            raise ValueError(
+                f"write to {tensor!r}: holds {declared.size} elements {declared.shape}, got {flat.size}"
+            )
         # A shorter write fills a prefix: a partial final batch uses only its first rows.
-        self._view(spec, slot)[: flat.size] = flat
+        self._view(declared, slot)[: flat.size] = flat
 
     def read(self, tensor: str, slot: int = 0) -> np.ndarray:
         assert self._layout is not None, "open_layout first"
-        spec = self._layout.tensor(tensor)
-        return self._view(spec, slot).reshape(spec.shape).copy()
+        declared = self._layout.tensor(tensor)
+        return self._view(declared, slot).reshape(declared.shape).copy()
 
     def staging_view(self, tensor: str, slot: int = 0) -> np.ndarray:
         """A host array shaped and typed as declared (not widened: it stands for pinned host
         memory), which ``upload`` copies into the tensor."""
-        spec = upload_target(self._layout, tensor, slot, self.slots)
+        declared = upload_target(self._layout, tensor, slot, self.slots)
         key = (tensor, slot)
         if key not in self._staging:
-            self._staging[key] = np.zeros(spec.shape, dtype=np.dtype(spec.dtype))
+            self._staging[key] = np.zeros(declared.shape, dtype=np.dtype(declared.dtype))
         return self._staging[key]
 
     def upload(self, tensor: str, slot: int = 0, data: np.ndarray | None = None) -> int:
         """Copy the staging array (after ``data``, if given) into the tensor now; the ticket is done."""
-        spec = upload_target(self._layout, tensor, slot, self.slots, data)
+        declared = upload_target(self._layout, tensor, slot, self.slots, data)
         staging = self.staging_view(tensor, slot)
         if data is not None:
             staging.reshape(-1)[:] = np.asarray(data).reshape(-1)
-        self._view(spec, slot)[:] = staging.reshape(-1)
+        self._view(declared, slot)[:] = staging.reshape(-1)
         self._ticket += 1
         return self._ticket
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-Split = Literal["train", "val", "test", "predict"]
+SplitName = Literal["train", "val", "test", "predict"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Batch:
     indices: np.ndarray
     x: np.ndarray | None
     y: np.ndarray | None
-    split: Split = "train"
+    split: SplitName = "train"
     step: int = 0
     last: bool = False
     tag: int = 0

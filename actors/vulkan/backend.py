@@ -87,32 +87,32 @@ class VulkanBackend(Queues):
     def write(self, tensor: str, data: np.ndarray, slot: int = 0) -> None:
         memory = self.memory
         assert memory.layout is not None, "open_layout first"
-        spec = memory.layout.tensor(tensor)
-        array = np.ascontiguousarray(data, dtype=np.dtype(spec.dtype))
-        if array.size > spec.size:
+        declared = memory.layout.tensor(tensor)
+        array = np.ascontiguousarray(data, dtype=np.dtype(declared.dtype))
+        if array.size > declared.size:
             raise ValueError(
-                f"write to {tensor!r}: holds {spec.size} elements {spec.shape}, got {array.size}"
+                f"write to {tensor!r}: holds {declared.size} elements {declared.shape}, got {array.size}"
             )
         # A shorter write fills a prefix: a partial final batch uses only its first rows.
-        target = memory.arena_for(spec, slot)
+        target = memory.arena_for(declared, slot)
         if target.mapped is None:
-            self._staged_copy(target, spec.offset, array.nbytes, upload=array)
+            self._staged_copy(target, declared.offset, array.nbytes, upload=array)
         elif array.nbytes < _PARALLEL_WRITE_BYTES:
-            ffi.memmove(target.mapped + spec.offset, ffi.from_buffer(array), array.nbytes)
+            ffi.memmove(target.mapped + declared.offset, ffi.from_buffer(array), array.nbytes)
         else:
-            _parallel_write(target.mapped + spec.offset, array)
+            _parallel_write(target.mapped + declared.offset, array)
 
     def read(self, tensor: str, slot: int = 0) -> np.ndarray:
         memory = self.memory
         assert memory.layout is not None, "open_layout first"
-        spec = memory.layout.tensor(tensor)
-        out = np.empty(spec.shape, dtype=np.dtype(spec.dtype))
-        source = memory.arena_for(spec, slot)
+        declared = memory.layout.tensor(tensor)
+        out = np.empty(declared.shape, dtype=np.dtype(declared.dtype))
+        source = memory.arena_for(declared, slot)
         # CPU reads of uncached (write-combined) VRAM crawl; bulk reads go through cached staging.
         if source.mapped is not None and (source.cached or out.nbytes < _DIRECT_READ_BYTES):
-            ffi.memmove(ffi.from_buffer(out), source.mapped + spec.offset, out.nbytes)
+            ffi.memmove(ffi.from_buffer(out), source.mapped + declared.offset, out.nbytes)
         else:
-            self._staged_copy(source, spec.offset, out.nbytes, download=out)
+            self._staged_copy(source, declared.offset, out.nbytes, download=out)
         return out
 
     def write_into(self, tensor: str, slot: int = 0) -> np.ndarray | None:
@@ -120,12 +120,12 @@ class VulkanBackend(Queues):
         tensor's memory is not mappable. The loader fills batches in place through it."""
         memory = self.memory
         assert memory.layout is not None, "open_layout first"
-        spec = memory.layout.tensor(tensor)
-        target = memory.arena_for(spec, slot)
+        declared = memory.layout.tensor(tensor)
+        target = memory.arena_for(declared, slot)
         if target.mapped is None:
             return None
-        buffer = ffi.buffer(target.mapped + spec.offset, spec.nbytes)
-        return np.frombuffer(buffer, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
+        buffer = ffi.buffer(target.mapped + declared.offset, declared.nbytes)
+        return np.frombuffer(buffer, dtype=np.dtype(declared.dtype)).reshape(declared.shape)
 
     def _staged_copy(self, arena: ArenaBuffer, offset: int, nbytes: int, upload=None, download=None) -> None:
         """Copy between host data and an unmapped arena through a temporary host-visible buffer,
@@ -172,8 +172,8 @@ class VulkanBackend(Queues):
         Returns:
             An array shaped and typed as the tensor.
         """
-        spec = upload_target(self.memory.layout, tensor, slot, self.memory.slots)
-        staging = self._uploads.staging_for(spec, slot)
+        declared = upload_target(self.memory.layout, tensor, slot, self.memory.slots)
+        staging = self._uploads.staging_for(declared, slot)
         if staging.ticket:
             self.wait(staging.ticket)
         return staging.view
@@ -210,7 +210,7 @@ class VulkanBackend(Queues):
             KeyError, IndexError, TypeError, ValueError: bad arguments, before any device work.
         """
         memory = self.memory
-        spec = upload_target(memory.layout, tensor, slot, memory.slots, data)
+        declared = upload_target(memory.layout, tensor, slot, memory.slots, data)
         if timestamps is not None:
             if not self.upload_timestamps:
                 raise ValueError(f"upload to {tensor!r}: {self.upload_queue_name} cannot write timestamps")
@@ -219,12 +219,12 @@ class VulkanBackend(Queues):
                     f"upload to {tensor!r}: queries {query} and {query + 1} are not both in the pool "
                     f"of {timestamps.count}"
                 )
-        staging, command = self._uploads.prepare(spec, slot, timestamps, query)
+        staging, command = self._uploads.prepare(declared, slot, timestamps, query)
         if data is not None:
             if staging.ticket:
                 self.wait(staging.ticket)
             np.copyto(staging.view.reshape(-1), np.asarray(data).reshape(-1))
-        ticket = self.submit_upload(command, memory.buffer_key(spec, slot))
+        ticket = self.submit_upload(command, memory.buffer_key(declared, slot))
         staging.ticket = ticket
         return ticket
 

@@ -199,14 +199,14 @@ class DeviceMemory:
         return (arena.name, slot if arena.per_slot else 0)
 
     # -- pinned host staging --------------------------------------------------------------------
-    def new_staging(self, name: str, spec: Tensor) -> Staging:
+    def new_staging(self, name: str, declared: Tensor) -> Staging:
         """A buffer in its own allocation of pinned host memory, mapped for the buffer's life.
         Outside the block allocator: that budget is the device-local heap's, this is host memory."""
         info = ffi.new(
             "VkBufferCreateInfo*",
             {
                 "sType": vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO,
-                "size": max(spec.nbytes, 4),
+                "size": max(declared.nbytes, 4),
                 "usage": vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT,
                 "sharingMode": vk.VK_SHARING_MODE_EXCLUSIVE,  # only the transfer queue reads it
             },
@@ -239,8 +239,8 @@ class DeviceMemory:
         check(lib.vkBindBufferMemory(self.device, buffer, memory[0], 0), f"vkBindBufferMemory({name})")
         pointer = ffi.new("void**")
         check(lib.vkMapMemory(self.device, memory[0], 0, requirements.size, 0, pointer), "vkMapMemory")
-        raw = ffi.buffer(ffi.cast("char*", pointer[0]), spec.nbytes)
-        view = np.frombuffer(raw, dtype=np.dtype(spec.dtype)).reshape(spec.shape)
+        raw = ffi.buffer(ffi.cast("char*", pointer[0]), declared.nbytes)
+        view = np.frombuffer(raw, dtype=np.dtype(declared.dtype)).reshape(declared.shape)
         return Staging(buffer=buffer, memory=memory[0], view=view)
 
     def free_staging(self, staging: Staging) -> None:

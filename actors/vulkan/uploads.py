@@ -39,43 +39,43 @@ class Uploads:
         self.staging: dict[tuple[str, int], Staging] = {}
         self._commands: dict[tuple, Recorded] = {}
 
-    def staging_for(self, spec: Tensor, slot: int) -> Staging:
-        """``spec``'s staging buffer for ``slot``, made on first use."""
-        key = (spec.name, slot)
+    def staging_for(self, declared: Tensor, slot: int) -> Staging:
+        """``declared``'s staging buffer for ``slot``, made on first use."""
+        key = (declared.name, slot)
         with self._lock:
             staging = self.staging.get(key)
             if staging is None:
-                staging = self.staging[key] = self._new_staging(spec, slot)
+                staging = self.staging[key] = self._new_staging(declared, slot)
         return staging
 
     def prepare(
-        self, spec: Tensor, slot: int, timestamps: TimestampPool | None, query: int
+        self, declared: Tensor, slot: int, timestamps: TimestampPool | None, query: int
     ) -> tuple[Staging, Recorded]:
-        """(staging buffer, recorded copy) of an upload into ``spec`` for ``slot``.
+        """(staging buffer, recorded copy) of an upload into ``declared`` for ``slot``.
 
         Args:
-            spec: the tensor.
+            declared: the tensor.
             slot: which per-slot copy (and staging buffer).
             timestamps: a pool the copy writes its start and end into, or None.
             query: the first of its two queries.
         """
-        key = (spec.name, slot)
+        key = (declared.name, slot)
         with self._lock:
             staging = self.staging.get(key)
             if staging is None:
-                staging = self.staging[key] = self._new_staging(spec, slot)
-            return staging, self._command(spec, slot, staging, timestamps, query)
+                staging = self.staging[key] = self._new_staging(declared, slot)
+            return staging, self._command(declared, slot, staging, timestamps, query)
 
-    def _new_staging(self, spec: Tensor, slot: int) -> Staging:
-        return self._memory.new_staging(f"staging for {spec.name!r} [slot {slot}]", spec)
+    def _new_staging(self, declared: Tensor, slot: int) -> Staging:
+        return self._memory.new_staging(f"staging for {declared.name!r} [slot {slot}]", declared)
 
     def _command(
-        self, spec: Tensor, slot: int, staging: Staging, timestamps: TimestampPool | None, query: int
+        self, declared: Tensor, slot: int, staging: Staging, timestamps: TimestampPool | None, query: int
     ) -> Recorded:
         """The copy's command buffer, recorded once per tensor, slot (and timestamp queries) and
         replayed; several may be pending at once (back-to-back uploads), hence SIMULTANEOUS_USE."""
         pool_id = None if timestamps is None else int(ffi.cast("uintptr_t", timestamps.pool))
-        key = (spec.name, slot, pool_id, query if timestamps is not None else 0)
+        key = (declared.name, slot, pool_id, query if timestamps is not None else 0)
         if key in self._commands:
             return self._commands[key]
         handles = self._queues.allocate_command_buffer(upload=True)
@@ -102,8 +102,9 @@ class Uploads:
             # At the transfer stage, not top of pipe: the start then excludes waiting for the
             # previous copy, so the pair times this copy alone (as CUDA events on a stream do).
             lib.vkCmdWriteTimestamp(command, stage, timestamps.pool, query)
-        region = ffi.new("VkBufferCopy*", {"srcOffset": 0, "dstOffset": spec.offset, "size": spec.nbytes})
-        target = self._memory.arena_for(spec, slot)
+        copy = {"srcOffset": 0, "dstOffset": declared.offset, "size": declared.nbytes}
+        region = ffi.new("VkBufferCopy*", copy)
+        target = self._memory.arena_for(declared, slot)
         lib.vkCmdCopyBuffer(command, staging.buffer, target.buffer, 1, region)
         if timestamps is not None:
             lib.vkCmdWriteTimestamp(command, stage, timestamps.pool, query + 1)
