@@ -326,6 +326,24 @@ def conv2d_backward_weight(arrays: list[np.ndarray], p: Params) -> None:
     dw[: k * c * r * s] = (grad.T @ cols).reshape(-1)
 
 
+def conv2d_gemm_backward_weight(arrays: list[np.ndarray], p: Params) -> None:
+    """conv2d_backward_weight, or with k_splits > 1 the raw partial sums over slices of the
+    (n, oh, ow) positions into dW viewed as [k_splits, K, C*R*S], for splitk_epilogue to add.
+    (The GPU slices in multiples of its tile depth; the sums agree to rounding.)"""
+    splits = int(p.get("k_splits", 1))
+    if splits <= 1:
+        conv2d_backward_weight(arrays, p)
+        return
+    x, dy, dw = arrays
+    n, c, h, w, k, r, s, _stride, _pad, oh, ow = _conv_dims(p)
+    cols = _im2col(x[: n * c * h * w].reshape(n, c, h, w), p).reshape(n * oh * ow, c * r * s)
+    grad = dy[: n * k * oh * ow].reshape(n, k, oh, ow).transpose(0, 2, 3, 1).reshape(-1, k)
+    chunk = -(-(n * oh * ow) // splits)
+    partial = dw[: splits * k * c * r * s].reshape(splits, k, c * r * s)
+    for z in range(splits):
+        partial[z] = grad[z * chunk : (z + 1) * chunk].T @ cols[z * chunk : (z + 1) * chunk]
+
+
 def channel_sum(arrays: list[np.ndarray], p: Params) -> None:
     dy, db = arrays
     n, k, hw = int(p["N"]), int(p["K"]), int(p["HW"])
@@ -463,6 +481,10 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "conv2d": conv2d,
     "conv2d_backward_data": conv2d_backward_data,
     "conv2d_backward_weight": conv2d_backward_weight,
+    # The implicit-GEMM convolutions compute the direct ones' results.
+    "conv2d_gemm": conv2d,
+    "conv2d_gemm_backward_data": conv2d_backward_data,
+    "conv2d_gemm_backward_weight": conv2d_gemm_backward_weight,
     "channel_sum": channel_sum,
     "maxpool2d": maxpool2d,
     "maxpool2d_backward": maxpool2d_backward,

@@ -21,6 +21,7 @@ from flow.program import Launch, launch
 from flow.spec import Optimiser
 from flow.spec_model import MSE, Conv2d, CrossEntropy, Flatten, Linear, MaxPool2d, Model, Softmax
 from shaders.registry import ACTIVATIONS, REDUCE
+from shaders.tiles import conv_gemm_shape
 
 # Activations whose derivative the GEMM epilogue can take from the saved output (gelu needs its
 # input, which the forward keeps only in a separate tensor).
@@ -47,6 +48,34 @@ def k_splits(m: int, n: int, k: int) -> int:
     if k < 256 or tiles >= 64:
         return 1
     return max(1, min(math.ceil(k / 128), math.ceil(128 / tiles), 16))
+
+
+# A convolution's weight gradient: slices of its (n, oh, ow) positions are summed by separate
+# workgroups when the K x C*R*S output has few tiles. Enough workgroups to fill a big GPU twice
+# over, each slice at least CONV_SPLIT_MIN_K positions long (shorter ones spend more on the
+# epilogue's extra pass than they gain), and at most CONV_MAX_SPLITS (the workspace is
+# splits x K x C*R*S floats).
+CONV_SPLIT_TARGET_GROUPS = 256
+CONV_SPLIT_MIN_K = 512
+CONV_MAX_SPLITS = 128
+
+
+def conv_weight_splits(m: int, n: int, k: int) -> int:
+    """How many slices to split a convolution's weight-gradient GEMM into (see the constants
+    above): a Fashion-MNIST CNN's first layer, 32 x 9 outputs summed over 256 x 28 x 28 positions,
+    has a single 32 x 32 tile and gets 128 slices.
+
+    Args:
+        m, n, k: the GEMM's shape (output channels, C*R*S, N*OH*OW).
+
+    Returns:
+        The number of slices, 1 to CONV_MAX_SPLITS.
+    """
+    tiles = math.ceil(m / 32) * math.ceil(n / 32)
+    if tiles >= CONV_SPLIT_TARGET_GROUPS // 2:
+        return 1
+    wanted = math.ceil(CONV_SPLIT_TARGET_GROUPS / tiles)
+    return max(1, min(wanted, k // CONV_SPLIT_MIN_K, CONV_MAX_SPLITS))
 
 
 class _Builder:
@@ -96,7 +125,7 @@ class _Builder:
             w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
             g.emit(
                 launch(
-                    "conv2d",
+                    "conv2d_gemm",
                     (h, w, bias if layer.bias else h, target),
                     **self._conv_params(stage, layer),
                     has_bias=int(layer.bias),
@@ -207,6 +236,25 @@ class _Builder:
             OH=oh,
             OW=ow,
         )
+
+    def _conv_weight_grad(
+        self, x: str, dz: str, dw: str, params: dict[str, int]
+    ) -> tuple[Launch, Launch | None]:
+        """The weight gradient of a convolution as an implicit GEMM, split over its (n, oh, ow)
+        positions when its small output (K x C*R*S) has too few tiles to fill a GPU.
+
+        Returns:
+            (launch, finish): ``finish`` adds the slices into ``dw``; it must run in a later group.
+            None when the GEMM is not split.
+        """
+        m, n, k = conv_gemm_shape("weight", params)
+        splits = conv_weight_splits(m, n, k)
+        if splits == 1:
+            return launch("conv2d_gemm_backward_weight", (x, dz, dw), **params), None
+        workspace = self.g.add(f"splitk:{dw}", (splits, m, n))
+        main = launch("conv2d_gemm_backward_weight", (x, dz, workspace), k_splits=splits, **params)
+        finish = launch("splitk_epilogue", (workspace, workspace, dw), M=m, N=n, splits=splits, alpha=1.0)
+        return main, finish
 
     def _pool_params(self, stage: Stage, layer: MaxPool2d) -> dict[str, int]:
         c, h, w = stage.in_shape
@@ -322,8 +370,9 @@ class _Builder:
                 g.emit(finish_weight, finish_input)
             else:
                 params = self._conv_params(stage, layer)
+                weight_grad, finish_weight = self._conv_weight_grad(h, dz, dw, params)
                 g.emit(
-                    launch("conv2d_backward_weight", (h, dz, dw), **params),
+                    weight_grad,
                     launch(
                         "channel_sum",
                         (dz, db),
@@ -333,8 +382,9 @@ class _Builder:
                     )
                     if layer.bias
                     else None,
-                    launch("conv2d_backward_data", (dz, w, in_grad), **params) if in_grad else None,
+                    launch("conv2d_gemm_backward_data", (dz, w, in_grad), **params) if in_grad else None,
                 )
+                g.emit(finish_weight)
         elif isinstance(layer, MaxPool2d):
             if in_grad:
                 g.emit(

@@ -23,6 +23,8 @@ from shaders.tiles import (
     COOPMAT_SPEC,
     GemmTable,
     ceil_div,
+    conv_gemm_shape,
+    tune_conv,
     tune_gemm,
     tune_gemm_coopmat,
     tune_gemm_coopmat_f16,
@@ -170,6 +172,8 @@ _CONV_PUSH = (
     ("act", "u"),
     ("slope", "f"),
 )
+# The implicit-GEMM convolutions take the direct ones' fields plus the weight gradient's split-K.
+_CONV_GEMM_PUSH = (*_CONV_PUSH, ("k_splits", "u"))
 _POOL_PUSH = (
     ("N", "u"),
     ("C", "u"),
@@ -195,6 +199,29 @@ def _conv_data_groups(params, local, spec) -> Groups:
 def _conv_weight_groups(params, local, spec) -> Groups:
     # One workgroup per weight element; its threads split the (n, oh, ow) sum.
     return capped_groups(int(params["K"]) * int(params["C"]) * int(params["R"]) * int(params["S"]), 1)
+
+
+def _conv_gemm_groups(kind: str):
+    def groups(params, local, spec) -> Groups:
+        m, n, _k = conv_gemm_shape(kind, params)
+        splits = max(1, int(params.get("k_splits", 1)))
+        return (ceil_div(n, spec["BN"]), ceil_div(m, spec["BM"]), splits)
+
+    return groups
+
+
+def _conv_gemm(name: str, kind: str, bindings: tuple[str, ...]) -> OpDef:
+    """An implicit-GEMM convolution op (conv2d_gemm*.comp): gemm.comp's tiles, chosen by tune_conv."""
+    return OpDef(
+        name,
+        f"{name}.comp",
+        bindings,
+        _CONV_GEMM_PUSH,
+        _conv_gemm_groups(kind),
+        spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4), ("ACT", 0)),
+        local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]), 1, 1),
+        tune=lambda params, facts, table=None: tune_conv(kind, params, facts),
+    )
 
 
 def _pool_out_groups(params, local, spec) -> Groups:
@@ -343,6 +370,13 @@ _OPS: tuple[OpDef, ...] = (
         _conv_weight_groups,
         local_size=(64, 1, 1),
     ),
+    # The same three convolutions as implicit GEMMs (tiled, im2col index math on the fly): what
+    # flow.autodiff lowers Conv2d to; the direct kernels above stay as their simple references.
+    # conv2d_gemm_backward_weight with k_splits > 1 writes raw partial sums into dW viewed as
+    # [k_splits, K, C*R*S], for a splitk_epilogue launch to add.
+    _conv_gemm("conv2d_gemm", "forward", ("X", "Wt", "bias", "Y")),
+    _conv_gemm("conv2d_gemm_backward_data", "data", ("dY", "Wt", "dX")),
+    _conv_gemm("conv2d_gemm_backward_weight", "weight", ("X", "dY", "dW")),
     # db[k] = sum over n and spatial of dY[n, k, :] (dY viewed as [N, K, HW]).
     OpDef(
         "channel_sum",
@@ -458,6 +492,9 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "conv2d": ("Y",),
     "conv2d_backward_data": ("dX",),
     "conv2d_backward_weight": ("dW",),
+    "conv2d_gemm": ("Y",),
+    "conv2d_gemm_backward_data": ("dX",),
+    "conv2d_gemm_backward_weight": ("dW",),
     "channel_sum": ("db",),
     "maxpool2d": ("Y", "idx"),
     "maxpool2d_backward": ("dX",),
@@ -476,6 +513,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
 _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "gemm": (("alpha", 1.0), ("k_splits", 1)),
     "splitk_epilogue": (("alpha", 1.0), ("splits", 1)),
+    "conv2d_gemm_backward_weight": (("k_splits", 1),),
     "binary": (("a", 1.0),),
     "reduce": (("alpha", 1.0),),
     "gemm_coopmat": (("alpha", 1.0),),

@@ -261,3 +261,84 @@ _COOPMAT_F16_DEFAULT = {
     "BH": 1,
 }
 COOPMAT_F16_SPEC = tuple((name, _COOPMAT_F16_DEFAULT.get(name, value)) for name, value in COOPMAT_SPEC)
+
+
+# -- implicit-GEMM convolutions (conv2d_gemm*.comp) -------------------------------------------------
+
+# The implicit-GEMM convolutions' tiles (gemm.comp's layout: (BM/TM) * (BN/TN) threads, TN a
+# multiple of 4, TM 1, 2, 4 or 8). Several shapes because a convolution's GEMM is often narrow
+# (N = 32 or 64 output channels) and long (M = batch x pixels): a tile wider than N wastes its
+# columns, so tune_conv picks the tile with the least padded work among those that fill the GPU.
+# Every one fits lavapipe's 32 KiB of shared memory and 256 invocations.
+CONV_TILES: tuple[dict[str, int], ...] = (
+    {"BM": 64, "BN": 128, "BK": 32, "TM": 4, "TN": 8},
+    {"BM": 128, "BN": 64, "BK": 32, "TM": 8, "TN": 4},
+    {"BM": 128, "BN": 32, "BK": 32, "TM": 8, "TN": 4},
+    {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4},
+    {"BM": 64, "BN": 32, "BK": 32, "TM": 4, "TN": 4},
+    {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4},
+)
+# Limits assumed where the device is unknown (lavapipe's, the smallest we run on).
+CONV_ASSUMED_SHARED_BYTES = 32 * 1024
+CONV_ASSUMED_THREADS = 256
+
+
+def conv_gemm_shape(kind: str, params: dict[str, float]) -> tuple[int, int, int]:
+    """(M, N, K) of the implicit GEMM behind one convolution launch.
+
+    Args:
+        kind: ``forward`` (rows (n, oh, ow), columns k, reduction (c, r, s)), ``data`` (rows
+            (n, h, w), columns c, reduction (k, r, s)) or ``weight`` (rows k, columns (c, r, s),
+            reduction (n, oh, ow)).
+        params: the launch's conv parameters (N, C, H, W, K, R, S, OH, OW).
+
+    Returns:
+        The GEMM's (M, N, K).
+    """
+    n, c, h, w, k = (int(params[key]) for key in ("N", "C", "H", "W", "K"))
+    taps, out = int(params["R"]) * int(params["S"]), int(params["OH"]) * int(params["OW"])
+    if kind == "forward":
+        return n * out, k, c * taps
+    if kind == "data":
+        return n * h * w, c, k * taps
+    if kind == "weight":
+        return k, c * taps, n * out
+    raise ValueError(f"unknown convolution GEMM {kind!r}")
+
+
+def conv_fits(tiles: dict[str, int], shared_bytes: int, max_threads: int) -> bool:
+    """Whether a conv_gemm shader with these tiles fits a device (one shared buffer, no slices)."""
+    threads = (tiles["BM"] // tiles["TM"]) * (tiles["BN"] // tiles["TN"])
+    return threads <= max_threads and gemm_shared_bytes(tiles["BM"], tiles["BN"], tiles["BK"]) <= shared_bytes
+
+
+def tune_conv(kind: str, params: dict[str, float], facts: DeviceFacts | None) -> dict[str, int]:
+    """Specialise an implicit-GEMM convolution for one launch: of the CONV_TILES that fit the device
+        (no facts: lavapipe's limits), those whose workgroups (tiles times k_splits) fill a big GPU,
+        the one with the least padded output; when none fills, the one with the most workgroups (then
+    the least padding). ACT:
+        the launch's act (the forward compiles only the epilogue in use).
+
+        Args:
+            kind: ``forward``, ``data`` or ``weight`` (see conv_gemm_shape).
+            params: the launch's parameters.
+            facts: the device, or None.
+
+        Returns:
+            Specialisation constants BM, BN, BK, TM, TN and ACT.
+    """
+    m, n, _k = conv_gemm_shape(kind, params)
+    splits = max(1, int(params.get("k_splits", 1)))
+    shared = facts.shared_memory_bytes if facts is not None else CONV_ASSUMED_SHARED_BYTES
+    threads = facts.max_workgroup_invocations if facts is not None else CONV_ASSUMED_THREADS
+    fitting = [t for t in CONV_TILES if conv_fits(t, shared, threads)] or [CONV_TILES[-1]]
+
+    def rank(tiles: dict[str, int]) -> tuple[int, int, int]:
+        count = ceil_div(m, tiles["BM"]) * ceil_div(n, tiles["BN"])
+        padded = count * tiles["BM"] * tiles["BN"]
+        if count * splits >= GEMM_MIN_WORKGROUPS:
+            return (0, padded, 0)
+        return (1, -count, padded)
+
+    choice = min(fitting, key=rank)
+    return {**choice, "ACT": int(params.get("act", 0))}

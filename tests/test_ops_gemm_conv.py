@@ -17,20 +17,25 @@ import oracles
 import pytest
 from conftest import assert_nans_match, relative_error
 
+from actors.backend import run_program
 from actors.cpu_backend import CpuBackend, cpu_facts
 from actors.single_op import run_op, single_op_layout
-from flow.planning import plan
+from flow.planning import init_parameters, plan
 from flow.program import Program, launch
-from flow.spec import SGD, CrossEntropy, Data, Linear, Model, Spec, Synthetic
+from flow.spec import SGD, Conv2d, CrossEntropy, Data, Flatten, Linear, MaxPool2d, Model, Spec, Synthetic
 from shaders import gemm_tuning
 from shaders.registry import ACTIVATIONS, op
 from shaders.tiles import (
+    CONV_TILES,
     GEMM_CPU_TILES,
     GEMM_MIN_WORKGROUPS,
     GEMM_SPEC_DEFAULTS,
     GEMM_TILES,
+    conv_fits,
+    conv_gemm_shape,
     gemm_fits,
     gemm_shared_bytes,
+    tune_conv,
     tune_gemm,
 )
 
@@ -386,17 +391,28 @@ CONV_CASES = [
     (2, 3, 8, 7, 3, 3, 2, 0, "leaky_relu"),  # (8 - 3) / 2 is not whole: the last row is unused
     (2, 1, 7, 9, 3, 5, 1, 1, "sigmoid"),
     (2, 3, 13, 11, 4, 3, 1, 1, None),  # 286 (n, oh, ow) positions: several per weight-grad thread
+    (1, 5, 9, 8, 7, 5, 2, 2, "relu"),  # batch 1, channels not multiples of 4, 5x5 over padding 2
+    (2, 6, 6, 5, 3, 3, 1, 2, None),  # padding 2 with a 3x3 kernel: outputs larger than the input
 ]
 CONV_IDS = [f"n{c[0]}c{c[1]}h{c[2]}w{c[3]}k{c[4]}r{c[5]}s{c[6]}p{c[7]}-{c[8]}" for c in CONV_CASES]
 
 
+# The direct convolutions and their implicit-GEMM versions (what autodiff lowers Conv2d to).
+CONV_KINDS = ["direct", "gemm"]
+
+
+def conv_op(kind: str, suffix: str = "") -> str:
+    return ("conv2d" if kind == "direct" else "conv2d_gemm") + suffix
+
+
+@pytest.mark.parametrize("kind", CONV_KINDS)
 @pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
-def test_conv2d_forward(backend, rng, case):
+def test_conv2d_forward(backend, rng, case, kind):
     n, c, h, w, k, r, stride, pad, act = case
     x, wt, bias = normal(rng, n, c, h, w), normal(rng, k, c, r, r), normal(rng, k)
     params = conv_params(n, c, h, w, k, r, stride, pad, has_bias=1, act=ACTIVATIONS[act], slope=0.2)
     y = np.zeros((n, k, params["OH"], params["OW"]), np.float32)
-    got = run_op(backend, "conv2d", {"X": x, "Wt": wt, "bias": bias, "Y": y}, **params)["Y"]
+    got = run_op(backend, conv_op(kind), {"X": x, "Wt": wt, "bias": bias, "Y": y}, **params)["Y"]
     expected = act_oracle(conv_oracle(x, wt, stride, pad) + as64(bias)[None, :, None, None], act, 0.2)
     assert got.shape == expected.shape
     assert relative_error(got, expected) <= TOL
@@ -405,22 +421,24 @@ def test_conv2d_forward(backend, rng, case):
         assert relative_error(got, act_torch(reference, act, 0.2).numpy()) <= TOL
 
 
-def test_conv2d_without_bias_ignores_bias(backend, rng):
+@pytest.mark.parametrize("kind", CONV_KINDS)
+def test_conv2d_without_bias_ignores_bias(backend, rng, kind):
     n, c, h, w, k, r, stride, pad = 2, 3, 7, 9, 4, 3, 2, 1
     x, wt = normal(rng, n, c, h, w), normal(rng, k, c, r, r)
     params = conv_params(n, c, h, w, k, r, stride, pad, has_bias=0)
     y = np.zeros((n, k, params["OH"], params["OW"]), np.float32)
-    got = run_op(backend, "conv2d", {"X": x, "Wt": wt, "bias": normal(rng, k), "Y": y}, **params)["Y"]
+    got = run_op(backend, conv_op(kind), {"X": x, "Wt": wt, "bias": normal(rng, k), "Y": y}, **params)["Y"]
     assert relative_error(got, conv_oracle(x, wt, stride, pad)) <= TOL
 
 
+@pytest.mark.parametrize("kind", CONV_KINDS)
 @pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
-def test_conv2d_backward_data(backend, rng, case):
+def test_conv2d_backward_data(backend, rng, case, kind):
     n, c, h, w, k, r, stride, pad, _act = case
     params = conv_params(n, c, h, w, k, r, stride, pad)
     dy, wt = normal(rng, n, k, params["OH"], params["OW"]), normal(rng, k, c, r, r)
     dx = np.zeros((n, c, h, w), np.float32)
-    got = run_op(backend, "conv2d_backward_data", {"dY": dy, "Wt": wt, "dX": dx}, **params)["dX"]
+    got = run_op(backend, conv_op(kind, "_backward_data"), {"dY": dy, "Wt": wt, "dX": dx}, **params)["dX"]
     assert relative_error(got, conv_backward_data_oracle(dy, wt, (n, c, h, w), stride, pad)) <= TOL
     # Adjoint identity, with the forward conv from the oracle: <conv(x, W), dY> = <x, dX>.
     x = normal(rng, n, c, h, w)
@@ -432,13 +450,14 @@ def test_conv2d_backward_data(backend, rng, case):
         assert relative_error(got, reference.numpy()) <= TOL
 
 
+@pytest.mark.parametrize("kind", CONV_KINDS)
 @pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
-def test_conv2d_backward_weight(backend, rng, case):
+def test_conv2d_backward_weight(backend, rng, case, kind):
     n, c, h, w, k, r, stride, pad, _act = case
     params = conv_params(n, c, h, w, k, r, stride, pad)
     x, dy = normal(rng, n, c, h, w), normal(rng, n, k, params["OH"], params["OW"])
     dw = np.zeros((k, c, r, r), np.float32)
-    got = run_op(backend, "conv2d_backward_weight", {"X": x, "dY": dy, "dW": dw}, **params)["dW"]
+    got = run_op(backend, conv_op(kind, "_backward_weight"), {"X": x, "dY": dy, "dW": dw}, **params)["dW"]
     assert relative_error(got, conv_backward_weight_oracle(x, dy, (k, c, r, r), stride, pad)) <= TOL
     # Adjoint identity in the weights: <conv(x, V), dY> = <V, dW> for any V.
     v = normal(rng, k, c, r, r)
@@ -450,15 +469,143 @@ def test_conv2d_backward_weight(backend, rng, case):
         assert relative_error(got, reference.numpy()) <= TOL
 
 
-def test_conv2d_backward_weight_more_weights_than_workgroups(backend, rng):
+@pytest.mark.parametrize("kind", CONV_KINDS)
+def test_conv2d_backward_weight_more_weights_than_workgroups(backend, rng, kind):
     """70,000 weights: one workgroup each would exceed the 65,535 cap, so groups must stride."""
     n, c, h, w, k, r, stride, pad = 1, 250, 1, 1, 280, 1, 1, 0
     params = conv_params(n, c, h, w, k, r, stride, pad)
     x, dy = normal(rng, n, c, h, w), normal(rng, n, k, 1, 1)
     dw = np.zeros((k, c, r, r), np.float32)
-    got = run_op(backend, "conv2d_backward_weight", {"X": x, "dY": dy, "dW": dw}, **params)["dW"]
+    got = run_op(backend, conv_op(kind, "_backward_weight"), {"X": x, "dY": dy, "dW": dw}, **params)["dW"]
     expected = np.einsum("k,c->kc", as64(dy).ravel(), as64(x).ravel())[:, :, None, None]
     assert relative_error(got, expected) <= TOL
+
+
+@pytest.mark.parametrize("splits", [2, 5, 16])
+@pytest.mark.parametrize(
+    "case", [CONV_CASES[1], CONV_CASES[2], CONV_CASES[8]], ids=[CONV_IDS[1], CONV_IDS[2], CONV_IDS[8]]
+)
+def test_conv2d_gemm_backward_weight_split_k_then_epilogue(backend, rng, case, splits):
+    """Split over the (n, oh, ow) positions, as autodiff lowers a long weight gradient: the slices'
+    raw partial sums, then splitk_epilogue adds them into dW. More splits than K tiles leave some
+    slices empty: they must write zeros, not leave the workspace's garbage."""
+    n, c, h, w, k, r, stride, pad, _act = case
+    params = conv_params(n, c, h, w, k, r, stride, pad)
+    x, dy = normal(rng, n, c, h, w), normal(rng, n, k, params["OH"], params["OW"])
+    workspace = normal(rng, splits, k, c * r * r)  # garbage to be overwritten
+    bindings = {"X": x, "dY": dy, "dW": workspace}
+    partial = run_op(backend, "conv2d_gemm_backward_weight", bindings, k_splits=splits, **params)["dW"]
+    want = conv_backward_weight_oracle(x, dy, (k, c, r, r), stride, pad).reshape(k, -1)
+    assert relative_error(partial.sum(axis=0), want) <= TOL
+    out = run_op(
+        backend,
+        "splitk_epilogue",
+        {"W": partial, "bias": normal(rng, c * r * r), "C": normal(rng, k, c * r * r)},
+        M=k,
+        N=c * r * r,
+        splits=splits,
+    )["C"]
+    assert relative_error(out, want) <= TOL
+
+
+CONV_GEMM_OPS = ["conv2d_gemm", "conv2d_gemm_backward_data", "conv2d_gemm_backward_weight"]
+
+
+@pytest.mark.parametrize("tile", CONV_TILES, ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
+@pytest.mark.parametrize("name", CONV_GEMM_OPS)
+@pytest.mark.parametrize("case", [CONV_CASES[2], CONV_CASES[8]], ids=[CONV_IDS[2], CONV_IDS[8]])
+def test_conv_gemm_every_tile(vulkan_backend, rng, tile, name, case):
+    """Each tile of CONV_TILES, forced by spec_overrides, for each implicit-GEMM convolution on
+    odd shapes (partial tiles in every dimension)."""
+    facts = vulkan_backend.facts
+    if not conv_fits(tile, facts.shared_memory_bytes, facts.max_workgroup_invocations):
+        pytest.skip(f"{facts.name}: the tile does not fit")
+    n, c, h, w, k, r, stride, pad, act = case
+    params = conv_params(n, c, h, w, k, r, stride, pad)
+    x, wt, bias = normal(rng, n, c, h, w), normal(rng, k, c, r, r), normal(rng, k)
+    dy = normal(rng, n, k, params["OH"], params["OW"])
+    if name == "conv2d_gemm":
+        params.update(has_bias=1, act=ACTIVATIONS[act], slope=0.2)
+        arrays = {"X": x, "Wt": wt, "bias": bias, "Y": np.zeros_like(dy)}
+        want = act_oracle(conv_oracle(x, wt, stride, pad) + as64(bias)[None, :, None, None], act, 0.2)
+    elif name == "conv2d_gemm_backward_data":
+        arrays = {"dY": dy, "Wt": wt, "dX": np.zeros_like(x)}
+        want = conv_backward_data_oracle(dy, wt, x.shape, stride, pad)
+    else:
+        arrays = {"X": x, "dY": dy, "dW": np.zeros_like(wt)}
+        want = conv_backward_weight_oracle(x, dy, wt.shape, stride, pad)
+    vulkan_backend.open_layout(single_op_layout(arrays))
+    for key, array in arrays.items():
+        vulkan_backend.write(key, array)
+    program = Program(name="conv_tile", steps=(launch(name, tuple(arrays), **params),))
+    vulkan_backend.wait(
+        vulkan_backend.submit(vulkan_backend.record(program, spec_overrides={name: dict(tile)}))
+    )
+    assert relative_error(vulkan_backend.read(tuple(arrays)[-1]).reshape(want.shape), want) <= TOL
+
+
+def test_tune_conv_prefers_little_padding_and_enough_workgroups():
+    """The CNN's shapes on a big GPU: the narrow forward (32 output channels) takes a 32-wide tile,
+    the weight gradient's tiny output (32 x 9) the smallest tile; with no facts every choice fits
+    lavapipe; ACT carries the launch's activation."""
+    gpu = a_gpu()
+    first = conv_params(256, 1, 28, 28, 32, 3, 1, 1, act=ACTIVATIONS["relu"])
+    forward = tune_conv("forward", first, gpu)
+    assert forward["BN"] == 32 and forward["ACT"] == ACTIVATIONS["relu"]
+    weight = tune_conv("weight", {**first, "k_splits": 64}, gpu)
+    assert (weight["BM"], weight["BN"]) == (32, 32)
+    assert conv_gemm_shape("weight", first) == (32, 9, 256 * 28 * 28)
+    assert conv_gemm_shape("data", first) == (256 * 28 * 28, 1, 32 * 9)
+    for kind in ("forward", "data", "weight"):
+        assert conv_fits(tune_conv(kind, first, None), 32 * 1024, 256)
+
+
+def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_backend, rng):
+    """A CNN whose first weight gradient sums over 8 x 12 x 12 positions: autodiff splits it
+    (conv2d_gemm_backward_weight with k_splits, then splitk_epilogue), and one training step's
+    gradients on Vulkan match the float64 CPU backend's."""
+    model = Model(
+        input_shape=(1, 12, 12),
+        layers=(
+            Conv2d(5, 3, padding=1, activation="relu"),
+            MaxPool2d(2),
+            Conv2d(6, 3, stride=2, padding=1, activation="tanh"),
+            Flatten(),
+            Linear(3),
+        ),
+        loss=CrossEntropy(),
+    )
+    batch = 8
+    spec = Spec(
+        model=model,
+        optimiser=SGD(lr=0.1),  # stepvals carry lr 0: the update leaves weights alone
+        data=Data(Synthetic(samples=64, features=model.input_shape, classes=3), batch_size=batch),
+    )
+    device = plan(spec).devices[0]
+    program = device.program("train")
+    ops = [s.op for s in program.launches]
+    assert "conv2d_gemm" in ops and "conv2d_gemm_backward_data" in ops
+    split = [
+        s
+        for s in program.launches
+        if s.op == "conv2d_gemm_backward_weight" and s.param_dict.get("k_splits", 1) > 1
+    ]
+    assert split and "splitk_epilogue" in ops
+    params = init_parameters(device, "xavier", int(rng.integers(1 << 30)))
+    x = normal(rng, batch, *model.input_shape)
+    y = rng.integers(0, 3, batch).astype(np.int32)
+    grads = []
+    for backend in (CpuBackend(precision="float64"), vulkan_backend):
+        backend.open_layout(device.layout)
+        for name, value in params.items():
+            backend.write(name, value)
+        backend.write("x", x)
+        backend.write("y", y)
+        backend.write("stepvals", np.array([0.0, 1.0, 1.0, 1.0, batch], np.float32))
+        run_program(backend, program)
+        grads.append({p.name: backend.read(f"grad:{p.name}") for p in device.parameters})
+    for name, want in grads[0].items():
+        assert relative_error(grads[1][name], want) <= 1e-4, name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -810,14 +957,15 @@ def test_gemm_act_grad_propagates_nan(fused_target, rng, activation):
     assert_nans_match(got, (as64(dy) @ as64(w).T) * derivative, tol=TOL)
 
 
+@pytest.mark.parametrize("kind", CONV_KINDS)
 @pytest.mark.parametrize("act", NAN_ACTS)
-def test_conv2d_epilogue_propagates_nan(backend, rng, act):
+def test_conv2d_epilogue_propagates_nan(backend, rng, act, kind):
     n, c, h, w, k, r, stride, pad = 2, 3, 7, 9, 4, 3, 1, 1
     x, wt, bias = normal(rng, n, c, h, w), normal(rng, k, c, r, r), normal(rng, k)
     x[0, rng.integers(0, c), rng.integers(0, h), rng.integers(0, w)] = np.nan  # one pixel of sample 0
     params = conv_params(n, c, h, w, k, r, stride, pad, has_bias=1, act=ACTIVATIONS[act], slope=0.2)
     y = np.zeros((n, k, params["OH"], params["OW"]), np.float32)
-    got = run_op(backend, "conv2d", {"X": x, "Wt": wt, "bias": bias, "Y": y}, **params)["Y"]
+    got = run_op(backend, conv_op(kind), {"X": x, "Wt": wt, "bias": bias, "Y": y}, **params)["Y"]
     expected = act_oracle(conv_oracle(x, wt, stride, pad) + as64(bias)[None, :, None, None], act, 0.2)
     assert_nans_match(got, expected, tol=TOL)  # a 3x3 patch of every channel of sample 0
 

@@ -1,0 +1,35 @@
+// The push block and tile constants of the implicit-GEMM convolutions (conv2d_gemm.comp,
+// conv2d_gemm_backward_data.comp, conv2d_gemm_backward_weight.comp): the direct convolutions'
+// fields (conv_head.glsl, in the same order, so a layer's launches take the same parameters)
+// plus k_splits, read by the weight gradient only. The tile constants are gemm.comp's (tune_conv
+// in shaders/tiles.py chooses them); ACT is the forward's activation, compiled in alone.
+#ifndef VKFLOW_CONV_GEMM_HEAD_GLSL
+#define VKFLOW_CONV_GEMM_HEAD_GLSL
+
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+layout(constant_id = 3) const uint BM = 64;
+layout(constant_id = 4) const uint BN = 64;
+layout(constant_id = 5) const uint BK = 16;
+layout(constant_id = 6) const uint TM = 4;
+layout(constant_id = 7) const uint TN = 4;
+layout(constant_id = 8) const uint ACT = 0;
+
+layout(push_constant) uniform Push {
+    uint N;  // batch
+    uint C;  // input channels
+    uint H;  // input height
+    uint W;  // input width
+    uint K;  // output channels
+    uint R;  // kernel height
+    uint S;  // kernel width
+    uint stride;
+    uint pad;
+    uint OH;  // output height
+    uint OW;  // output width
+    uint has_bias;
+    uint act;  // unused: the constant ACT
+    float slope;
+    uint k_splits;
+} pc;
+
+#endif
