@@ -1,10 +1,19 @@
 // The tiled main loop of the implicit-GEMM convolutions (conv2d_gemm.comp and its two backward
 // shaders): C[M,N] = A[M,Kd] @ B[Kd,N] where A and B are never stored. The including shader
-// defines the push block (through conv_gemm_head.glsl), the element gathers a_at(m, kk) and
-// b_at(kk, n) (zero outside the convolution: that is the im2col index math, done on the fly) and
-// store_c(m, n, z, value) (the epilogue and the NCHW scatter), and the constants A_MFAST and
-// B_NFAST: whether consecutive threads load along m (n) or along k, whichever walks memory
-// contiguously for that operand, so global loads coalesce.
+// defines the push block (through conv_gemm_head.glsl), store_c(m, n, z, value) (the epilogue and
+// the NCHW scatter), the macros A_MFAST and B_NFAST (1 or 0: whether consecutive threads load
+// along m (n) or along k, whichever walks memory contiguously for that operand, so global loads
+// coalesce), and the element gathers, split so that the im2col index math is not redone per
+// element (each element gathered cost several integer divisions, more than its multiply-adds):
+//   ARow a_row(m): what a row m of A needs (its decomposition, e.g. (n, oh, ow)); once per thread.
+//   AIdx a_idx(kk): the decomposition of a reduction index (e.g. (c, r, s)); once per thread, and
+//       a_idx(BK) once as the step.
+//   void a_step(inout AIdx t, AIdx d): t becomes the decomposition of kk + BK, given d = a_idx(BK)
+//       (a mixed-radix add with carries: no division).
+//   float a_get(ARow row, AIdx t): A[m, kk], zero outside the convolution.
+// and likewise BCol b_col(n), BIdx b_idx(kk), b_step and b_get(BCol, BIdx) for B. Each thread
+// loads the same (row, k offset) slots of every K tile, so its rows are decomposed once and its
+// reduction indices walk forward by BK per tile.
 //
 // The tiles are gemm.comp's (see its header): one workgroup per BM x BN tile of C with
 // (BM/TM)*(BN/TN) threads, each owning TM x TN outputs as 4 x 4 sub-blocks spread over the tile
@@ -29,32 +38,65 @@ const uint A_BUF = BK * SA / 4u;
 const uint B_BUF = BK * SB / 4u;
 const uint A_LOADS = (BM * BK + NT - 1u) / NT;
 const uint B_LOADS = (BK * BN + NT - 1u) / NT;
+// A thread's load l = tid + i * NT sits at the same row (column) for every i when its operand is
+// m-fast (n-fast) and NT is a multiple of BM (BN), and at the same k offset when it is k-fast and
+// NT is a multiple of BK: then one decomposition, slot 0's, serves all its loads (see main).
+// (Chosen by the preprocessor: glslang mis-emits `&&` on specialisation constants.)
+// An m-fast A with one row per thread (NT a multiple of BM) has its loads at k offsets s0 + i * D,
+// D = NT / BM, and A_LOADS * D == BK: one reduction index walks them all, stepping by D after
+// each load (A_WALK), rather than A_LOADS indices each stepping by BK (registers: up to 32 loads).
+#if A_MFAST
+const bool A_ONE_ROW = NT % BM == 0u;
+const bool A_WALK = NT % BM + (BM * BK) % NT == 0u;  // (`&&` of spec constants mis-emits)
+const bool A_ONE_IDX = A_WALK;
+const bool A_TILE_STEP = !A_WALK;
+#else
+const bool A_ONE_ROW = false;
+const bool A_WALK = false;
+const bool A_ONE_IDX = NT % BK == 0u;
+const bool A_TILE_STEP = true;
+#endif
+#if B_NFAST
+const bool B_ONE_COL = NT % BN == 0u;
+const bool B_ONE_IDX = false;
+#else
+const bool B_ONE_COL = false;
+const bool B_ONE_IDX = NT % BK == 0u;
+#endif
+const bool A_ROWS = !A_ONE_ROW;  // whether each load has its own row
+const bool A_IDXS = !A_ONE_IDX;
+const bool B_COLS = !B_ONE_COL;
+const bool B_IDXS = !B_ONE_IDX;
 
 shared vec4 As[A_BUF];
 shared vec4 Bs[B_BUF];
 
 // (row along m, k) within the A tile of element l.
 uvec2 a_slot(uint l) {
-    return A_MFAST ? uvec2(l % BM, l / BM) : uvec2(l / BK, l % BK);
+#if A_MFAST
+    return uvec2(l % BM, l / BM);
+#else
+    return uvec2(l / BK, l % BK);
+#endif
 }
 
 // (column along n, k) within the B tile of element l.
 uvec2 b_slot(uint l) {
-    return B_NFAST ? uvec2(l % BN, l / BN) : uvec2(l / BK, l % BK);
+#if B_NFAST
+    return uvec2(l % BN, l / BN);
+#else
+    return uvec2(l / BK, l % BK);
+#endif
 }
 
-float load_a(uint l, uint m0, uint kt, uint k_end) {
+float load_a(uint l, uint m0, uint kt, uint k_end, ARow row, AIdx t) {
     uvec2 s = a_slot(l);
-    uint gm = m0 + s.x;
-    uint gk = kt + s.y;
-    return (l < BM * BK && gm < pc_M() && gk < k_end) ? a_at(gm, gk) : 0.0;
+    return (l < BM * BK && m0 + s.x < pc_M() && kt + s.y < k_end) ? a_get(row, t) : 0.0;
 }
 
-float load_b(uint l, uint n0, uint kt, uint k_end) {
+float load_b(uint l, uint n0, uint kt, uint k_end, BCol col, BIdx t) {
     uvec2 s = b_slot(l);
-    uint gn = n0 + s.x;
-    uint gk = kt + s.y;
-    return (l < BK * BN && gn < pc_N() && gk < k_end) ? b_at(gk, gn) : 0.0;
+    return (l < BK * BN && n0 + s.x < pc_N() && kt + s.y < k_end) ? b_get(col, t) : 0.0;
 }
 
 void put_a(uint l, float v) {
@@ -92,11 +134,56 @@ void main() {
     float ra[A_LOADS];
     float rb[B_LOADS];
 
+    // This thread's slots, the same in every K tile: their rows (columns) decomposed once, their
+    // reduction indices decomposed at k_begin and then stepped by BK after each tile's loads.
+    ARow arow[A_LOADS];
+    AIdx aidx[A_LOADS];
+    BCol bcol[B_LOADS];
+    BIdx bidx[B_LOADS];
+    const AIdx astep = a_idx(BK);
+    const BIdx bstep = b_idx(BK);
+    const AIdx awalk = a_idx(NT / BM);
     [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
-        put_a(tid + i * NT, load_a(tid + i * NT, m0, k_begin, k_end));
+        if (A_ROWS || i == 0u) {
+            arow[i] = a_row(m0 + a_slot(tid + i * NT).x);
+        }
+    }
+    [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+        if (A_IDXS || i == 0u) {
+            aidx[i] = a_idx(k_begin + a_slot(tid + i * NT).y);
+        }
     }
     [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
-        put_b(tid + i * NT, load_b(tid + i * NT, n0, k_begin, k_end));
+        if (B_COLS || i == 0u) {
+            bcol[i] = b_col(n0 + b_slot(tid + i * NT).x);
+        }
+    }
+    [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+        if (B_IDXS || i == 0u) {
+            bidx[i] = b_idx(k_begin + b_slot(tid + i * NT).y);
+        }
+    }
+
+    [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+        put_a(tid + i * NT, load_a(tid + i * NT, m0, k_begin, k_end, arow[A_ONE_ROW ? 0u : i],
+                                   aidx[A_ONE_IDX ? 0u : i]));
+        if (A_WALK) {
+            a_step(aidx[0], awalk);
+        }
+    }
+    [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+        put_b(tid + i * NT, load_b(tid + i * NT, n0, k_begin, k_end, bcol[B_ONE_COL ? 0u : i],
+                                   bidx[B_ONE_IDX ? 0u : i]));
+    }
+    [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+        if (A_TILE_STEP && (A_IDXS || i == 0u)) {
+            a_step(aidx[i], astep);
+        }
+    }
+    [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+        if (B_IDXS || i == 0u) {
+            b_step(bidx[i], bstep);
+        }
     }
     barrier();
 
@@ -105,10 +192,25 @@ void main() {
         const bool more = k1 < k_end;
         if (more) {
             [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
-                ra[i] = load_a(tid + i * NT, m0, k1, k_end);
+                ra[i] = load_a(tid + i * NT, m0, k1, k_end, arow[A_ONE_ROW ? 0u : i],
+                               aidx[A_ONE_IDX ? 0u : i]);
+                if (A_WALK) {
+                    a_step(aidx[0], awalk);
+                }
             }
             [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
-                rb[i] = load_b(tid + i * NT, n0, k1, k_end);
+                rb[i] = load_b(tid + i * NT, n0, k1, k_end, bcol[B_ONE_COL ? 0u : i],
+                               bidx[B_ONE_IDX ? 0u : i]);
+            }
+            [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
+                if (A_TILE_STEP && (A_IDXS || i == 0u)) {
+                    a_step(aidx[i], astep);
+                }
+            }
+            [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
+                if (B_IDXS || i == 0u) {
+                    b_step(bidx[i], bstep);
+                }
             }
         }
         [[unroll]] for (uint kk = 0u; kk < BK; ++kk) {

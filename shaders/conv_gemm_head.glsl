@@ -14,22 +14,7 @@ layout(constant_id = 6) const uint TM = 4;
 layout(constant_id = 7) const uint TN = 4;
 layout(constant_id = 8) const uint ACT = 0;
 
-layout(push_constant) uniform Push {
-    uint N;  // batch
-    uint C;  // input channels
-    uint H;  // input height
-    uint W;  // input width
-    uint K;  // output channels
-    uint R;  // kernel height
-    uint S;  // kernel width
-    uint stride;
-    uint pad;
-    uint OH;  // output height
-    uint OW;  // output width
-    uint has_bias;
-    uint act;  // unused: the constant ACT
-    float slope;
-    uint k_splits;
-} pc;
+#define CONV_PUSH_EXTRA uint k_splits;
+#include "conv_head.glsl"
 
 #endif

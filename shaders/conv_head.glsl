@@ -1,9 +1,15 @@
 // The push block and index math of the NCHW convolution shaders: conv2d, conv2d_backward_data and
 // conv2d_backward_weight. The registry gives all three one push layout (_CONV_PUSH) so a layer's
 // forward and backward launches take the same parameters; has_bias, act and slope are read by the
-// forward only.
+// forward only. The implicit-GEMM convolutions take one field more (k_splits): they define
+// CONV_PUSH_EXTRA to its declaration before including this header, so the shared fields stay in
+// one place, in the registry's order.
 #ifndef VKFLOW_CONV_HEAD_GLSL
 #define VKFLOW_CONV_HEAD_GLSL
+
+#ifndef CONV_PUSH_EXTRA
+#define CONV_PUSH_EXTRA
+#endif
 
 layout(push_constant) uniform Push {
     uint N;  // batch
@@ -18,8 +24,9 @@ layout(push_constant) uniform Push {
     uint OH;  // output height
     uint OW;  // output width
     uint has_bias;
-    uint act;  // ACT_* code of the fused activation
+    uint act;  // ACT_* code of the fused activation (the implicit GEMMs use their constant ACT)
     float slope;
+    CONV_PUSH_EXTRA
 } pc;
 
 // (n, c, h, w) of flat index i into a row-major [*, C, H, W] array: the output [N, K, OH, OW],
