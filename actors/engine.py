@@ -77,10 +77,7 @@ class Engine:
     def _slot_views(self, slot: int) -> SlotViews | None:
         """Views of ``slot``'s io tensors, or None where the backend maps no memory. They stay valid
         while this engine's layout is open (a new Engine on the same backend replaces it)."""
-        write_into = getattr(self.backend, "write_into", None)
-        if write_into is None:
-            return None
-        views = {name: write_into(name, slot) for name in ("x", "y", "stepvals", "loss", "correct")}
+        views = {name: self._view(name, slot) for name in ("x", "y", "stepvals", "loss", "correct")}
         if any(view is None for view in views.values()):
             return None
         views["y"] = views["y"].reshape(-1)
@@ -218,6 +215,7 @@ class Engine:
         self._idx_views = [self._view("idx", slot) for slot in range(self.slots)]
 
     def _view(self, tensor: str, slot: int) -> np.ndarray | None:
+        """A view of ``tensor``'s memory in ``slot``, or None where the backend maps no memory."""
         write_into = getattr(self.backend, "write_into", None)
         return write_into(tensor, slot) if write_into is not None else None
 

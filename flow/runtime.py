@@ -27,7 +27,7 @@ import numpy as np
 import trio
 
 from actors import checkpoint as checkpoints
-from actors import device_select
+from actors import cpu_ops, device_select
 from actors import optimiser as optim
 from actors.backend import Backend
 from actors.device import DeviceActor, InputSlots
@@ -323,13 +323,18 @@ class Runtime:
             self.hooks.attach(dict(self.channels))
 
     def _host_rows(self, indices: np.ndarray) -> np.ndarray:
-        """Rows of the resident dataset preprocessed on the host, as the gather launch does (for
-        the first batch's input statistics)."""
+        """Rows of the resident dataset preprocessed on the host (for the first batch's input
+        statistics): the CPU backend's gather_rows run on the train program's own gather launch,
+        so they are what the device computes."""
         resident = self.plan.data.resident
-        affine = np.asarray(resident.affine, np.float64).reshape(1, -1, 2, 1)
-        rows = self.stored.x[indices].astype(np.float64).reshape(len(indices), resident.channels, 1, -1)
-        values = (rows * affine[:, :, :1] + affine[:, :, 1:]).reshape(len(indices), *resident.sample_shape)
-        return values.astype(np.float32)
+        gather = self.plan.devices[0].program("train").launches[0]
+        rows = len(indices)
+        x = np.empty((rows, *resident.sample_shape), np.float32)
+        labels = np.empty(rows, np.int32)
+        arrays = [self.stored.x, self.stored.labels, np.asarray(indices, np.int32),
+                  np.asarray(resident.affine, np.float32), x.reshape(-1), labels]  # fmt: skip
+        cpu_ops.gather_rows(arrays, {**gather.param_dict, "rows": rows})
+        return x
 
     def _jobs(self):
         """The loader's stream, from the cursor the run starts at."""
