@@ -21,6 +21,7 @@ import numpy as np
 
 from actors import cpu_ops
 from actors.backend import DeviceFacts, MemoryHeap, upload_target
+from flow.device_facts import NUMPY_VENDOR
 from flow.program import Barrier, Layout, Program, Tensor
 from shaders.registry import op as op_def
 
@@ -109,7 +110,7 @@ def cpu_facts(memory_bytes: int | None = None) -> DeviceFacts:
         index=-1,
         name="cpu (numpy)",
         kind="cpu",
-        vendor="numpy",
+        vendor=NUMPY_VENDOR,
         vendor_id=0,
         api_version="-",
         driver_version=np.__version__,

@@ -228,6 +228,12 @@ def _real_rows(stepvals: np.ndarray, capacity: int) -> int:
     return min(max(int(stepvals[4]), 1), capacity)
 
 
+def _divisor(stepvals: np.ndarray, rows: int) -> float:
+    """The rows the loss averages over, stepvals[5], as batch_rows.glsl's mean_divisor."""
+    divisor = float(stepvals[5]) if len(stepvals) > 5 else 0.0
+    return divisor if divisor >= 1.0 else float(rows)
+
+
 def softmax_xent(arrays: list[np.ndarray], p: Params) -> None:
     logits, labels, loss_rows, correct_rows, dlogits, stepvals = arrays
     rows, cols = int(p["rows"]), int(p["cols"])
@@ -240,7 +246,7 @@ def softmax_xent(arrays: list[np.ndarray], p: Params) -> None:
     safe = np.where(valid, target, 0)
     log_probs = _log_softmax_rows(matrix)
     picked = np.arange(n)
-    scale = matrix.dtype.type(1.0 / n)
+    scale = matrix.dtype.type(1.0 / _divisor(stepvals, n))
     loss_rows[:n] = np.where(valid, -log_probs[picked, safe], np.nan) * scale
     loss_rows[n:rows] = 0
     correct_rows[:n] = (valid & (matrix.argmax(axis=1) == target)).astype(correct_rows.dtype)
@@ -267,10 +273,11 @@ def mse(arrays: list[np.ndarray], p: Params) -> None:
     rows, cols = int(p["rows"]), int(p["cols"])
     n = _real_rows(stepvals, rows)
     diff = y[: n * cols].reshape(n, cols) - t[: n * cols].reshape(n, cols)
-    loss_rows[:n] = (diff * diff).mean(axis=1) / n
+    divisor = _divisor(stepvals, n)
+    loss_rows[:n] = (diff * diff).mean(axis=1) / divisor
     loss_rows[n:rows] = 0
     if p.get("write_grad"):
-        dy[: n * cols] = (diff * diff.dtype.type(2.0 / (n * cols))).reshape(-1)
+        dy[: n * cols] = (diff * diff.dtype.type(2.0 / (divisor * cols))).reshape(-1)
         dy[n * cols : rows * cols] = 0
 
 

@@ -64,6 +64,43 @@ def select_facts(select: int | str = "auto") -> tuple[DeviceFacts, str]:
         return cpu_facts(), f"{error}; using the CPU (numpy) backend"
 
 
+def select_group(choices: tuple[int | str, ...]) -> tuple[tuple[DeviceFacts, ...], str]:
+    """The facts of every device a spec's ``select`` names, in order, without opening any: one
+    device for a single choice (:func:`select_facts`), every Vulkan device and the CPU for "all",
+    and each listed choice for a list (a choice listed twice is two logical devices).
+
+    Args:
+        choices: ``Devices.choices``.
+
+    Returns:
+        (facts, message): message explains a fallback to the CPU, else is empty.
+
+    Raises:
+        LookupError: an explicit index or name that matches no Vulkan device.
+    """
+    from actors.cpu_backend import cpu_facts
+
+    if choices == ("all",):
+        devices, message = list_devices()
+        return (*devices, cpu_facts()), message
+    if len(choices) == 1:
+        facts, message = select_facts(choices[0])
+        return (facts,), message
+    return tuple(select_facts(choice)[0] for choice in choices), ""
+
+
+def every_device() -> tuple[list[DeviceFacts], str]:
+    """What ``flow devices`` lists: every Vulkan device that can compute, then the CPU backend.
+
+    Returns:
+        (devices, message): message says why there is no Vulkan device, else is empty.
+    """
+    from actors.cpu_backend import cpu_facts
+
+    devices, message = list_devices()
+    return [*devices, cpu_facts()], message
+
+
 def open_device(facts: DeviceFacts, memory_fraction: float = 0.9) -> Backend:
     """Open the backend of a device :func:`select_facts` chose.
 
@@ -74,7 +111,7 @@ def open_device(facts: DeviceFacts, memory_fraction: float = 0.9) -> Backend:
     Returns:
         The backend; the caller closes it.
     """
-    if facts.kind == "cpu":
+    if facts.is_numpy:
         from actors.cpu_backend import CpuBackend
 
         return CpuBackend(facts=facts)

@@ -18,9 +18,9 @@ from flow.errors import FlowError
 
 
 def _devices(args: argparse.Namespace) -> int:
-    from actors.device_select import list_devices
+    from actors.device_select import every_device
 
-    devices, message = list_devices()
+    devices, message = every_device()
     if args.json:
         print(json.dumps({"devices": [asdict(d) for d in devices], "message": message}, indent=2))
         return 0
@@ -28,7 +28,7 @@ def _devices(args: argparse.Namespace) -> int:
         print(message)
     for d in devices:
         heaps = ", ".join(f"{h.size / 2**30:.1f} GiB{' local' if h.device_local else ''}" for h in d.heaps)
-        print(f"[{d.index}] {d.name} ({d.kind}, {d.vendor})")
+        print(f"[{'cpu' if d.is_numpy else d.index}] {d.name} ({d.kind}, {d.vendor})")
         print(f"    api {d.api_version}, driver {d.driver_version}")
         print(
             "    queues: "

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# The vendor the CPU (numpy) backend reports: its kind, "cpu", is also lavapipe's.
+NUMPY_VENDOR = "numpy"
+
+
 @dataclass(frozen=True)
 class QueueFamily:
     index: int
@@ -64,6 +68,11 @@ class DeviceFacts:
 
     def has(self, feature: str) -> bool:
         return feature in self.features
+
+    @property
+    def is_numpy(self) -> bool:
+        """The CPU (numpy) backend, as opposed to a Vulkan device: lavapipe's kind is "cpu" too."""
+        return self.vendor == NUMPY_VENDOR
 
     @property
     def memory_bytes(self) -> int:

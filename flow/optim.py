@@ -72,11 +72,11 @@ def device_learning_rate(optimiser: Optimiser, step: int) -> float:
     return float(np.float32(learning_rate(optimiser, step)))
 
 
-def step_values(optimiser: Optimiser, step: int | None, rows: int) -> np.ndarray:
+def step_values(optimiser: Optimiser, step: int | None, rows: int, divisor: int | None = None) -> np.ndarray:
     """A slot's step values (flow.program.STEP_VALUES) for one submit.
 
     For a training step with 0-based index ``step`` (t = step + 1): [lr, 1 - beta1^t, 1 - beta2^t,
-    t, rows]; SGD has no bias corrections, so 1.0 for both. Computed in float64 on the host then
+    t, rows, divisor]; SGD has no bias corrections, so 1.0 for both. Computed in float64 on the host then
     rounded once, so every backend sees identical values. For evaluation and prediction (``step``
     None) only ``rows`` matters. The engine calls this before every submit, so it stays a few
     float operations and one small array.
@@ -85,19 +85,22 @@ def step_values(optimiser: Optimiser, step: int | None, rows: int) -> np.ndarray
         optimiser: the spec's optimiser.
         step: the update's index, or None when nothing is updated.
         rows: the batch's real rows.
+        divisor: the rows the loss averages over (None: ``rows``; a data-parallel member gets the
+            global batch's rows, so the members' gradients sum to the global mean's).
 
     Returns:
         float32 [len(STEP_VALUES)].
     """
+    divisor = rows if divisor is None else divisor
     if step is None:
-        return np.array([0.0, 1.0, 1.0, 0.0, rows], dtype=np.float32)
+        return np.array([0.0, 1.0, 1.0, 0.0, rows, divisor], dtype=np.float32)
     t = step + 1
     lr = learning_rate(optimiser, step)
     if isinstance(optimiser, Adam | AdamW):
         beta1, beta2 = optimiser.betas
-        return np.array([lr, 1.0 - beta1**t, 1.0 - beta2**t, t, rows], dtype=np.float32)
+        return np.array([lr, 1.0 - beta1**t, 1.0 - beta2**t, t, rows, divisor], dtype=np.float32)
     assert isinstance(optimiser, SGD)
-    return np.array([lr, 1.0, 1.0, t, rows], dtype=np.float32)
+    return np.array([lr, 1.0, 1.0, t, rows, divisor], dtype=np.float32)
 
 
 def optimiser_state_names(optimiser: Optimiser) -> tuple[str, ...]:

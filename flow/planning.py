@@ -489,7 +489,7 @@ def plan(
     if facts is not None:
         budget = memory_budget(facts, spec.devices.memory_fraction) if budget is None else budget
         features = facts.features if features is None else features
-        maps_inputs = facts.kind != "cpu" if maps_inputs is None else maps_inputs
+        maps_inputs = not facts.is_numpy if maps_inputs is None else maps_inputs
     data = plan_data(spec, header) if header is not None and mode == "train" else None
     device = facts.name if facts is not None else str(spec.devices.select)
     resident, why = resident_data(spec, header) if data is not None else (None, "no data to train on")

@@ -28,8 +28,10 @@ TENSOR_ALIGNMENT = 256
 # submit and the shaders read them, so per-step values never need a program re-recorded:
 # the optimiser's learning rate, bias corrections and 1-based step count (train only), and the
 # batch's real rows (every program: the loss kernels average over those and ignore the padding
-# of a partial batch, so one program per kind serves every row count).
-STEP_VALUES = ("lr", "one_minus_beta1_t", "one_minus_beta2_t", "t", "rows")
+# of a partial batch, so one program per kind serves every row count), and the rows the loss is
+# averaged over: the same on one device; under data parallelism the whole global batch's, so each
+# member's shard contributes its share of the mean and the all-reduce is a plain sum.
+STEP_VALUES = ("lr", "one_minus_beta1_t", "one_minus_beta2_t", "t", "rows", "divisor")
 
 
 def align_up(value: int, alignment: int = TENSOR_ALIGNMENT) -> int:

@@ -187,18 +187,29 @@ Optimiser = SGD | Adam | AdamW
 
 @dataclass(frozen=True)
 class Devices(Record):
-    """Which device runs the model.
+    """Which devices run the model.
 
     Attributes:
-        select: "auto" (default: the best Vulkan device, else the CPU with a warning), "cpu" (the
-            numpy backend), a Vulkan device index >= 0, or a substring of a device's name.
-        memory_fraction: the share of the device's memory the run may plan for, in (0, 1]
+        select: one device: "auto" (default: the best Vulkan device, else the CPU with a
+            warning), "cpu" (the numpy backend), a Vulkan device index >= 0, or a substring of a
+            device's name. Several, trained data parallel: a list of those (a device may appear
+            twice: two logical devices on one GPU), or "all" (every Vulkan device and the CPU).
+        shares: with a list, the relative share of each global batch each device takes, in the
+            list's order (e.g. [3, 1]); None (default): equal shares where the devices are the
+            same, else shares measured from each device's throughput before the first step.
+        memory_fraction: the share of each device's memory the run may plan for, in (0, 1]
             (default 0.9).
     """
 
-    select: int | str = "auto"
+    select: int | str | tuple[int | str, ...] = "auto"
     _: KW_ONLY
+    shares: tuple[float, ...] | None = None
     memory_fraction: float = 0.9
+
+    @property
+    def choices(self) -> tuple[int | str, ...]:
+        """``select`` as a tuple of single choices (one for a single device; "all" stays one)."""
+        return self.select if isinstance(self.select, tuple) else (self.select,)
 
 
 NodeKind = Literal["loader", "preprocess", "device", "optimiser", "sink", "broadcast"]

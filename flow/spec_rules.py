@@ -269,8 +269,30 @@ def _data(r: Rule) -> None:
     r.need("seed", _non_negative, "must be >= 0")
 
 
+_ONE_DEVICE = "must be 'auto', 'cpu', 'all', a device index >= 0 or a non-empty device name"
+
+
 def _devices(r: Rule) -> None:
-    r.need("select", _column, "must be 'auto', 'cpu', a device index >= 0 or a non-empty device name")
+    select = r.obj.select if r.good("select") else None
+    if isinstance(select, tuple):
+        if not select:
+            r.add("select", "must name at least one device")
+        for i, choice in enumerate(select):
+            if choice in ("auto", "all"):
+                r.add(f"select[{i}]", f"{choice!r} stands alone, not inside a list of devices")
+            elif not _column(choice):
+                r.add(f"select[{i}]", _ONE_DEVICE.replace("'all', ", ""))
+    else:
+        r.need("select", _column, _ONE_DEVICE)
+    shares = r.obj.shares if r.good("shares") else None
+    if shares is not None and select is not None:
+        if not isinstance(select, tuple):
+            r.add("shares", "needs a list of devices in select, one share each")
+        elif len(shares) != len(select):
+            r.add("shares", f"has {len(shares)} entries for {len(select)} devices; give one per device")
+        for i, share in enumerate(shares):
+            if not share > 0:
+                r.add(f"shares[{i}]", f"must be > 0, got {share!r}")
     r.need("memory_fraction", lambda f: 0 < f <= 1, "must be in (0, 1]")
 
 

@@ -11,4 +11,10 @@ uint valid_rows(float n, uint capacity) {
     return clamp(uint(n), 1u, capacity);
 }
 
+// The rows the loss averages over, stepvals[5]: the batch's own rows on one device, the global
+// batch's under data parallelism (each member's shard then adds its share of the global mean).
+float mean_divisor(float divisor, uint n) {
+    return divisor >= 1.0 ? divisor : float(n);
+}
+
 #endif

@@ -51,7 +51,8 @@ void main() {
     uint lid = gl_LocalInvocationID.x;
     uint size = gl_WorkGroupSize.x;
     uint n = valid_rows(stepvals[4], pc.rows);
-    float scale = 2.0 / (float(n) * float(pc.cols));
+    float divisor = mean_divisor(stepvals[5], n);
+    float scale = 2.0 / (divisor * float(pc.cols));
     for (uint row = gl_WorkGroupID.x; row < pc.rows; row += gl_NumWorkGroups.x) {
         uint base = row * pc.cols;
         bool real = row < n;  // uniform in the workgroup: one row per group
@@ -65,7 +66,7 @@ void main() {
         }
         sum = group_sum(sum);
         if (lid == 0u) {
-            loss_rows[row] = sum / (float(pc.cols) * float(n));
+            loss_rows[row] = sum / (float(pc.cols) * divisor);
         }
     }
 }

@@ -35,7 +35,7 @@ void main() {
     uint lid = gl_LocalInvocationID.x;
     uint size = gl_WorkGroupSize.x;
     uint n = valid_rows(stepvals[4], pc.rows);
-    float scale = 1.0 / float(n);
+    float scale = 1.0 / mean_divisor(stepvals[5], n);
     for (uint row = gl_WorkGroupID.x; row < pc.rows; row += gl_NumWorkGroups.x) {
         uint base = row * pc.cols;
         if (row >= n) {

@@ -35,7 +35,7 @@ shared uint partial_index[gl_WorkGroupSize.x];
 void main() {
     uint lid = gl_LocalInvocationID.x;
     uint n = valid_rows(stepvals[4], pc.rows);
-    float scale = 1.0 / float(n);
+    float scale = 1.0 / mean_divisor(stepvals[5], n);
     float loss_sum = 0.0;
     float correct_sum = 0.0;
     for (uint row = lid; row < pc.rows; row += gl_WorkGroupSize.x) {

@@ -58,3 +58,26 @@ def test_no_driver_gives_a_clear_message_and_the_cpu_fallback(tmp_path):
         check=True,
     )
     assert "CPU" in cli.stdout
+
+
+def test_auto_on_a_cpu_kind_vulkan_device_opens_vulkan_not_numpy(vulkan_backend):
+    """lavapipe reports the Vulkan device type CPU, as the numpy backend's facts do: selecting it
+    must still open the Vulkan driver (it once opened the numpy backend in its place)."""
+    from actors.device_select import open_device, select_facts
+
+    facts, _ = select_facts(vulkan_backend.facts.index)
+    backend = open_device(facts)
+    try:
+        assert type(backend).__name__ == "VulkanBackend" and not facts.is_numpy
+        assert backend.facts.name == vulkan_backend.facts.name
+    finally:
+        backend.close()
+
+
+def test_devices_lists_every_vulkan_device_and_the_cpu_backend(vulkan_backend):
+    done = subprocess.run(
+        [sys.executable, "-m", "flow", "devices", "--json"], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    listing = json.loads(done.stdout)["devices"]
+    assert [d["vendor"] for d in listing][-1] == "numpy"
+    assert vulkan_backend.facts.name in [d["name"] for d in listing[:-1]]

@@ -100,16 +100,16 @@ def _f32(values: list[float]) -> np.ndarray:
     "optimiser, step, rows, expected",
     [
         # SGD has no bias corrections: 1.0 for both, whatever the step.
-        (SGD(0.1), 0, 32, [0.1, 1.0, 1.0, 1.0, 32.0]),
-        (SGD(0.1, momentum=0.9, schedule=Constant(warmup_steps=4)), 1, 7, [0.025, 1.0, 1.0, 2.0, 7.0]),
+        (SGD(0.1), 0, 32, [0.1, 1.0, 1.0, 1.0, 32.0, 32.0]),
+        (SGD(0.1, momentum=0.9, schedule=Constant(warmup_steps=4)), 1, 7, [0.025, 1.0, 1.0, 2.0, 7.0, 7.0]),
         # Adam at t = 1 and t = 3: 1 - 0.9^3 = 0.271, 1 - 0.999^3 = 0.002997001.
-        (Adam(0.01), 0, 5, [0.01, 0.1, 0.001, 1.0, 5.0]),
-        (Adam(0.01), 2, 5, [0.01, 0.271, 0.002997001, 3.0, 5.0]),
+        (Adam(0.01), 0, 5, [0.01, 0.1, 0.001, 1.0, 5.0, 5.0]),
+        (Adam(0.01), 2, 5, [0.01, 0.271, 0.002997001, 3.0, 5.0, 5.0]),
         # StepLR at t = 4 has halved once: 0.25; 1 - 0.5^4 = 0.9375.
         (Adam(0.5, betas=(0.5, 0.75), schedule=StepLR(2, gamma=0.5)), 3, 1,
-         [0.25, 0.9375, 1 - 0.75**4, 4, 1]),
+         [0.25, 0.9375, 1 - 0.75**4, 4, 1, 1]),
         # AdamW halfway down a cosine from 1e-3 to 1e-4: the midpoint, 5.5e-4.
-        (AdamW(1e-3, schedule=Cosine(10, min_lr=1e-4)), 5, 3, [5.5e-4, 1 - 0.9**6, 1 - 0.999**6, 6, 3]),
+        (AdamW(1e-3, schedule=Cosine(10, min_lr=1e-4)), 5, 3, [5.5e-4, 1 - 0.9**6, 1 - 0.999**6, 6, 3, 3]),
     ],
 )  # fmt: skip
 def test_step_values_for_a_training_step(optimiser, step, rows, expected):
@@ -130,7 +130,12 @@ def test_step_values_round_once_from_float64():
 
 @pytest.mark.parametrize("optimiser", [SGD(0.1, momentum=0.9), Adam(0.01), AdamW(0.01)])
 def test_step_values_without_an_update_carry_only_the_rows(optimiser):
-    np.testing.assert_array_equal(step_values(optimiser, None, 9), _f32([0.0, 1.0, 1.0, 0.0, 9.0]))
+    np.testing.assert_array_equal(step_values(optimiser, None, 9), _f32([0.0, 1.0, 1.0, 0.0, 9.0, 9.0]))
+
+
+def test_step_values_carry_the_divisor_a_data_parallel_member_averages_over():
+    values = step_values(SGD(0.1), 3, 5, divisor=16)
+    assert values[STEP_VALUES.index("rows")] == 5 and values[STEP_VALUES.index("divisor")] == 16
 
 
 # -- state arenas and the update launch -------------------------------------------------------------
