@@ -134,6 +134,23 @@ class Engine:
         for name, value in saved.items():
             self.backend.write(name, value)
 
+    # -- a data-parallel member's all-reduce -------------------------------------------------------
+    def gradients(self) -> np.ndarray:
+        """The flat gradients the last train program left (a host copy)."""
+        return self.backend.read("grads:all")
+
+    def set_gradients(self, grads: np.ndarray) -> None:
+        """Replace the flat gradients (with the members' sum) before the ``apply`` program."""
+        self.backend.write("grads:all", grads)
+
+    def weights(self) -> np.ndarray:
+        """The flat parameters (a host copy)."""
+        return self.backend.read("params:all")
+
+    def set_weights(self, weights: np.ndarray) -> None:
+        """Replace the flat parameters (with the leader's, after its update)."""
+        self.backend.write("params:all", weights)
+
     # -- steps ----------------------------------------------------------------------------------
     def _handle(self, kind: str, slot: int) -> int:
         key = (kind, slot)
@@ -172,19 +189,24 @@ class Engine:
                 self.backend.write("y", y, slot)
         return rows
 
-    def submit(self, kind: str, slot: int, rows: int, step: int | None = None) -> int:
+    def submit(
+        self, kind: str, slot: int, rows: int, step: int | None = None, divisor: int | None = None
+    ) -> int:
         """Submit a recorded program on a slot whose batch is already written; returns a ticket.
 
         Args:
-            kind: ``train``, ``eval`` or ``predict``.
+            kind: ``train``, ``eval`` or ``predict``; a data-parallel member's ``apply``.
             slot: the input slot.
             rows: the batch's real rows (1..batch_size).
-            step: the update's 0-based index (``train`` only).
+            step: the update's 0-based index (``train`` and ``apply`` only).
+            divisor: the rows the loss averages over (None: ``rows``; a data-parallel member's
+                shard: the global batch's).
         """
         self._check_rows(rows)
-        if kind == "train":
+        updates = kind in ("train", "apply")
+        if updates:
             assert step is not None, "a train step needs its step index"
-        values = step_values(self.plan.optimiser, step if kind == "train" else None, rows)
+        values = step_values(self.plan.optimiser, step if updates else None, rows, divisor)
         views = self._views[slot]
         if views is not None:
             views.stepvals[:] = values

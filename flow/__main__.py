@@ -86,10 +86,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from flow.data_plan import header_of
-    from flow.planning import plan
-    from flow.runtime import selected_facts
+    from flow.runtime import plan_on, selected_group
     from loaders import LoaderError, open_source
-    from shaders import gemm_tuning
 
     spec = _report(args.file, lambda: load(args.file))
     if spec is None:
@@ -105,14 +103,12 @@ def _plan(args: argparse.Namespace) -> int:
         with contextlib.closing(source):
             header = header_of(source)
     try:
-        facts = selected_facts(spec.devices)
+        group = selected_group(spec.devices)
     except LookupError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    tuning = gemm_tuning.load_table(facts.name)
-    the_plan = _report(
-        args.file, lambda: plan(spec, facts=facts, header=header, budget=args.budget, tuning=tuning)
-    )
+    facts = group if len(group) > 1 else group[0]
+    the_plan = _report(args.file, lambda: plan_on(spec, facts, header=header, budget=args.budget))
     if the_plan is None:
         return 1
     if args.json:

@@ -433,6 +433,7 @@ def build_graph(
     program: str,
     total_params: int,
     precision: str = "float32",
+    update: bool = True,
 ) -> Graph:
     """The launches of one program for one batch size.
 
@@ -445,6 +446,8 @@ def build_graph(
         total_params: floats in the flat parameter arena (padding included).
         precision: ``float32``, or ``mixed`` for GEMMs on tensor cores (float16 inputs, float32
             accumulation).
+        update: ``train`` ends with the optimiser's update (False: at the gradients, for a
+            data-parallel member, whose update runs after the all-reduce).
 
     Returns:
         The graph: tensor declarations (work tensors only; the planner adds the rest) and groups.
@@ -464,5 +467,6 @@ def build_graph(
     if program == "train":
         assert grad is not None and optimiser is not None
         builder.backward(grad)
-        graph.emit(update_launch(optimiser, total_params))
+        if update:
+            graph.emit(update_launch(optimiser, total_params))
     return graph

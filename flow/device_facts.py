@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 # The vendor the CPU (numpy) backend reports: its kind, "cpu", is also lavapipe's.
 NUMPY_VENDOR = "numpy"
 

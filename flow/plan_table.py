@@ -47,6 +47,17 @@ def format_plan(plan: Plan) -> str:
             f"in: {actor.inbox or '-'}  out: {', '.join(actor.outboxes) or '-'}"
         )
     lines.append("channels: " + ", ".join(f"{s}->{d} ({c})" for s, d, c in pipeline.channels))
+    parallel = plan.parallel
+    if parallel is not None:
+        shares = "to be measured before the first step" if parallel.basis == "to measure" else parallel.basis
+        lines.append(
+            f"data parallel over {len(parallel.members)} devices: rows of a batch of {parallel.batch} "
+            f"{list(parallel.rows)} ({shares}); gradients summed on the host in device order; "
+            + ("each device applies the update" if parallel.update == "each"
+               else "device 0 applies the update and its weights are copied to the others")
+        )  # fmt: skip
+        for i, name in enumerate(parallel.members):
+            lines.append(f"  [{i}] {name}: {parallel.rows[i]} rows, programs for {parallel.capacity[i]}")
     for device in plan.devices:
         memory = device.memory
         budget = f"{memory.budget:,} B" if memory.budget is not None else "not checked"

@@ -24,7 +24,8 @@ from flow.data_plan import DataPlan, ResidentData, SourceHeader, plan_data, resi
 from flow.device_facts import DeviceFacts, memory_budget
 from flow.errors import PlanError, Problem
 from flow.graph import Graph, ParamDecl, TensorDecl, fused_bias_grads, label_shape, parameters
-from flow.optim import optimiser_state_names
+from flow.optim import optimiser_state_names, update_launch
+from flow.parallel_plan import DataParallelPlan, plan_data_parallel
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
 from flow.program import (
     ITEM_BYTES,
@@ -101,9 +102,20 @@ class DevicePlan:
     programs: tuple[Program, ...]  # one per PROGRAM_KINDS, in that order
     precision: str = "float32"
     resident: ResidentData | None = None  # the dataset kept on this device, if any
+    # A data-parallel member's update, apart from its train program (which then stops at the
+    # gradients): it runs once the members' gradients are summed. None on a single device.
+    apply: Program | None = None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Every program kind this device runs."""
+        return PROGRAM_KINDS + (("apply",) if self.apply is not None else ())
 
     def program(self, kind: str) -> Program:
-        """The ``train``, ``eval`` or ``predict`` program (for any row count up to the batch size)."""
+        """The ``train``, ``eval`` or ``predict`` program (for any row count up to the batch size),
+        or a data-parallel member's ``apply``."""
+        if kind == "apply" and self.apply is not None:
+            return self.apply
         if kind not in PROGRAM_KINDS:
             raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
         return self.programs[PROGRAM_KINDS.index(kind)]
@@ -128,6 +140,7 @@ class Plan:
     devices: tuple[DevicePlan, ...]
     pipeline: PipelinePlan
     data: DataPlan | None = None
+    parallel: DataParallelPlan | None = None
 
     def as_dict(self) -> dict:
         """The plan as plain data (for JSON, msgpack and tables)."""
@@ -136,6 +149,7 @@ class Plan:
             "data": self.data.as_dict() if self.data is not None else None,
             "pipeline": self.pipeline.as_dict(),
             "devices": [_device_dict(d) for d in self.devices],
+            "parallel": self.parallel.as_dict() if self.parallel is not None else None,
         }
 
     def dumps(self) -> bytes:
@@ -180,7 +194,7 @@ def _device_dict(device: DevicePlan) -> dict:
                     for s in p.steps
                 ],
             }
-            for p in device.programs
+            for p in (*device.programs, *((device.apply,) if device.apply is not None else ()))
         ],
     }
 
@@ -290,6 +304,9 @@ def plan_device(
     facts: DeviceFacts | None = None,
     tuning: GemmTable | None = None,
     resident: ResidentData | None = None,
+    *,
+    batch: int | None = None,
+    separate_update: bool = False,
 ) -> DevicePlan:
     """Plan one device that runs the whole model (data parallel replicas get one each).
 
@@ -303,6 +320,9 @@ def plan_device(
         resident: the dataset to keep on the device (flow.data_plan.resident_data), or None: then
             a ``dataset`` arena holds it, each slot's io an ``idx`` of the batch's sample indices,
             and the train and eval programs start with the launch that gathers the batch.
+        batch: the rows the programs are recorded for (None: the spec's batch size).
+        separate_update: a data-parallel member: the train program stops at the gradients, and
+            the update is the ``apply`` program.
 
     Returns:
         The device plan.
@@ -310,7 +330,8 @@ def plan_device(
     Raises:
         PlanError: a model that cannot be trained as specified, or one over the budget.
     """
-    model, batch = spec.model, spec.data.batch_size
+    model = spec.model
+    batch = spec.data.batch_size if batch is None else batch
     slots = max(1, spec.run.in_flight)
     params = parameters(model)
 
@@ -359,8 +380,9 @@ def plan_device(
                 )
             ]
         )
+    update = not separate_update
     graphs = {
-        kind: build_graph(model, spec.optimiser, batch, kind, total_params, precision)
+        kind: build_graph(model, spec.optimiser, batch, kind, total_params, precision, update=update)
         for kind in PROGRAM_KINDS
     }
     if resident is not None:
@@ -417,6 +439,10 @@ def plan_device(
         resolve_program(Program(f"{kind}[{batch}]", with_barriers(graphs[kind].groups)), facts, tuning)
         for kind in PROGRAM_KINDS
     )
+    apply = None
+    if separate_update:
+        updating = Program("apply", with_barriers([[update_launch(spec.optimiser, total_params)]]))
+        apply = resolve_program(updating, facts, tuning)
     return DevicePlan(
         device,
         model,
@@ -432,6 +458,7 @@ def plan_device(
         programs,
         precision,
         resident,
+        apply,
     )
 
 
@@ -452,11 +479,11 @@ def plan(
     budget: int | None = None,
     features: tuple[str, ...] | None = None,
     *,
-    facts: DeviceFacts | None = None,
+    facts: DeviceFacts | tuple[DeviceFacts, ...] | None = None,
     header: SourceHeader | None = None,
     mode: str = "train",
     maps_inputs: bool | None = None,
-    tuning: GemmTable | None = None,
+    tuning: GemmTable | tuple[GemmTable | None, ...] | None = None,
 ) -> Plan:
     """Turn a valid spec into the whole run's plan, before any device work.
 
@@ -466,14 +493,16 @@ def plan(
             memory_budget with the spec's memory_fraction), or no check without facts.
         features: the device's features; default: ``facts.features`` (checked against
             ``run.precision``).
-        facts: the device the run will use, when known.
+        facts: the device the run will use, when known; several (in the spec's order): the run
+            trains data parallel over them (flow.parallel_plan), each with its own device plan.
         header: the source's header, when it has been opened: the data is then checked against
             the model and split, batched and scheduled (``Plan.data``).
         mode: "train" or "predict".
         maps_inputs: whether the device maps its input slots into host memory (so batches can be
             read in place); default: any Vulkan device (the CPU backend copies).
         tuning: the device's measured GEMM tiles (shaders.gemm_tuning.load_table(facts.name)),
-            which the programs' launches use where they list the launch's shape.
+            which the programs' launches use where they list the launch's shape; one per device
+            where there are several.
 
     Returns:
         The plan.
@@ -486,6 +515,12 @@ def plan(
     if mode not in ("train", "predict"):
         raise ValueError(f"mode must be 'train' or 'predict', got {mode!r}")
     check(spec)
+    if isinstance(facts, tuple) and len(facts) == 1:
+        facts, tuning = facts[0], tuning[0] if isinstance(tuning, tuple) else tuning
+    if isinstance(facts, tuple):
+        tables = tuning if isinstance(tuning, tuple) else (tuning,) * len(facts)
+        return _plan_data_parallel(spec, facts, tables, budget, header, mode)
+    assert not isinstance(tuning, tuple)
     if facts is not None:
         budget = memory_budget(facts, spec.devices.memory_fraction) if budget is None else budget
         features = facts.features if features is None else features
@@ -513,6 +548,40 @@ def plan(
         maps_inputs=bool(maps_inputs),
     )
     return Plan(spec=spec, mode=mode, devices=(device_plan,), pipeline=pipeline, data=data)
+
+
+def _plan_data_parallel(
+    spec: Spec,
+    group: tuple[DeviceFacts, ...],
+    tables: tuple[GemmTable | None, ...],
+    budget: int | None,
+    header: SourceHeader | None,
+    mode: str,
+) -> Plan:
+    """:func:`plan` over several devices: a device plan per member for the rows it takes, each
+    with the update apart (``apply``) to run after the all-reduce. Shards are gathered on the host
+    and written into each member's slots, so nothing is read in place or kept on a device."""
+    if spec.data.placement == "device" and mode == "train":
+        message = "'device' asked for, but data-parallel devices take their shards from the host"
+        raise PlanError([Problem("data.placement", message)])
+    parallel = plan_data_parallel(group, spec.data.batch_size, spec.devices.shares)
+    devices = tuple(
+        plan_device(
+            spec,
+            facts.name,
+            memory_budget(facts, spec.devices.memory_fraction) if budget is None else budget,
+            facts.features,
+            facts,
+            table,
+            batch=capacity,
+            separate_update=True,
+        )
+        for facts, table, capacity in zip(group, tables, parallel.capacity, strict=True)
+    )
+    data = plan_data(spec, header) if header is not None and mode == "train" else None
+    sample_shape = header.sample_shape if header is not None else None
+    pipeline = plan_pipeline(spec, mode=mode, sample_shape=sample_shape)
+    return Plan(spec=spec, mode=mode, devices=devices, pipeline=pipeline, data=data, parallel=parallel)
 
 
 def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +30,7 @@ from actors import checkpoint as checkpoints
 from actors import cpu_ops, device_select
 from actors import optimiser as optim
 from actors.backend import Backend
+from actors.data_parallel import DataParallelActor, measure_throughput
 from actors.device import DeviceActor, InputSlots
 from actors.engine import Engine
 from actors.loader import Loader, jobs
@@ -118,59 +119,81 @@ class RunResult:
 # -- effects ---------------------------------------------------------------------------------------
 
 
-def selected_facts(devices: Devices) -> DeviceFacts:
-    """The facts of the device ``devices.select`` asks for, without opening it: "cpu", "auto" (the
-    best Vulkan device, else the CPU with a one-line warning), or a Vulkan device by index or name.
+def selected_group(devices: Devices) -> tuple[DeviceFacts, ...]:
+    """The facts of every device ``devices.select`` asks for, without opening any: one for "cpu",
+    "auto" (the best Vulkan device, else the CPU with a one-line warning), an index or a name;
+    each listed one for a list; every Vulkan device and the CPU for "all".
 
     Args:
         devices: the spec's devices.
 
     Returns:
-        The facts (open the device with actors.device_select.open_device).
+        The facts, in the spec's order (open each with actors.device_select.open_device).
 
     Raises:
         LookupError: a named Vulkan device that cannot be had.
     """
-    facts, message = device_select.select_facts(devices.select)
+    group, message = device_select.select_group(devices.choices)
     if message:
         logger.warning("vkflow: %s", message.splitlines()[0])
-    return facts
+    return group
 
 
-def plan_on(spec: Spec, facts: DeviceFacts, **options: Any) -> Plan:
-    """The run's plan on the device with ``facts``, with that device's measured GEMM tiles (the
-    table is read here, the effect; the planner only chooses from it).
+def selected_facts(devices: Devices) -> DeviceFacts:
+    """The facts of the one device a single-device job (prediction) uses: the first selected.
+
+    Raises:
+        LookupError: a named Vulkan device that cannot be had.
+    """
+    return selected_group(devices)[0]
+
+
+def plan_on(spec: Spec, facts: DeviceFacts | tuple[DeviceFacts, ...], **options: Any) -> Plan:
+    """The run's plan on the device(s) with ``facts``, with each device's measured GEMM tiles (the
+    tables are read here, the effect; the planner only chooses from them).
 
     Args:
         spec: the spec.
-        facts: the device's facts.
+        facts: the device's facts, or every member's (data parallel).
         **options: the rest of flow.planning.plan's keywords (header, mode, maps_inputs, budget).
 
     Returns:
         The plan.
     """
+    if isinstance(facts, tuple):
+        tuning = tuple(gemm_tuning.load_table(f.name) for f in facts)
+        return plan(spec, facts=facts, tuning=tuning, **options)
     return plan(spec, facts=facts, tuning=gemm_tuning.load_table(facts.name), **options)
 
 
 def start_engine(
-    run_plan: Plan, backend: Backend, state: dict[str, np.ndarray] | None = None, cursor: Cursor | None = None
+    run_plan: Plan,
+    backend: Backend,
+    state: dict[str, np.ndarray] | None = None,
+    cursor: Cursor | None = None,
+    member: int = 0,
 ) -> tuple[Engine, Cursor]:
-    """Bring the plan's device up: its memory, its weights (fresh, or ``state`` restored) and every
-    program the plan's mode launches, recorded for every slot before the first step.
+    """Bring one of the plan's devices up: its memory, its weights (fresh, or ``state`` restored)
+    and every program the plan's mode launches, recorded for every slot before the first step.
 
     Args:
         run_plan: the plan.
         backend: the opened device.
         state: a checkpoint's parameters and optimiser state, or None for fresh weights.
         cursor: the checkpoint's cursor, or None.
+        member: which of the plan's devices (data parallel); 0 for a single device.
 
     Returns:
         (engine, the cursor the run starts at).
     """
     spec = run_plan.spec
-    engine = Engine(run_plan.devices[0], backend)
+    device = run_plan.devices[member]
+    engine = Engine(device, backend)
     start = optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state, cursor)
-    engine.prepare(("train", "eval") if run_plan.mode == "train" else ("predict",))
+    kinds = ("train", "eval") if run_plan.mode == "train" else ("predict",)
+    if run_plan.mode == "train" and device.apply is not None:
+        kinds += ("apply",)
+    engine.prepare(kinds)
     return engine, start
 
 
@@ -222,6 +245,8 @@ class Runtime:
         self.saved = saved
         self.backend = backend
         self.owns_backend = backend is None
+        self.members: list[Backend] = []  # a data-parallel run's other devices (opened here)
+        self.member_engines: list[Engine] = []  # every member's engine, the first included
         self.hooks = HookList(hooks) if hooks else None
         self.progress = progress
         self.source = None
@@ -272,19 +297,32 @@ class Runtime:
             facts = self.backend.facts
             maps_inputs = callable(getattr(self.backend, "write_into", None))
         else:
-            facts = await trio.to_thread.run_sync(selected_facts, spec.devices)
+            group = await trio.to_thread.run_sync(selected_group, spec.devices)
+            facts = group if len(group) > 1 else group[0]
             maps_inputs = None  # as the plan assumes for the facts' kind
         self.plan = plan_on(spec, facts, header=header, mode=self.mode, maps_inputs=maps_inputs)
         if self.backend is None:
-            self.backend = await trio.to_thread.run_sync(
-                device_select.open_device, facts, spec.devices.memory_fraction
-            )
-        self.inline = bool(getattr(self.backend, "runs_inline", False))
+            for member in facts if isinstance(facts, tuple) else (facts,):
+                fraction = spec.devices.memory_fraction
+                opened = await trio.to_thread.run_sync(device_select.open_device, member, fraction)
+                if self.backend is None:
+                    self.backend = opened
+                else:  # kept as it opens, so a later member's failure still closes it
+                    self.members.append(opened)
+        self.inline = all(getattr(b, "runs_inline", False) for b in (self.backend, *self.members))
         state, cursor = (self.saved.state, self.saved.cursor) if self.saved else (None, None)
         # Partial batches run the same programs (see flow.planning.DevicePlan), so every one the
         # run launches is recorded here, before the first step.
-        started = await self._blocking(start_engine, self.plan, self.backend, state, cursor)
-        self.engine, self.start_cursor = started
+        for member, backend in enumerate((self.backend, *self.members)):
+            started = await self._blocking(start_engine, self.plan, backend, state, cursor, member)
+            self.member_engines.append(started[0])
+        self.engine, self.start_cursor = self.member_engines[0], started[1]
+        parallel = self.plan.parallel
+        if parallel is not None and parallel.basis == "to measure" and self.mode == "train":
+            # Unequal devices: each takes the share of the batch its throughput earns.
+            speeds = await self._blocking(measure_throughput, self.member_engines, parallel.batch)
+            self.plan = replace(self.plan, parallel=parallel.measured(speeds))
+            logger.info("vkflow: data-parallel shares %s from %s samples/s", self.plan.parallel.rows, speeds)
         resident = self.plan.data.resident if self.plan.data is not None else None
         if resident is not None:
             # Once, before the first step: every sample as stored, then batches travel as indices.
@@ -368,6 +406,11 @@ class Runtime:
                 inline=self.inline,
                 host_rows=self._host_rows if self.stored is not None else None,
             )
+        if actor.kind == "device" and self.plan.parallel is not None:
+            self.device = DataParallelActor(
+                meter, self.member_engines, self.plan.parallel, self.start_cursor, inline=self.inline
+            )
+            return self.device
         if actor.kind == "device":
             self.device = DeviceActor(
                 meter, self.engine, self.start_cursor, inline=self.inline, slots=self.slots
@@ -457,7 +500,7 @@ class Runtime:
             checkpoint=str(sink.checkpoint) if sink and sink.checkpoint else None,
             metrics_file=self.spec.run.metrics_file,
             parameters=self.engine.parameters() if self.engine else {},
-            device=self.backend.facts.name if self.backend else "",
+            device=" + ".join(b.facts.name for b in (self.backend, *self.members)) if self.backend else "",
             seconds=time.monotonic() - self.started,
             statistics=self.statistics(),
             resumed_from=self.start_cursor.step,
@@ -481,7 +524,8 @@ class Runtime:
                 self.source.close()
                 self.source = None
             if self.owns_backend and self.backend is not None:
-                self.backend.close()
+                for backend in (self.backend, *self.members):
+                    backend.close()
         finally:
             # Last: the interrupt's checkpoint is written under the lock. Always: a claim left
             # behind would refuse every later run of this process into these outputs.

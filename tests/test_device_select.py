@@ -76,7 +76,8 @@ def test_auto_on_a_cpu_kind_vulkan_device_opens_vulkan_not_numpy(vulkan_backend)
 
 def test_devices_lists_every_vulkan_device_and_the_cpu_backend(vulkan_backend):
     done = subprocess.run(
-        [sys.executable, "-m", "flow", "devices", "--json"], capture_output=True, text=True, cwd=ROOT, check=True
+        [sys.executable, "-m", "flow", "devices", "--json"], capture_output=True, text=True, cwd=ROOT,
+        check=True,
     )
     listing = json.loads(done.stdout)["devices"]
     assert [d["vendor"] for d in listing][-1] == "numpy"

@@ -1,0 +1,209 @@
+"""The device actor of a data-parallel run: one actor drives every member device, so the stream
+the sink sees stays one ordered stream (exact resume relies on its order).
+
+Each training batch is split into the members' shards (flow.parallel_plan.DataParallelPlan.shard)
+and every member runs its train program, which stops at the gradients, with the loss averaged over
+the global batch's rows, so the members' gradients add up to the global batch's. The gradients are
+all-reduced through the host: read from every member, summed in member order (a fixed order, so a
+run is reproducible bit for bit), and written back; then the update (each member's ``apply``
+program, or the leader's, whose weights are copied to the others: see flow.parallel_plan). The
+members run concurrently: every shard is submitted before any is waited for.
+
+A step's device work is one blocking call, made in a worker thread (inline for thread-free fake
+devices), so the event loop stays free for the loader and the sink; a cancelled run waits for the
+call to finish, so a step is always applied on every member or on none. Evaluation batches are
+sharded the same way and their sums reported once per round; predictions are joined in order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import trio
+
+from actors.device import _PROGRAMS, _EvalSums
+from actors.engine import Engine
+from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
+from actors.meter import Meter
+from flow.optim import device_learning_rate
+from flow.parallel_plan import DataParallelPlan
+from flow.spec_model import CrossEntropy
+
+SLOT = 0  # one step at a time: the all-reduce joins the members at every step
+
+
+def measure_throughput(engines: Sequence[Engine], rows: int, repeats: int = 3) -> tuple[float, ...]:
+    """Each member's training throughput on its own (samples/s: the median of ``repeats`` timed
+    train programs after one untimed), for shares that keep no member waiting on another. Blocking.
+    The batch is random, the loss averaged over the rows; the program writes only gradients and
+    the slot's results, which every step overwrites, so the weights are untouched.
+
+    Args:
+        engines: every member's engine, programs recorded for at least ``rows`` rows.
+        rows: the rows to time (the global batch).
+        repeats: timed runs per member.
+
+    Returns:
+        Samples per second per member.
+    """
+    speeds = []
+    rng = np.random.default_rng(0)
+    for engine in engines:
+        plan = engine.plan
+        x = rng.standard_normal((rows, *plan.model.input_shape)).astype(np.float32)
+        y = np.zeros(engine.plan.layout.tensor("y").shape, engine.plan.layout.tensor("y").dtype)[:rows]
+        engine.write_batch(SLOT, x, y)
+        times = []
+        for repeat in range(repeats + 1):
+            started = time.perf_counter()
+            engine.backend.wait(engine.submit("train", SLOT, rows, 0))
+            if repeat:
+                times.append(time.perf_counter() - started)
+        speeds.append(rows / float(np.median(times)))
+    return tuple(speeds)
+
+
+class DataParallelActor:
+    """The device actor over several members (see the module docstring).
+
+    Args:
+        meter: its ports (inbox from preprocess; outboxes to the optimiser and the sink).
+        engines: one engine per member, in the plan's order, with identical weights.
+        parallel: the plan's split and update rule.
+        start: where the run stands (the first training step's cursor).
+        inline: run each step on the event loop (thread-free fake devices).
+    """
+
+    def __init__(
+        self,
+        meter: Meter,
+        engines: Sequence[Engine],
+        parallel: DataParallelPlan,
+        start: Cursor | None = None,
+        inline: bool = False,
+    ) -> None:
+        self.meter = meter
+        self.engines = list(engines)
+        self.parallel = parallel
+        self.optimiser = engines[0].plan.optimiser
+        self.classifies = isinstance(engines[0].plan.model.loss, CrossEntropy)
+        self.inline = inline
+        self.limiter = trio.CapacityLimiter(1)
+        self.applied = start or Cursor()  # the cursor of the last training batch applied
+        self._eval = _EvalSums()
+        self.reduce_s = 0.0  # host time spent summing and redistributing gradients
+
+    async def run(self) -> None:
+        """Run until the inbox ends; then close the outboxes."""
+        async with self.meter:
+            async for item in self.meter:
+                if isinstance(item, Batch):
+                    with self.meter.busy():
+                        message = await self._blocking(self.step, item)
+                    if message is not None:
+                        await self.meter.send(message)
+                elif isinstance(item, CheckpointMark):
+                    state = await self._blocking(self.engines[0].state)
+                    await self.meter.send(Snapshot(item.cursor, state, final=item.final))
+                else:
+                    await self.meter.send(item)
+
+    async def _blocking(self, fn, *args):
+        if self.inline:
+            return fn(*args)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    # -- one batch, blocking ---------------------------------------------------------------------
+    def step(self, batch: Batch):
+        """Run one batch on every member (blocking); the message to report, or None while an
+        evaluation round is still summing."""
+        kind = _PROGRAMS[batch.split]
+        lr = device_learning_rate(self.optimiser, batch.step) if kind == "train" else 0.0
+        if batch.rows == 0:  # every sample was skipped as bad: the step counts, with no update
+            return self._report(batch, math.nan, 0.0, lr, empty=True)
+        step = batch.step if kind == "train" else None
+        ran = self._run_shards(kind, batch, step)
+        if kind == "predict":
+            outputs = [self.engines[i].outputs(SLOT, rows) for i, rows in ran]
+            return Prediction(batch.seq, batch.tag, batch.last, np.concatenate(outputs))
+        loss = correct = 0.0
+        for i, _ in ran:  # each member's loss is its share of the global mean
+            member_loss, member_correct = self.engines[i].loss_and_correct(SLOT)
+            loss, correct = loss + member_loss, correct + member_correct
+        if kind == "train":
+            self._all_reduce_and_update([i for i, _ in ran], step)
+            self.applied = batch.after()
+        return self._report(batch, loss, correct, lr, empty=False)
+
+    def _run_shards(self, kind: str, batch: Batch, step: int | None) -> list[tuple[int, int]]:
+        """Write each member's shard, submit them all, then wait for them all; (member, rows) of
+        those that had rows."""
+        ran, tickets = [], []
+        start = 0
+        for i, rows in enumerate(self.parallel.shard(batch.rows)):
+            if rows == 0:
+                continue
+            engine, end = self.engines[i], start + rows
+            y = batch.y[start:end] if batch.y is not None and kind != "predict" else None
+            engine.write_batch(SLOT, batch.x[start:end], y)
+            tickets.append(engine.submit(kind, SLOT, rows, step, divisor=batch.rows))
+            ran.append((i, rows))
+            start = end
+        for (i, _), ticket in zip(ran, tickets, strict=True):
+            self.engines[i].backend.wait(ticket)
+        return ran
+
+    def _all_reduce_and_update(self, ran: list[int], step: int | None) -> None:
+        """Sum the gradients of the members that ran, in member order, and apply the update."""
+        started = time.perf_counter()
+        total = self.engines[ran[0]].gradients()  # a host copy: summed into in place
+        for i in ran[1:]:
+            total += self.engines[i].gradients()
+        if self.parallel.update == "each":
+            tickets = []
+            for engine in self.engines:
+                engine.set_gradients(total)
+                tickets.append(engine.submit("apply", SLOT, 1, step))
+            for engine, ticket in zip(self.engines, tickets, strict=True):
+                engine.backend.wait(ticket)
+        else:
+            self._leader_update(total, step)
+        self.reduce_s += time.perf_counter() - started
+
+    def _leader_update(self, total: np.ndarray, step: int | None) -> None:
+        leader = self.engines[0]
+        leader.set_gradients(total)
+        leader.backend.wait(leader.submit("apply", SLOT, 1, step))
+        weights = leader.weights()
+        for engine in self.engines[1:]:
+            engine.set_weights(weights)
+
+    def _report(self, batch: Batch, loss: float, correct: float, lr: float, empty: bool):
+        if batch.split == "train":
+            if empty:
+                self.applied = batch.after()
+            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, batch.rows, lr)
+        if not empty:
+            self._eval.add(loss, correct, batch.rows)
+        if not batch.last:
+            return None
+        sums, self._eval = self._eval, _EvalSums()
+        rows = max(sums.rows, 1)
+        accuracy = sums.correct / rows if self.classifies else math.nan
+        return EvalDone(batch.step, batch.epoch, sums.loss / rows, accuracy, sums.rows, batch.split)
+
+    # -- outside the run -------------------------------------------------------------------------
+    def snapshot_now(self) -> Snapshot:
+        """The leader's weights after an interruption (every step is applied on all members or
+        none, so they are those of the last training batch applied).
+
+        Returns:
+            The snapshot.
+        """
+        return Snapshot(self.applied, self.engines[0].state(), interrupted=True)
+
+    def statistics(self):
+        return self.meter.statistics()

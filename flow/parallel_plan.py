@@ -1,0 +1,140 @@
+"""Data parallelism as plain data: how a run's devices share each global batch, how many rows each
+records its programs for, and how their weights stay identical. Pure: the runtime measures and
+opens; this decides.
+
+Each member runs the train program on its shard with the loss averaged over the *global* batch's
+rows (flow.program.STEP_VALUES "divisor"), so the members' gradients sum to the global batch's,
+and the host all-reduce is a plain sum in member order (a fixed order: the same inputs give the
+same bits). Then every member applies the same update:
+
+- ``"each"``: members that are the same device (one GPU model and driver, lavapipe twice, the CPU
+  backend twice) each apply the summed gradient; the same kernels on the same inputs keep their
+  weights bit-identical;
+- ``"leader"``: members that differ (an NVIDIA GPU, lavapipe and numpy round differently, e.g.
+  fused multiply-adds) would drift apart by ulps, so member 0 applies the update and its weights
+  are copied to the others: identical by construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from flow.device_facts import DeviceFacts
+
+Update = Literal["each", "leader"]
+# Where the shares came from: equal devices, the spec's shares, throughput measured before the
+# first step, or (a plan made before that measurement) still to be measured.
+Basis = Literal["equal", "spec", "measured", "to measure"]
+
+
+def split_rows(total: int, weights: tuple[float, ...]) -> tuple[int, ...]:
+    """``total`` rows split in proportion to ``weights`` (largest remainders, ties to the earlier
+    member), every member getting at least one row while there are rows enough.
+
+    Args:
+        total: rows to split, >= 0.
+        weights: one positive weight per member.
+
+    Returns:
+        Rows per member, summing to ``total``.
+    """
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    rows = [math.floor(e) for e in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - rows[i]), i))
+    for i in order[: total - sum(rows)]:
+        rows[i] += 1
+    if total >= len(weights):  # every device in use: the biggest share gives up a row to an idle one
+        for i in range(len(rows)):
+            if rows[i] == 0:
+                rows[max(range(len(rows)), key=lambda j: (rows[j], -j))] -= 1
+                rows[i] = 1
+    return tuple(rows)
+
+
+def same_device(group: tuple[DeviceFacts, ...]) -> bool:
+    """Whether every member is the same device (name, vendor and driver): then they compute
+    bit-identically, and each may apply the update itself."""
+    return len({(f.name, f.vendor, f.driver_version) for f in group}) == 1
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """How a global batch is shared out (see the module docstring).
+
+    Attributes:
+        members: each member's device name, in the spec's order.
+        batch: the global batch's rows.
+        weights: each member's relative share (equal, the spec's, or measured samples/s).
+        rows: the rows each member takes of a full global batch (sum: ``batch``).
+        capacity: the rows each member's programs are recorded for: its share, or the whole batch
+            where the shares are measured after the programs are recorded.
+        basis: where the shares came from.
+        update: "each" or "leader".
+    """
+
+    members: tuple[str, ...]
+    batch: int
+    weights: tuple[float, ...]
+    rows: tuple[int, ...]
+    capacity: tuple[int, ...]
+    basis: Basis
+    update: Update
+
+    def shard(self, rows: int) -> tuple[int, ...]:
+        """The rows each member takes of a batch of ``rows`` (a full batch: ``self.rows``; a
+        partial one in the same proportions, never past a member's capacity)."""
+        if rows == self.batch:
+            return self.rows
+        share = list(split_rows(rows, self.weights))
+        for i, cap in enumerate(self.capacity):  # a rounding past capacity goes to one with room
+            while share[i] > cap:
+                share[i] -= 1
+                share[next(j for j, c in enumerate(self.capacity) if share[j] < c)] += 1
+        return tuple(share)
+
+    def measured(self, speeds: tuple[float, ...]) -> DataParallelPlan:
+        """This plan with the shares of measured throughputs (samples/s, one per member)."""
+        rows = split_rows(self.batch, speeds)
+        if any(r > c for r, c in zip(rows, self.capacity, strict=True)):
+            raise AssertionError(f"measured shares {rows} exceed the recorded capacity {self.capacity}")
+        return replace(self, weights=tuple(speeds), rows=rows, basis="measured")
+
+    def as_dict(self) -> dict:
+        return {
+            "members": list(self.members),
+            "batch": self.batch,
+            "weights": [round(w, 6) for w in self.weights],
+            "rows": list(self.rows),
+            "capacity": list(self.capacity),
+            "basis": self.basis,
+            "update": self.update,
+        }
+
+
+def plan_data_parallel(
+    group: tuple[DeviceFacts, ...], batch: int, shares: tuple[float, ...] | None
+) -> DataParallelPlan:
+    """How ``group`` shares a global batch of ``batch`` rows.
+
+    Args:
+        group: the members' facts, in the spec's order (two or more).
+        batch: the global batch's rows.
+        shares: the spec's ``devices.shares``, or None.
+
+    Returns:
+        The plan: equal shares for equal devices, the spec's where given, else shares to be
+        measured (every member then records its programs for the whole batch).
+    """
+    names = tuple(f.name for f in group)
+    update: Update = "each" if same_device(group) else "leader"
+    if shares is not None or same_device(group):
+        weights = tuple(float(s) for s in shares) if shares is not None else (1.0,) * len(group)
+        rows = split_rows(batch, weights)
+        basis: Basis = "spec" if shares is not None else "equal"
+        return DataParallelPlan(names, batch, weights, rows, rows, basis, update)
+    equal = (1.0,) * len(group)
+    whole = (batch,) * len(group)  # any measured share must fit the recorded programs
+    return DataParallelPlan(names, batch, equal, split_rows(batch, equal), whole, "to measure", update)

@@ -1,0 +1,202 @@
+"""Data parallelism over several devices (flow.parallel_plan, actors.data_parallel): the split of
+each batch, training equal to one device's with the same global batch, identical weights on every
+member, exact resume, the CLI example, and a failing member stopping the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flow
+from actors.cpu_backend import cpu_facts
+from flow.errors import PlanError, SpecError
+from flow.parallel_plan import plan_data_parallel, split_rows
+from flow.planning import plan
+from flow.spec import Devices
+from tests.specs import ROOT, digits_spec, synthetic_spec
+
+
+def _on(spec, select, shares=None, **run):
+    spec = dataclasses.replace(spec, devices=Devices(select, shares=shares))
+    return dataclasses.replace(spec, run=dataclasses.replace(spec.run, **run)) if run else spec
+
+
+# -- the split -------------------------------------------------------------------------------------
+
+
+def test_split_rows_follows_the_weights_and_keeps_every_device_in_use(rng):
+    for _ in range(200):
+        members = int(rng.integers(1, 5))
+        weights = tuple(float(w) for w in rng.uniform(0.01, 10, members))
+        total = int(rng.integers(0, 300))
+        rows = split_rows(total, weights)
+        assert sum(rows) == total and len(rows) == members
+        if total >= members:
+            assert min(rows) >= 1
+        exact = np.array(weights) * total / sum(weights)
+        assert np.all(np.abs(np.array(rows) - exact) < 1.0 + (total >= members) * members)
+    assert split_rows(10, (1.0, 1.0, 1.0)) == (4, 3, 3)
+    assert split_rows(256, (3.0, 1.0)) == (192, 64)
+    assert split_rows(100, (1000.0, 1.0)) == (99, 1)  # the slow device still takes a row
+
+
+def test_a_partial_batch_never_passes_a_members_capacity(rng):
+    group = (cpu_facts(),) * 3
+    for batch in (7, 10, 64, 65):
+        parallel = plan_data_parallel(group, batch, None)
+        assert parallel.basis == "equal" and parallel.update == "each"
+        for rows in range(batch + 1):
+            shard = parallel.shard(rows)
+            assert sum(shard) == rows and all(s <= c for s, c in zip(shard, parallel.capacity, strict=True))
+    uneven = plan_data_parallel((cpu_facts(),) * 2, 50, (3.0, 1.0))
+    assert uneven.basis == "spec" and uneven.rows == (38, 12) == uneven.capacity
+
+
+def test_unequal_devices_are_measured_and_the_leader_updates(vulkan_backend):
+    spec = _on(digits_spec(), (vulkan_backend.facts.index, "cpu"))
+    the_plan = plan(spec, facts=(vulkan_backend.facts, cpu_facts()))
+    parallel = the_plan.parallel
+    assert parallel.basis == "to measure" and parallel.update == "leader" and parallel.capacity == (64, 64)
+    assert [d.batch_size for d in the_plan.devices] == [64, 64]
+    # Each member's train program stops at the gradients; the update is its own program.
+    for device in the_plan.devices:
+        assert device.kinds[-1] == "apply" and [s.op for s in device.apply.launches] == ["adam"]
+        assert "adam" not in [s.op for s in device.program("train").launches]
+    measured = parallel.measured((3000.0, 1000.0))
+    assert measured.rows == (48, 16) and measured.basis == "measured"
+
+
+def test_bad_device_lists_are_refused_with_their_place():
+    spec = digits_spec()
+    with pytest.raises(SpecError) as caught:
+        plan(_on(spec, ("auto", 0), shares=(1.0,)))
+    text = str(caught.value)
+    assert "devices.select[0]: 'auto' stands alone" in text and "devices.shares: has 1 entries for 2" in text
+    with pytest.raises(SpecError, match=r"devices.shares\[1\]: must be > 0"):
+        plan(_on(spec, ("cpu", "cpu"), shares=(1.0, 0.0)))
+    with pytest.raises(PlanError, match="data.placement"):
+        plan(_on(dataclasses.replace(spec, data=dataclasses.replace(spec.data, placement="device")),
+                 ("cpu", "cpu")), facts=(cpu_facts(), cpu_facts()))  # fmt: skip
+
+
+# -- training --------------------------------------------------------------------------------------
+
+
+def test_two_cpu_devices_train_as_one_device_with_the_same_batch():
+    """The same global batch over two members: the same training within float tolerance (the
+    members' weight gradients sum their rows in another order), reproducible to the bit."""
+    spec = synthetic_spec(epochs=2)
+    one = flow.run(_on(spec, "cpu"))
+    two = flow.run(_on(spec, ("cpu", "cpu")))
+    again = flow.run(_on(spec, ("cpu", "cpu")))
+    assert two.steps == one.steps == 26 and two.device == "cpu (numpy) + cpu (numpy)"
+    for name, value in one.parameters.items():
+        np.testing.assert_allclose(two.parameters[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(again.parameters[name], two.parameters[name], err_msg=name)
+    assert two.loss == pytest.approx(one.loss, rel=1e-4)
+    assert two.accuracy == pytest.approx(one.accuracy, abs=1e-9)
+    uneven = flow.run(_on(spec, ("cpu", "cpu", "cpu"), shares=(1.0, 2.0, 5.0)))
+    for name, value in one.parameters.items():
+        np.testing.assert_allclose(uneven.parameters[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_lavapipe_twice_and_lavapipe_with_the_cpu_train_as_one_device(vulkan_backend):
+    index = vulkan_backend.facts.index
+    spec = _on(synthetic_spec(epochs=2), index)
+    one = flow.run(spec)
+    for select in ((index, index), (index, "cpu")):
+        many = flow.run(_on(spec, select))
+        assert many.steps == one.steps
+        for name, value in one.parameters.items():
+            np.testing.assert_allclose(many.parameters[name], value, rtol=1e-3, atol=1e-4, err_msg=name)
+        assert many.accuracy == pytest.approx(one.accuracy, abs=0.02)
+
+
+@pytest.mark.parametrize("update", ["each", "leader"])
+def test_every_member_holds_the_same_weights(vulkan_backend, update):
+    """After training, every member's weights are bit-identical: same devices apply the same
+    update; unequal ones take the leader's weights."""
+    from flow.runtime import Runtime
+
+    index = vulkan_backend.facts.index
+    select = (index, index) if update == "each" else (index, "cpu")
+    spec = _on(synthetic_spec(epochs=1), select)
+    kept = {}
+    original = Runtime.close
+
+    def close(self):
+        kept["weights"] = [engine.weights() for engine in self.member_engines]
+        kept["update"] = self.plan.parallel.update
+        original(self)
+
+    Runtime.close = close
+    try:
+        flow.run(spec)
+    finally:
+        Runtime.close = original
+    assert kept["update"] == update and len(kept["weights"]) == 2
+    np.testing.assert_array_equal(kept["weights"][1], kept["weights"][0])
+    assert np.abs(kept["weights"][0]).sum() > 0
+
+
+def test_resume_with_two_devices_is_bit_exact(tmp_path):
+    spec = _on(synthetic_spec(tmp_path, epochs=3), ("cpu", "cpu"), checkpoint_every=5)
+    straight = flow.run(_on(synthetic_spec(epochs=3), ("cpu", "cpu")))
+    flow.run(dataclasses.replace(spec, run=dataclasses.replace(spec.run, epochs=None, steps=15)))
+    resumed = flow.run(spec, resume=tmp_path / "ckpt")
+    assert resumed.resumed_from == 15 and resumed.steps == straight.steps == 39
+    for name, value in straight.parameters.items():
+        np.testing.assert_array_equal(resumed.parameters[name], value, err_msg=name)
+
+
+def test_a_failing_member_stops_the_run_with_its_error(monkeypatch):
+    from actors.cpu_backend import CpuBackend
+
+    opened = []
+    original_init = CpuBackend.__init__
+
+    def track(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        opened.append(self)
+
+    reads = {"n": 0}
+    original_read = CpuBackend.read
+
+    def read(self, name, *args, **kwargs):
+        if name == "grads:all" and self is opened[1]:
+            reads["n"] += 1
+            if reads["n"] == 4:
+                raise RuntimeError("device lost")
+        return original_read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(CpuBackend, "__init__", track)
+    monkeypatch.setattr(CpuBackend, "read", read)
+    with pytest.raises(Exception, match="device lost") as caught:
+        flow.run(_on(synthetic_spec(epochs=2), ("cpu", "cpu")))
+    assert "device" in str(caught.value)
+
+
+def test_predict_with_a_data_parallel_spec_uses_the_first_device(tmp_path):
+    spec = _on(synthetic_spec(tmp_path, epochs=1), ("cpu", "cpu"))
+    result = flow.run(spec)
+    x = np.random.default_rng(1).standard_normal((9, 6)).astype(np.float32)
+    out = flow.predict(result.checkpoint, x)
+    assert out.shape == (9, 3) and np.allclose(out.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_the_data_parallel_example_trains_from_the_cli(tmp_path, vulkan_backend):
+    """``python -m flow run examples/digits_data_parallel.json``: every device (lavapipe and the
+    CPU backend here), data parallel, to the example's accuracy."""
+    example = ROOT / "examples" / "digits_data_parallel.json"
+    done = subprocess.run([sys.executable, "-m", "flow", "run", str(example)], capture_output=True,
+                          text=True, cwd=tmp_path, check=False, env=None)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    accuracy = float(done.stdout.strip().splitlines()[-1].split()[-1])
+    assert accuracy >= 0.95, done.stdout
+    plan_text = subprocess.run([sys.executable, "-m", "flow", "plan", str(example)], capture_output=True,
+                               text=True, cwd=tmp_path, check=True).stdout  # fmt: skip
+    assert "data parallel over 2 devices" in plan_text and "cpu (numpy)" in plan_text
