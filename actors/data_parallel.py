@@ -20,19 +20,63 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import trio
 
+from actors.backend import Backend
 from actors.device import _PROGRAMS, _EvalSums
 from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
 from actors.meter import Meter
+from actors.statistics import ActorStatistics
 from flow.optim import device_learning_rate
 from flow.parallel_plan import DataParallelPlan
 from flow.spec_model import CrossEntropy
 
 SLOT = 0  # one step at a time: the all-reduce joins the members at every step
+
+
+@dataclass(frozen=True)
+class DataParallelStatistics(ActorStatistics):
+    """ActorStatistics plus each member's share of the work and the all-reduce's time.
+
+    Attributes:
+        members: each member's device name.
+        member_rows: rows each member has run (training, evaluation and prediction).
+        member_seconds: each member's device time, from its shard's submit until it was seen done.
+        member_samples_per_s: member_rows / member_seconds.
+        all_reduce_seconds: host time summing and redistributing gradients, updates included.
+    """
+
+    members: tuple[str, ...] = ()
+    member_rows: tuple[int, ...] = ()
+    member_seconds: tuple[float, ...] = ()
+    member_samples_per_s: tuple[float, ...] = ()
+    all_reduce_seconds: float = 0.0
+
+
+def host_all_reduce(
+    sources: Sequence[Backend], targets: Sequence[Backend], tensor: str = "grads:all"
+) -> np.ndarray:
+    """Sum ``tensor`` over ``sources`` in their order (a fixed order: the same bits every time) and
+    write the sum into every target. Blocking.
+
+    Args:
+        sources: the backends whose tensors are summed (at least one).
+        targets: the backends that receive the sum.
+        tensor: the flat tensor (every member's layout places it alike).
+
+    Returns:
+        The sum (a host array).
+    """
+    total = sources[0].read(tensor)  # a fresh host copy: summed into in place
+    for backend in sources[1:]:
+        total += backend.read(tensor)
+    for backend in targets:
+        backend.write(tensor, total)
+    return total
 
 
 def measure_throughput(engines: Sequence[Engine], rows: int, repeats: int = 3) -> tuple[float, ...]:
@@ -95,6 +139,8 @@ class DataParallelActor:
         self.applied = start or Cursor()  # the cursor of the last training batch applied
         self._eval = _EvalSums()
         self.reduce_s = 0.0  # host time spent summing and redistributing gradients
+        self.member_rows = [0] * len(self.engines)
+        self.member_seconds = [0.0] * len(self.engines)
 
     async def run(self) -> None:
         """Run until the inbox ends; then close the outboxes."""
@@ -143,6 +189,7 @@ class DataParallelActor:
         those that had rows."""
         ran, tickets = [], []
         start = 0
+        submitted = time.perf_counter()
         for i, rows in enumerate(self.parallel.shard(batch.rows)):
             if rows == 0:
                 continue
@@ -152,34 +199,29 @@ class DataParallelActor:
             tickets.append(engine.submit(kind, SLOT, rows, step, divisor=batch.rows))
             ran.append((i, rows))
             start = end
-        for (i, _), ticket in zip(ran, tickets, strict=True):
+        for (i, rows), ticket in zip(ran, tickets, strict=True):
             self.engines[i].backend.wait(ticket)
+            self.member_rows[i] += rows
+            self.member_seconds[i] += time.perf_counter() - submitted
         return ran
 
     def _all_reduce_and_update(self, ran: list[int], step: int | None) -> None:
         """Sum the gradients of the members that ran, in member order, and apply the update."""
         started = time.perf_counter()
-        total = self.engines[ran[0]].gradients()  # a host copy: summed into in place
-        for i in ran[1:]:
-            total += self.engines[i].gradients()
+        sources = [self.engines[i].backend for i in ran]
         if self.parallel.update == "each":
-            tickets = []
-            for engine in self.engines:
-                engine.set_gradients(total)
-                tickets.append(engine.submit("apply", SLOT, 1, step))
+            host_all_reduce(sources, [engine.backend for engine in self.engines])
+            tickets = [engine.submit("apply", SLOT, 1, step) for engine in self.engines]
             for engine, ticket in zip(self.engines, tickets, strict=True):
                 engine.backend.wait(ticket)
         else:
-            self._leader_update(total, step)
+            leader = self.engines[0]
+            host_all_reduce(sources, [leader.backend])
+            leader.backend.wait(leader.submit("apply", SLOT, 1, step))
+            weights = leader.weights()
+            for engine in self.engines[1:]:
+                engine.set_weights(weights)
         self.reduce_s += time.perf_counter() - started
-
-    def _leader_update(self, total: np.ndarray, step: int | None) -> None:
-        leader = self.engines[0]
-        leader.set_gradients(total)
-        leader.backend.wait(leader.submit("apply", SLOT, 1, step))
-        weights = leader.weights()
-        for engine in self.engines[1:]:
-            engine.set_weights(weights)
 
     def _report(self, batch: Batch, loss: float, correct: float, lr: float, empty: bool):
         if batch.split == "train":
@@ -205,5 +247,15 @@ class DataParallelActor:
         """
         return Snapshot(self.applied, self.engines[0].state(), interrupted=True)
 
-    def statistics(self):
-        return self.meter.statistics()
+    def statistics(self) -> DataParallelStatistics:
+        base = self.meter.statistics()
+        pairs = zip(self.member_rows, self.member_seconds, strict=True)
+        speeds = tuple(rows / seconds if seconds > 0 else 0.0 for rows, seconds in pairs)
+        return DataParallelStatistics(
+            **base.__dict__,
+            members=tuple(engine.backend.facts.name for engine in self.engines),
+            member_rows=tuple(self.member_rows),
+            member_seconds=tuple(round(s, 6) for s in self.member_seconds),
+            member_samples_per_s=tuple(round(v, 1) for v in speeds),
+            all_reduce_seconds=self.reduce_s,
+        )

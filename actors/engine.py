@@ -134,15 +134,7 @@ class Engine:
         for name, value in saved.items():
             self.backend.write(name, value)
 
-    # -- a data-parallel member's all-reduce -------------------------------------------------------
-    def gradients(self) -> np.ndarray:
-        """The flat gradients the last train program left (a host copy)."""
-        return self.backend.read("grads:all")
-
-    def set_gradients(self, grads: np.ndarray) -> None:
-        """Replace the flat gradients (with the members' sum) before the ``apply`` program."""
-        self.backend.write("grads:all", grads)
-
+    # -- a data-parallel member's weights ---------------------------------------------------------
     def weights(self) -> np.ndarray:
         """The flat parameters (a host copy)."""
         return self.backend.read("params:all")

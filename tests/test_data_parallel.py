@@ -102,6 +102,12 @@ def test_two_cpu_devices_train_as_one_device_with_the_same_batch():
     uneven = flow.run(_on(spec, ("cpu", "cpu", "cpu"), shares=(1.0, 2.0, 5.0)))
     for name, value in one.parameters.items():
         np.testing.assert_allclose(uneven.parameters[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    # Each member's share of the rows, as the shares say (train and validation batches of 16).
+    device = uneven.statistics["device"]
+    assert device.members == ("cpu (numpy)",) * 3 and device.all_reduce_seconds > 0
+    rows = device.member_rows
+    assert sum(rows) == 2 * 250 and rows[0] < rows[1] < rows[2]
+    assert all(speed > 0 for speed in device.member_samples_per_s)
 
 
 def test_lavapipe_twice_and_lavapipe_with_the_cpu_train_as_one_device(vulkan_backend):
