@@ -206,3 +206,14 @@ def test_the_data_parallel_example_trains_from_the_cli(tmp_path, vulkan_backend)
     plan_text = subprocess.run([sys.executable, "-m", "flow", "plan", str(example)], capture_output=True,
                                text=True, cwd=tmp_path, check=True).stdout  # fmt: skip
     assert "data parallel over 2 devices" in plan_text and "cpu (numpy)" in plan_text
+
+
+def test_a_member_over_its_memory_budget_is_refused_naming_it(vulkan_backend):
+    spec = _on(digits_spec(), (vulkan_backend.facts.index, "cpu"))
+    small = dataclasses.replace(cpu_facts(), heaps=(dataclasses.replace(cpu_facts().heaps[0], size=200_000,
+                                                                        budget=None),))  # fmt: skip
+    with pytest.raises(PlanError) as caught:
+        plan(spec, facts=(vulkan_backend.facts, small))
+    text = str(caught.value)
+    assert "devices[cpu (numpy)]" in text and "memory budget is 180,000 bytes" in text
+    assert "layers[1].weight" in text or "grads:all" in text or "params:all" in text
