@@ -394,6 +394,98 @@ def maxpool2d_backward(arrays: list[np.ndarray], p: Params) -> None:
     dx[: n * c * h * w] = grad.reshape(-1)
 
 
+def _avg_pool_dims(p: Params) -> tuple[int, ...]:
+    return (*_pool_dims(p), int(p.get("pad", 0)))
+
+
+def avgpool2d(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    n, c, h, w, oh, ow, kernel, stride, pad = _avg_pool_dims(p)
+    padded = np.pad(x[: n * c * h * w].reshape(n, c, h, w), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    total = np.zeros((n, c, oh, ow), dtype=np.float64)
+    for i in range(kernel):  # each window offset in turn, over every window at once
+        for j in range(kernel):
+            total += padded[:, :, i : i + oh * stride : stride, j : j + ow * stride : stride]
+    # Padding counts in the mean (count_include_pad): every window divides by kernel^2.
+    y[: n * c * oh * ow] = (total / (kernel * kernel)).reshape(-1)
+
+
+def avgpool2d_backward(arrays: list[np.ndarray], p: Params) -> None:
+    dy, dx = arrays
+    n, c, h, w, oh, ow, kernel, stride, pad = _avg_pool_dims(p)
+    share = dy[: n * c * oh * ow].reshape(n, c, oh, ow).astype(np.float64) / (kernel * kernel)
+    grad = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=np.float64)
+    for i in range(kernel):
+        for j in range(kernel):
+            grad[:, :, i : i + oh * stride : stride, j : j + ow * stride : stride] += share
+    dx[: n * c * h * w] = grad[:, :, pad : pad + h, pad : pad + w].reshape(-1)
+
+
+def broadcast_rows(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    rows, cols = int(p["rows"]), int(p["cols"])
+    spread = np.repeat(x[:rows] * x.dtype.type(p.get("alpha", 1.0)), cols)
+    y[: rows * cols] = spread
+
+
+def _norm_planes(array: np.ndarray, p: Params, rows: int) -> np.ndarray:
+    """The first ``rows`` rows of a BatchNorm tensor as [rows, C, HW]."""
+    c, hw = int(p["C"]), int(p["HW"])
+    return array[: rows * c * hw].reshape(rows, c, hw)
+
+
+def batchnorm_stats(arrays: list[np.ndarray], p: Params) -> None:
+    x, running_mean, running_var, stats, stepvals = arrays
+    c, eps = int(p["C"]), float(p["eps"])
+    if not p.get("training"):
+        stats[:c] = running_mean[:c]
+        stats[c : 2 * c] = 1.0 / np.sqrt(running_var[:c].astype(np.float64) + eps)
+        return
+    n = _real_rows(stepvals, int(p["N"]))
+    planes = _norm_planes(x, p, n).astype(np.float64)
+    m = planes.shape[0] * planes.shape[2]
+    mean = planes.mean(axis=(0, 2))
+    # Two passes, as the shader: the deviations from the mean, not a sum of squares minus its square.
+    variance = ((planes - mean[None, :, None]) ** 2).mean(axis=(0, 2))
+    stats[:c] = mean
+    stats[c : 2 * c] = 1.0 / np.sqrt(variance + eps)
+    unbiased = variance * (m / (m - 1)) if m > 1 else variance
+    momentum = float(p["momentum"])
+    running_mean[:c] = (1 - momentum) * running_mean[:c].astype(np.float64) + momentum * mean
+    running_var[:c] = (1 - momentum) * running_var[:c].astype(np.float64) + momentum * unbiased
+
+
+def batchnorm(arrays: list[np.ndarray], p: Params) -> None:
+    x, stats, gamma, beta, y = arrays
+    n, c = int(p["N"]), int(p["C"])
+    planes = _norm_planes(x, p, n)
+    mean, invstd = stats[:c, None], stats[c : 2 * c, None]
+    y[: planes.size] = (gamma[:c, None] * ((planes - mean) * invstd) + beta[:c, None]).reshape(-1)
+
+
+def batchnorm_backward_reduce(arrays: list[np.ndarray], p: Params) -> None:
+    dy, x, stats, dgamma, dbeta = arrays[:5]
+    c, n = int(p["C"]), _real_rows(arrays[5], int(p["N"]))
+    grad = _norm_planes(dy, p, n).astype(np.float64)
+    centred = _norm_planes(x, p, n).astype(np.float64) - stats[:c, None].astype(np.float64)
+    dy_sum = grad.sum(axis=(0, 2))
+    dy_xhat = (grad * centred).sum(axis=(0, 2)) * stats[c : 2 * c]
+    dbeta[:c], dgamma[:c] = dy_sum, dy_xhat
+    stats[2 * c : 3 * c], stats[3 * c : 4 * c] = dy_sum, dy_xhat
+
+
+def batchnorm_backward_data(arrays: list[np.ndarray], p: Params) -> None:
+    dy, x, stats, gamma, stepvals, dx = arrays
+    rows, c, hw = int(p["N"]), int(p["C"]), int(p["HW"])
+    n = _real_rows(stepvals, rows)
+    invstd, mean = stats[c : 2 * c, None], stats[:c, None]
+    xhat = (_norm_planes(x, p, n) - mean) * invstd
+    correction = (stats[2 * c : 3 * c, None] + xhat * stats[3 * c : 4 * c, None]) / dx.dtype.type(n * hw)
+    grads = gamma[:c, None] * invstd * (_norm_planes(dy, p, n) - correction)
+    dx[: n * c * hw] = grads.reshape(-1)
+    dx[n * c * hw : rows * c * hw] = 0  # padding rows took no part in the statistics
+
+
 def sgd(arrays: list[np.ndarray], p: Params) -> None:
     param, grad, momentum_buf, stepvals = arrays
     n = int(p["n"])
@@ -495,6 +587,13 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "channel_sum": channel_sum,
     "maxpool2d": maxpool2d,
     "maxpool2d_backward": maxpool2d_backward,
+    "avgpool2d": avgpool2d,
+    "avgpool2d_backward": avgpool2d_backward,
+    "broadcast_rows": broadcast_rows,
+    "batchnorm_stats": batchnorm_stats,
+    "batchnorm": batchnorm,
+    "batchnorm_backward_reduce": batchnorm_backward_reduce,
+    "batchnorm_backward_data": batchnorm_backward_data,
     "sgd": sgd,
     "adam": adam,
     "fill": fill,

@@ -15,11 +15,23 @@ from __future__ import annotations
 import math
 
 from flow.errors import PlanError, Problem
-from flow.graph import Graph, Stage, TensorDecl, fused_bias_grads, stages, unwrap
+from flow.graph import Graph, Stage, TensorDecl, fused_bias_grads, optimised_floats, stages, unwrap
 from flow.optim import update_launch
 from flow.program import Launch, launch
 from flow.spec import Optimiser
-from flow.spec_model import MSE, Conv2d, CrossEntropy, Flatten, Linear, MaxPool2d, Model, Softmax
+from flow.spec_model import (
+    MSE,
+    AvgPool2d,
+    BatchNorm,
+    Conv2d,
+    CrossEntropy,
+    Flatten,
+    GlobalAvgPool,
+    Linear,
+    MaxPool2d,
+    Model,
+    Softmax,
+)
 from shaders.registry import ACTIVATIONS, REDUCE
 from shaders.tiles import conv_gemm_shape
 
@@ -81,8 +93,12 @@ def conv_weight_splits(m: int, n: int, k: int) -> int:
 class _Builder:
     """Walks the stages once forward and once backward, emitting launches into a Graph."""
 
-    def __init__(self, model: Model, batch: int, graph: Graph, precision: str = "float32") -> None:
+    def __init__(
+        self, model: Model, batch: int, graph: Graph, precision: str = "float32", training: bool = False
+    ) -> None:
         self.model, self.b, self.g = model, batch, graph
+        # BatchNorm normalises by the batch's statistics when training, else by its running ones.
+        self.training = training
         self.mixed = precision == "mixed"
         self.stages = stages(model)
         self.saved: dict[int, dict[str, str]] = {}  # stage position -> names of tensors backward needs
@@ -137,6 +153,14 @@ class _Builder:
             idx = g.add(f"argmax[{stage.index}]", (b, *stage.out_shape), dtype="int32")
             saved["idx"] = idx
             g.emit(launch("maxpool2d", (h, out, idx), **self._pool_params(stage, layer)))
+        elif isinstance(layer, AvgPool2d):
+            g.emit(launch("avgpool2d", (h, out), **self._pool_params(stage, layer)))
+        elif isinstance(layer, GlobalAvgPool):
+            c, height, width = stage.in_shape
+            mean = REDUCE["mean"]
+            g.emit(launch("reduce", (h, out), rows=b * c, cols=height * width, axis=1, fn=mean, alpha=1.0))
+        elif isinstance(layer, BatchNorm):
+            saved["stats"] = self._batch_norm_forward(stage, layer, h, out)
         elif isinstance(layer, Flatten):
             base = g.tensors[h].view_of or h
             g.tensors[out] = TensorDecl(out, (b, *stage.out_shape), "float32", "work", view_of=base)
@@ -256,11 +280,38 @@ class _Builder:
         finish = launch("splitk_epilogue", (workspace, workspace, dw), M=m, N=n, splits=splits, alpha=1.0)
         return main, finish
 
-    def _pool_params(self, stage: Stage, layer: MaxPool2d) -> dict[str, int]:
+    def _pool_params(self, stage: Stage, layer: MaxPool2d | AvgPool2d) -> dict[str, int]:
         c, h, w = stage.in_shape
         _, oh, ow = stage.out_shape
         stride = layer.kernel if layer.stride is None else layer.stride
-        return dict(N=self.b, C=c, H=h, W=w, OH=oh, OW=ow, kernel=layer.kernel, stride=stride)
+        params = dict(N=self.b, C=c, H=h, W=w, OH=oh, OW=ow, kernel=layer.kernel, stride=stride)
+        if isinstance(layer, AvgPool2d):  # max pooling has no padding
+            params["pad"] = layer.padding
+        return params
+
+    def _norm_params(self, stage: Stage) -> dict[str, int]:
+        """A BatchNorm input as [N, C, HW]: HW is 1 for flat features, H*W for images."""
+        return dict(N=self.b, C=stage.in_shape[0], HW=math.prod(stage.in_shape[1:]))
+
+    def _batch_norm_forward(self, stage: Stage, layer: BatchNorm, h: str, out: str) -> str:
+        """Per-channel statistics (the batch's while training, moving the running ones; else the
+        running ones) into a [4, C] work tensor, then the normalisation; returns the tensor, whose
+        rows 0 and 1 (mean, 1 / std) the backward reads and whose rows 2 and 3 it fills."""
+        params, prefix = self._norm_params(stage), f"layers[{stage.index}]"
+        stats = self.g.add(f"norm_stats[{stage.index}]", (4, params["C"]))
+        running = (f"{prefix}.running_mean", f"{prefix}.running_var")
+        self.g.emit(
+            launch(
+                "batchnorm_stats",
+                (h, *running, stats, "stepvals"),
+                **params,
+                training=int(self.training),
+                momentum=float(layer.momentum),
+                eps=float(layer.eps),
+            )
+        )
+        self.g.emit(launch("batchnorm", (h, stats, f"{prefix}.weight", f"{prefix}.bias", out), **params))
+        return stats
 
     # loss ----------------------------------------------------------------------------------------
     def loss(self, output: str, labels: str, write_grad: bool) -> str | None:
@@ -320,7 +371,12 @@ class _Builder:
     # backward ------------------------------------------------------------------------------------
     def backward(self, grad_out: str) -> None:
         first_trainable = next(
-            (p for p, s in enumerate(self.stages) if isinstance(unwrap(s.layer)[0], Linear | Conv2d)), None
+            (
+                p
+                for p, s in enumerate(self.stages)
+                if isinstance(unwrap(s.layer)[0], Linear | Conv2d | BatchNorm)
+            ),
+            None,
         )
         grad = grad_out
         for position in range(len(self.stages) - 1, -1, -1):
@@ -392,6 +448,27 @@ class _Builder:
                         "maxpool2d_backward", (grad, saved["idx"], in_grad), **self._pool_params(stage, layer)
                     )
                 )
+        elif isinstance(layer, AvgPool2d):
+            if in_grad:
+                g.emit(launch("avgpool2d_backward", (grad, in_grad), **self._pool_params(stage, layer)))
+        elif isinstance(layer, GlobalAvgPool):
+            if in_grad:
+                c, height, width = stage.in_shape
+                area = height * width
+                g.emit(launch("broadcast_rows", (grad, in_grad), rows=b * c, cols=area, alpha=1.0 / area))
+        elif isinstance(layer, BatchNorm):
+            params, prefix = self._norm_params(stage), f"layers[{stage.index}]"
+            stats = saved["stats"]
+            grads = (f"grad:{prefix}.weight", f"grad:{prefix}.bias")
+            g.emit(launch("batchnorm_backward_reduce", (grad, h, stats, *grads, "stepvals"), **params))
+            if in_grad:
+                g.emit(
+                    launch(
+                        "batchnorm_backward_data",
+                        (grad, h, stats, f"{prefix}.weight", "stepvals", in_grad),
+                        **params,
+                    )
+                )
         elif isinstance(layer, Flatten):
             if in_grad:
                 # The gradient of a reshape is the reshaped gradient: a view, no launch.
@@ -454,7 +531,7 @@ def build_graph(
     """
     graph = Graph()
     graph.add("x", (batch, *model.input_shape), role="io")
-    builder = _Builder(model, batch, graph, precision)
+    builder = _Builder(model, batch, graph, precision, training=program == "train")
     out = builder.forward("x")
     if program == "predict":
         cols = math.prod(graph.tensors[out].shape[1:]) if out != "x" else math.prod(model.input_shape)
@@ -468,5 +545,5 @@ def build_graph(
         assert grad is not None and optimiser is not None
         builder.backward(grad)
         if update:
-            graph.emit(update_launch(optimiser, total_params))
+            graph.emit(update_launch(optimiser, optimised_floats(model, total_params)))
     return graph

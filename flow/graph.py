@@ -10,9 +10,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from flow.program import TENSOR_ALIGNMENT, Launch, TensorDType
+from flow.program import TENSOR_ALIGNMENT, Launch, TensorDType, align_up
 from flow.shapes import infer_shapes
-from flow.spec_model import GELU, MSE, Conv2d, LeakyReLU, Linear, Model, ReLU, Sigmoid, Tanh
+from flow.spec_model import (
+    GELU,
+    MSE,
+    BatchNorm1d,
+    BatchNorm2d,
+    Conv2d,
+    LeakyReLU,
+    Linear,
+    Model,
+    ReLU,
+    Sigmoid,
+    Tanh,
+)
 
 _ACTIVATION_LAYERS = {ReLU: "relu", LeakyReLU: "leaky_relu", Sigmoid: "sigmoid", Tanh: "tanh", GELU: "gelu"}
 
@@ -36,13 +48,18 @@ class TensorDecl:
 
 @dataclass(frozen=True)
 class ParamDecl:
-    """One trainable tensor and how to initialise it."""
+    """One tensor of the parameter arena and how to initialise it: a trainable parameter, or
+    (``trainable`` False) state the forward pass keeps, such as BatchNorm's running statistics,
+    which lies in the same arena so that checkpoints and exports carry it, past the range the
+    optimiser updates (:func:`optimised_floats`)."""
 
     name: str
     shape: tuple[int, ...]
     fan_in: int
     fan_out: int
     is_bias: bool
+    constant: float | None = None  # starts at this value instead of a random draw (BatchNorm's 1s)
+    trainable: bool = True
 
 
 @dataclass(frozen=True)
@@ -134,12 +151,15 @@ def unwrap(layer) -> tuple[object, float]:
 
 
 def parameters(model: Model) -> list[ParamDecl]:
-    """Every trainable tensor, in layer order (weights then bias).
+    """Every tensor of the parameter arena: the trainable ones in layer order (weights then bias),
+    then the state that is not trained (BatchNorm's running mean and variance), in layer order.
 
     Linear weights are stored [in, out] (so the forward GEMM needs no transpose); conv weights
-    [out_channels, in_channels, kh, kw].
+    [out_channels, in_channels, kh, kw]; BatchNorm's scale (``weight``) and shift (``bias``)
+    [channels], as PyTorch names them.
     """
     params: list[ParamDecl] = []
+    kept: list[ParamDecl] = []
     for stage in stages(model):
         layer, _ = unwrap(stage.layer)
         if isinstance(layer, Linear):
@@ -166,7 +186,33 @@ def parameters(model: Model) -> list[ParamDecl]:
                         True,
                     )
                 )
-    return params
+        elif isinstance(layer, BatchNorm1d | BatchNorm2d):
+            c, prefix = stage.in_shape[0], f"layers[{stage.index}]"
+            params.append(ParamDecl(f"{prefix}.weight", (c,), c, c, False, constant=1.0))
+            params.append(ParamDecl(f"{prefix}.bias", (c,), c, c, True))
+            kept.append(ParamDecl(f"{prefix}.running_mean", (c,), c, c, False, constant=0.0, trainable=False))
+            kept.append(ParamDecl(f"{prefix}.running_var", (c,), c, c, False, constant=1.0, trainable=False))
+    return params + kept
+
+
+def optimised_floats(model: Model, total_params: int) -> int:
+    """How many floats at the start of the flat parameter arena the optimiser updates: all of it
+    (padding included, whose gradient stays 0) unless the model keeps untrained state, which the
+    planner lays out after every trainable tensor (in :func:`parameters` order, each at an aligned
+    offset); then the floats before that state, so that neither an update nor weight decay (which
+    moves a value even where its gradient is 0) touches it.
+
+    Args:
+        model: the model.
+        total_params: floats in the flat parameter arena.
+
+    Returns:
+        The length of the range the optimiser launch covers.
+    """
+    params = parameters(model)
+    if all(p.trainable for p in params):
+        return total_params
+    return sum(align_up(math.prod(p.shape) * 4) for p in params if p.trainable) // 4
 
 
 def fused_bias_grads(model: Model) -> dict[str, tuple[str, tuple[int, int]]]:

@@ -23,7 +23,15 @@ from flow.autodiff import build_graph
 from flow.data_plan import DataPlan, ResidentData, SourceHeader, plan_data, resident_data
 from flow.device_facts import DeviceFacts, memory_budget
 from flow.errors import PlanError, Problem
-from flow.graph import Graph, ParamDecl, TensorDecl, fused_bias_grads, label_shape, parameters
+from flow.graph import (
+    Graph,
+    ParamDecl,
+    TensorDecl,
+    fused_bias_grads,
+    label_shape,
+    optimised_floats,
+    parameters,
+)
 from flow.optim import optimiser_state_names, update_launch
 from flow.parallel_plan import DataParallelPlan, plan_data_parallel
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
@@ -347,7 +355,8 @@ def plan_device(
     state_names = optimiser_state_names(spec.optimiser)
     for p in params:
         tensors.append(Tensor(p.name, p.shape, "float32", "params", param_offsets[p.name]))
-        tensors.append(Tensor(f"grad:{p.name}", p.shape, "float32", "grads", param_offsets[p.name]))
+        if p.trainable:  # running statistics have no gradient
+            tensors.append(Tensor(f"grad:{p.name}", p.shape, "float32", "grads", param_offsets[p.name]))
     # [dW; db] views for the dense layers whose backward writes both in one GEMM.
     for view, (weight, shape) in fused_bias_grads(model).items():
         tensors.append(Tensor(view, shape, "float32", "grads", param_offsets[weight]))
@@ -441,7 +450,9 @@ def plan_device(
     )
     apply = None
     if separate_update:
-        updating = Program("apply", with_barriers([[update_launch(spec.optimiser, total_params)]]))
+        # The optimised range stops before BatchNorm's running statistics (flow.graph).
+        optimised = optimised_floats(model, total_params)
+        updating = Program("apply", with_barriers([[update_launch(spec.optimiser, optimised)]]))
         apply = resolve_program(updating, facts, tuning)
     return DevicePlan(
         device,
@@ -593,7 +604,9 @@ def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.
     rng = np.random.default_rng(seed)
     values = {}
     for p in device.parameters:
-        if p.is_bias:
+        if p.constant is not None:  # BatchNorm's scale and running statistics: no draw
+            values[p.name] = np.full(p.shape, p.constant, np.float32)
+        elif p.is_bias:
             values[p.name] = np.zeros(p.shape, np.float32)
         elif scheme == "xavier":
             limit = math.sqrt(6.0 / (p.fan_in + p.fan_out))

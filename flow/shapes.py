@@ -9,7 +9,18 @@ import math
 
 from flow.errors import Problem, SpecError
 from flow.spec_base import Shape
-from flow.spec_model import Conv2d, Flatten, Layer, Linear, MaxPool2d, Model
+from flow.spec_model import (
+    AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
+    Conv2d,
+    Flatten,
+    GlobalAvgPool,
+    Layer,
+    Linear,
+    MaxPool2d,
+    Model,
+)
 
 
 def _window(name: str, shape: Shape, kernel: int, stride: int, padding: int) -> tuple[int, int] | str:
@@ -20,9 +31,11 @@ def _window(name: str, shape: Shape, kernel: int, stride: int, padding: int) -> 
     out_h = (h + 2 * padding - kernel) // stride + 1
     out_w = (w + 2 * padding - kernel) // stride + 1
     if out_h <= 0 or out_w <= 0:
+        larger = kernel > min(h, w) + 2 * padding
         return (
             f"{name} output size {out_h}x{out_w} is not positive "
             f"(input {h}x{w}, kernel {kernel}, stride {stride}, padding {padding})"
+            + (": the kernel is larger than the padded input" if larger else "")
         )
     return out_h, out_w
 
@@ -48,9 +61,21 @@ def output_shape(layer: Layer, shape: Shape) -> Shape | str:
         stride = layer.kernel if layer.stride is None else layer.stride
         size = _window("MaxPool2d", shape, layer.kernel, stride, 0)
         return size if isinstance(size, str) else (shape[0], *size)
+    if isinstance(layer, AvgPool2d):
+        stride = layer.kernel if layer.stride is None else layer.stride
+        size = _window("AvgPool2d", shape, layer.kernel, stride, layer.padding)
+        return size if isinstance(size, str) else (shape[0], *size)
+    if isinstance(layer, GlobalAvgPool):
+        if len(shape) != 3:
+            return f"GlobalAvgPool needs a (channels, height, width) input, got shape {shape}"
+        return (shape[0],)
+    if isinstance(layer, BatchNorm2d) and len(shape) != 3:
+        return f"BatchNorm2d needs a (channels, height, width) input, got shape {shape}; use BatchNorm1d"
+    if isinstance(layer, BatchNorm1d) and len(shape) not in (1, 2):
+        return f"BatchNorm1d needs a (features,) or (channels, length) input, got {shape}; use BatchNorm2d"
     if isinstance(layer, Flatten):
         return (math.prod(shape),)
-    return shape  # activations keep the shape
+    return shape  # activations and batch normalisation keep the shape
 
 
 def trace(input_shape: Shape, layers: tuple[Layer, ...]) -> tuple[list[Shape], tuple[int, str] | None]:
@@ -108,6 +133,8 @@ def layer_parameters(layer: Layer, input_shape: Shape) -> int:
     if isinstance(layer, Conv2d):
         weights = input_shape[0] * layer.channels * layer.kernel * layer.kernel
         return weights + (layer.channels if layer.bias else 0)
+    if isinstance(layer, BatchNorm1d | BatchNorm2d):
+        return 2 * input_shape[0]  # scale and shift per channel; the running statistics are not trained
     return 0
 
 

@@ -51,9 +51,13 @@ from flow.spec_data import (
 from flow.spec_model import (
     GELU,
     MSE,
+    AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
     Conv2d,
     CrossEntropy,
     Flatten,
+    GlobalAvgPool,
     Init,
     LeakyReLU,
     Linear,
@@ -334,7 +338,8 @@ class Spec(Record):
 
 
 RECORDS: tuple[type, ...] = (
-    Linear, Conv2d, MaxPool2d, Flatten, ReLU, LeakyReLU, Sigmoid, Tanh, GELU, Softmax,
+    Linear, Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool, BatchNorm1d, BatchNorm2d, Flatten,
+    ReLU, LeakyReLU, Sigmoid, Tanh, GELU, Softmax,
     CrossEntropy, MSE, Init, Model,
     Constant, StepLR, Cosine, SGD, Adam, AdamW,
     ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits,

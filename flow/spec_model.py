@@ -72,6 +72,66 @@ class MaxPool2d(Record):
 
 
 @dataclass(frozen=True)
+class AvgPool2d(Record):
+    """The mean of each square window of a (C, H, W) input, per channel. Padding zeros count in
+    the mean (PyTorch's default ``count_include_pad=True``): every window divides by kernel^2.
+
+    Attributes:
+        kernel: window height and width in pixels, > 0.
+        stride: step between windows in pixels, > 0; None (default) is the same as kernel
+            (non-overlapping windows).
+        padding: zeros added on each side in pixels, >= 0 and at most kernel // 2 (as in PyTorch,
+            so no window lies wholly in the padding) (default 0).
+    """
+
+    kernel: int
+    _: KW_ONLY
+    stride: int | None = None
+    padding: int = 0
+
+
+@dataclass(frozen=True)
+class GlobalAvgPool(Record):
+    """The mean of each channel over its whole plane: (C, H, W) in, (C,) out. The output is flat,
+    so a Linear may follow directly (PyTorch's ``AdaptiveAvgPool2d(1)`` then ``Flatten``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchNorm2d(Record):
+    """Batch normalisation per channel of a (C, H, W) input, as PyTorch's BatchNorm2d:
+    ``y = gamma * (x - mean) / sqrt(var + eps) + beta`` with a learned scale gamma (starting at 1)
+    and shift beta (starting at 0) per channel.
+
+    Training normalises by the batch's own mean and biased variance over its real rows and every
+    pixel, and moves the running statistics toward them: ``running = (1 - momentum) * running +
+    momentum * batch``, with the unbiased variance. Evaluation and prediction normalise by the
+    running statistics (mean 0 and variance 1 at first). They are state, not parameters: the
+    optimiser and weight decay never touch them, and checkpoints keep them.
+
+    Attributes:
+        momentum: how far each training step moves the running statistics, in [0, 1] (default 0.1).
+        eps: added to the variance before the square root, > 0 (default 1e-5).
+    """
+
+    momentum: float = 0.1
+    eps: float = 1e-5
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchNorm1d(Record):
+    """BatchNorm2d for a flat (F,) input, one channel per feature, or for (C, L), one channel per
+    row of L (PyTorch's BatchNorm1d); statistics are over the batch (and L).
+
+    Attributes:
+        momentum: as BatchNorm2d's, in [0, 1] (default 0.1).
+        eps: as BatchNorm2d's, > 0 (default 1e-5).
+    """
+
+    momentum: float = 0.1
+    eps: float = 1e-5
+
+
+@dataclass(frozen=True)
 class Flatten(Record):
     """Reshapes each sample to one dimension (C * H * W values, row-major), as Linear needs."""
 
@@ -115,7 +175,12 @@ class Softmax(Record):
     applies softmax itself; a row holding NaN gives NaN everywhere."""
 
 
-Layer = Linear | Conv2d | MaxPool2d | Flatten | ReLU | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
+Layer = (
+    Linear | Conv2d | MaxPool2d | AvgPool2d | GlobalAvgPool | BatchNorm1d | BatchNorm2d | Flatten | ReLU
+    | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
+)  # fmt: skip
+# The layers that normalise by batch statistics and keep running ones.
+BatchNorm = BatchNorm1d | BatchNorm2d
 
 # Losses and the model
 

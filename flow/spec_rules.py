@@ -39,7 +39,18 @@ from flow.spec_data import (
     Split,
     Synthetic,
 )
-from flow.spec_model import Conv2d, CrossEntropy, Init, Linear, MaxPool2d, Model, Softmax
+from flow.spec_model import (
+    AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
+    Conv2d,
+    CrossEntropy,
+    Init,
+    Linear,
+    MaxPool2d,
+    Model,
+    Softmax,
+)
 
 
 def join(path: str, name: str) -> str:
@@ -118,6 +129,19 @@ def _conv2d(r: Rule) -> None:
 def _max_pool(r: Rule) -> None:
     r.need("kernel", _positive, "must be > 0")
     r.need("stride", _positive, "must be > 0")
+
+
+def _avg_pool(r: Rule) -> None:
+    _max_pool(r)
+    r.need("padding", _non_negative, "must be >= 0")
+    # As PyTorch: more padding would let a window lie wholly in the zeros.
+    if r.good("kernel", "padding") and r.obj.padding > r.obj.kernel // 2:
+        r.add("padding", f"must be at most kernel // 2 ({r.obj.kernel // 2}), got {r.obj.padding}")
+
+
+def _batch_norm(r: Rule) -> None:
+    r.need("momentum", lambda m: 0 <= m <= 1, "must be in [0, 1]")
+    r.need("eps", _positive, "must be > 0")
 
 
 def _init(r: Rule) -> None:
@@ -388,6 +412,9 @@ RULES: dict[type, Callable[[Rule], None]] = {
     Linear: _linear,
     Conv2d: _conv2d,
     MaxPool2d: _max_pool,
+    AvgPool2d: _avg_pool,
+    BatchNorm1d: _batch_norm,
+    BatchNorm2d: _batch_norm,
     Init: _init,
     Model: _model,
     Constant: _warmup,

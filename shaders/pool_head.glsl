@@ -1,5 +1,6 @@
-// The push block and index math of the pooling shaders, maxpool2d and its backward (registry
-// _POOL_PUSH): square windows of kernel x kernel at a square stride, no padding.
+// The push block and index math of the pooling shaders, maxpool2d, avgpool2d and their backwards
+// (registry _POOL_PUSH): square windows of kernel x kernel at a square stride; average pooling adds
+// pad zeros on each side, max pooling none (its launches leave pad at 0).
 #ifndef VKFLOW_POOL_HEAD_GLSL
 #define VKFLOW_POOL_HEAD_GLSL
 
@@ -12,6 +13,7 @@ layout(push_constant) uniform Push {
     uint OW;  // output width
     uint kernel;
     uint stride;
+    uint pad;
 } pc;
 
 // (plane, y, x) of flat index i into a row-major [planes, H, W] array: pooling never mixes

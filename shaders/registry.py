@@ -183,7 +183,10 @@ _POOL_PUSH = (
     ("OW", "u"),
     ("kernel", "u"),
     ("stride", "u"),
+    ("pad", "u"),  # average pooling's zero padding on each side; max pooling has none
 )
+# A BatchNorm input viewed as [N, C, HW] (HW = 1 for flat features).
+_NORM_PUSH = (("N", "u"), ("C", "u"), ("HW", "u"))
 
 
 def _conv_out_groups(params, local, spec) -> Groups:
@@ -232,6 +235,15 @@ def _pool_out_groups(params, local, spec) -> Groups:
 def _pool_in_groups(params, local, spec) -> Groups:
     total = int(params["N"]) * int(params["C"]) * int(params["H"]) * int(params["W"])
     return capped_groups(total, local[0])
+
+
+def _norm_channel_groups(params, local, spec) -> Groups:
+    # One workgroup per channel: its threads split the sums over the batch and the pixels.
+    return capped_groups(int(params["C"]), 1)
+
+
+def _norm_element_groups(params, local, spec) -> Groups:
+    return capped_groups(int(params["N"]) * int(params["C"]) * int(params["HW"]), local[0])
 
 
 # The push constants gemm and gemm_coopmat share (gemm adds k_splits).
@@ -389,6 +401,49 @@ _OPS: tuple[OpDef, ...] = (
     # Y = max over each window; idx = flat h*W+w of the max within its channel plane.
     OpDef("maxpool2d", "maxpool2d.comp", ("X", "Y", "idx"), _POOL_PUSH, _pool_out_groups),
     OpDef("maxpool2d_backward", "maxpool2d_backward.comp", ("dY", "idx", "dX"), _POOL_PUSH, _pool_in_groups),
+    # Y = mean over each window, zero padding counted (every window divides by kernel^2).
+    OpDef("avgpool2d", "avgpool2d.comp", ("X", "Y"), _POOL_PUSH, _pool_out_groups),
+    OpDef("avgpool2d_backward", "avgpool2d_backward.comp", ("dY", "dX"), _POOL_PUSH, _pool_in_groups),
+    # Y[r, j] = alpha * X[r] for every j < cols (global average pooling's backward).
+    OpDef(
+        "broadcast_rows",
+        "broadcast_rows.comp",
+        ("X", "Y"),
+        (("rows", "u"), ("cols", "u"), ("alpha", "f")),
+        lambda p, local, spec: capped_groups(int(p["rows"]) * int(p["cols"]), local[0]),
+    ),
+    # Batch normalisation of X [N, C, HW] per channel c, over the first n = stepvals[4] rows.
+    # batchnorm_stats: training=1, the batch's mean and 1/sqrt(biased var + eps) into stats[0, c]
+    # and stats[1, c], and the running statistics moved toward them by momentum (unbiased var);
+    # training=0, the same two rows from the running statistics.
+    OpDef(
+        "batchnorm_stats",
+        "batchnorm_stats.comp",
+        ("X", "running_mean", "running_var", "stats", "stepvals"),
+        (*_NORM_PUSH, ("training", "u"), ("momentum", "f"), ("eps", "f")),
+        _norm_channel_groups,
+    ),
+    # Y = gamma[c] * (X - stats[0, c]) * stats[1, c] + beta[c].
+    OpDef(
+        "batchnorm", "batchnorm.comp", ("X", "stats", "gamma", "beta", "Y"), _NORM_PUSH, _norm_element_groups
+    ),
+    # Over the first n rows: dbeta[c] = sum dY, dgamma[c] = sum dY * xhat; both also into stats
+    # rows 2 and 3, for batchnorm_backward_data.
+    OpDef(
+        "batchnorm_backward_reduce",
+        "batchnorm_backward_reduce.comp",
+        ("dY", "X", "stats", "dgamma", "dbeta", "stepvals"),
+        _NORM_PUSH,
+        _norm_channel_groups,
+    ),
+    # dX = gamma * invstd * (dY - (dbeta + xhat * dgamma) / (n * HW)) on the first n rows, 0 below.
+    OpDef(
+        "batchnorm_backward_data",
+        "batchnorm_backward_data.comp",
+        ("dY", "X", "stats", "gamma", "stepvals", "dX"),
+        _NORM_PUSH,
+        _norm_element_groups,
+    ),
     # In-place optimisers over a flat parameter range; step values [lr, 1-b1^t, 1-b2^t, t] per slot.
     OpDef(
         "sgd",
@@ -498,6 +553,13 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "channel_sum": ("db",),
     "maxpool2d": ("Y", "idx"),
     "maxpool2d_backward": ("dX",),
+    "avgpool2d": ("Y",),
+    "avgpool2d_backward": ("dX",),
+    "broadcast_rows": ("Y",),
+    "batchnorm_stats": ("running_mean", "running_var", "stats"),
+    "batchnorm": ("Y",),
+    "batchnorm_backward_reduce": ("stats", "dgamma", "dbeta"),
+    "batchnorm_backward_data": ("dX",),
     "sgd": ("P", "M"),
     "adam": ("P", "M", "V"),
     "fill": ("X",),
@@ -515,6 +577,7 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "splitk_epilogue": (("alpha", 1.0), ("splits", 1)),
     "conv2d_gemm_backward_weight": (("k_splits", 1),),
     "binary": (("a", 1.0),),
+    "broadcast_rows": (("alpha", 1.0),),
     "reduce": (("alpha", 1.0),),
     "gemm_coopmat": (("alpha", 1.0),),
     "gemm_coopmat_f16": (("alpha", 1.0),),

@@ -1,4 +1,5 @@
-// Workgroup reductions over rows, shared by argmax, softmax_xent and softmax_xent_totals.
+// Workgroup reductions over rows, shared by argmax, softmax_xent, softmax_xent_totals and the
+// batch normalisation statistics (batchnorm_stats, batchnorm_backward_reduce).
 // The including shader declares, before the #include:
 //     shared float partial[gl_WorkGroupSize.x];
 //     shared uint partial_index[gl_WorkGroupSize.x];

@@ -17,6 +17,9 @@ from flow.spec import (
     SGD,
     Adam,
     AdamW,
+    AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
     Constant,
     Conv2d,
     Cosine,
@@ -26,6 +29,7 @@ from flow.spec import (
     Digits,
     Edge,
     Flatten,
+    GlobalAvgPool,
     HorizontalFlip,
     ImageFolder,
     Init,
@@ -61,6 +65,10 @@ activation_layers = st.sampled_from([ReLU(), Sigmoid(), Tanh(), GELU()]) | st.bu
 seeds = st.integers(0, 2**32)
 
 
+def batch_norms(kind: type) -> st.SearchStrategy:
+    return st.builds(kind, momentum=floats(0, 1), eps=floats(1e-8, 1.0))
+
+
 @st.composite
 def models(draw) -> Model:
     layers = []
@@ -68,7 +76,8 @@ def models(draw) -> Model:
         input_shape = shape = (draw(st.integers(1, 3)), draw(st.integers(4, 16)), draw(st.integers(4, 16)))
         for _ in range(draw(st.integers(0, 3))):
             kernel = draw(st.integers(1, min(shape[1:])))
-            if draw(st.booleans()):
+            kind = draw(st.sampled_from(["conv", "max", "avg", "norm"]))
+            if kind == "conv":
                 layer = Conv2d(
                     draw(st.integers(1, 8)),
                     kernel,
@@ -77,15 +86,22 @@ def models(draw) -> Model:
                     bias=draw(st.booleans()),
                     activation=draw(activations),
                 )
-            else:
+            elif kind == "max":
                 layer = MaxPool2d(kernel, stride=draw(st.none() | st.integers(1, 3)))
+            elif kind == "avg":
+                stride = draw(st.none() | st.integers(1, 3))
+                layer = AvgPool2d(kernel, stride=stride, padding=draw(st.integers(0, kernel // 2)))
+            else:
+                layer = draw(batch_norms(BatchNorm2d))
             shape = output_shape(layer, shape)
             layers.append(layer)
-        layers.append(Flatten())
+        layers.append(draw(st.sampled_from([Flatten(), GlobalAvgPool()])))
     else:
         input_shape = (draw(st.integers(1, 64)),)
     hidden = (
-        st.builds(Linear, st.integers(1, 64), bias=st.booleans(), activation=activations) | activation_layers
+        st.builds(Linear, st.integers(1, 64), bias=st.booleans(), activation=activations)
+        | activation_layers
+        | batch_norms(BatchNorm1d)
     )
     layers += draw(st.lists(hidden, max_size=3))
     layers.append(Linear(draw(st.integers(2, 16)), bias=draw(st.booleans())))
