@@ -11,8 +11,12 @@ draining or reordering anything.
 
 Reads run in worker threads under the loader's own CapacityLimiter (``workers`` at once, so a
 slow disk overlaps with the device); results leave in stream order whatever order they finish in.
-A read measured to cost less than a hop to a thread (a gather from an in-memory source) runs on
-the event loop instead (:class:`actors.inline.InlinePolicy`).
+A read measured to cost less than a hop to a thread runs on the event loop instead
+(:class:`actors.inline.InlinePolicy`). A source that declares ``in_memory = True`` (its reads are a
+gather or a copy from RAM: Synthetic, an IDX file decompressed into memory) is not measured at all:
+its reads always run on the event loop, because a measurement taken on a busy host could send
+them to threads, where each costs the loop more than the read itself. The loader's statistics
+count the reads that went to threads (``thread_items``).
 Given the device's :class:`actors.device.InputSlots` with views (no transform between the loader
 and the device, a source with ``read_into``, device memory the host can map), the loader takes a
 free slot for each batch and reads the batch straight into it: no array of its own, and no copy
@@ -34,6 +38,7 @@ import trio
 from actors.inline import InlineOrThread, InlinePolicy
 from actors.messages import Batch, CheckpointMark, Cursor
 from actors.meter import Meter
+from actors.statistics import ActorStatistics
 from flow.data_plan import StepSchedule
 from loaders import Sampler, SamplerState
 
@@ -174,7 +179,7 @@ class Loader:
 
     Args:
         meter: its ports (no inbox; one outbox per downstream edge).
-        source: an open source (loaders.Source).
+        source: an open source (loaders.Source); one with ``in_memory = True`` is read inline.
         jobs: the stream to produce (see :func:`jobs`).
         workers: reads in flight at once.
         inline: read on the event loop instead of in threads (deterministic tests; no threads).
@@ -200,8 +205,11 @@ class Loader:
         self.workers = max(1, int(workers))
         self.inline = inline
         self.on_device = on_device
-        # Indices cost nothing to "read": never a hop to a thread for them.
-        forced = True if inline or on_device else None
+        # Indices cost nothing to "read", and an in-memory source's gather from RAM costs the loop
+        # less than the hop and the GIL handoffs (reader threads lost on the H100 host though the
+        # gather releases the GIL): never a thread for them (see the module docstring).
+        pinned = inline or on_device or bool(getattr(source, "in_memory", False))
+        forced = True if pinned else None
         self.offload = InlineOrThread(
             self.read, InlinePolicy(forced=forced), trio.CapacityLimiter(self.workers)
         )
@@ -300,5 +308,10 @@ class Loader:
             while window:
                 await self._send(window.popleft())
 
-    def statistics(self):
-        return self.meter.statistics()
+    def statistics(self) -> ActorStatistics:
+        """The meter's counters, with the reads that went to worker threads.
+
+        Returns:
+            A frozen snapshot.
+        """
+        return replace(self.meter.statistics(), thread_items=self.offload.thread_items)

@@ -5,8 +5,9 @@ The random ones draw from ``batch_rng(seed, epoch, position)``, a pure function 
 sits in the run, so a resumed run augments exactly as an uninterrupted one. The work itself is
 :func:`transform_batch` (pure); the actor runs it in a worker thread under its own limiter so the
 event loop stays free, or inline when it has measured it to be cheaper than the hop to a thread
-(:class:`actors.inline.InlinePolicy`). A batch no transform applies to, already float32 and of
-the model's shape, passes through untouched, as does every other message, in order.
+(:class:`actors.inline.InlinePolicy`; its statistics count the batches that went to a thread,
+``thread_items``). A batch no transform applies to, already float32 and of the model's shape,
+passes through untouched, as does every other message, in order.
 
 Ahead of the run's first training batch the actor sends its :class:`actors.messages.InputStatistics`
 (the inputs' range after preprocessing), which the sink reports and checks (:mod:`actors.health`).
@@ -25,6 +26,7 @@ from actors.health import input_statistics
 from actors.inline import InlineOrThread, InlinePolicy
 from actors.messages import Batch
 from actors.meter import Meter
+from actors.statistics import ActorStatistics
 from loaders import apply_transforms, batch_rng
 
 
@@ -141,5 +143,10 @@ class Preprocess:
                     await self.meter.send(stats)
                 await self.meter.send(item)
 
-    def statistics(self):
-        return self.meter.statistics()
+    def statistics(self) -> ActorStatistics:
+        """The meter's counters, with the batches transformed in a worker thread.
+
+        Returns:
+            A frozen snapshot.
+        """
+        return replace(self.meter.statistics(), thread_items=self.offload.thread_items)

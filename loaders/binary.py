@@ -116,6 +116,11 @@ class _ArraySource:
     ) -> None:
         self.path = where
         self._records = records
+        # An array in RAM (a decompressed .gz IDX file) is read by a gather: the loader keeps those
+        # reads on its event loop (see actors.loader). A memory map is not declared in memory:
+        # a record not in the page cache yet is a wait on the disk, and the loader's measurement
+        # (which catches reads that wait) decides for it; once cached its reads measure as cheap.
+        self.in_memory = not isinstance(records, np.memmap)
         self._scale = np.float32(scale)
         self._policy = policy
         self._stats = StatsRecorder()

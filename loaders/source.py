@@ -7,7 +7,9 @@ batch into the caller's arrays (the rows kept first); the loader then reads stra
 device's mapped input slot, with no array in between. In-memory sources offer it, where a read is
 little more than that copy. A source whose whole data is an array may also offer ``stored()``
 (:class:`StoredData`): the samples as stored, so a run can keep them on the device and read a batch
-there by index.
+there by index. A source whose reads are a gather or copy from RAM says so with ``in_memory =
+True``; the loader then runs its reads on the event loop and never in a thread (a hop costs more
+than such a read). A source that decodes, parses or may wait on a disk leaves it out (False).
 :class:`StatsRecorder` is the thread-safe counter behind each source's frozen ``statistics()``.
 """
 

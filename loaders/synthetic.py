@@ -35,6 +35,13 @@ class SyntheticSource:
         classes: number of classes (classification only).
         seed: the data's seed.
         cache_bytes: keep generated samples when the whole dataset fits in this many bytes.
+
+    Attributes:
+        in_memory: True when the samples are kept (the dataset fits ``cache_bytes``): a read is
+            then a gather from RAM, which the loader runs on its event loop, never in a thread
+            (see actors.loader). The first read of each sample generates it; that too holds the
+            GIL for most of its time (a Python loop over samples), so a thread would not free
+            the loop either. False when every read generates.
     """
 
     def __init__(
@@ -73,6 +80,7 @@ class SyntheticSource:
         nbytes = self._n * int(np.prod(self.sample_shape)) * 4
         # np.empty only reserves: pages are committed as samples are first generated.
         self._cache = np.empty((self._n, *self.sample_shape), np.float32) if nbytes <= cache_bytes else None
+        self.in_memory = self._cache is not None
         self._ready = np.zeros(self._n, dtype=bool)
         self._missing = self._n  # samples not generated yet
         self._lock = threading.Lock()  # concurrent loader threads generate each sample once
