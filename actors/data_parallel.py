@@ -13,19 +13,27 @@ A step's device work is one blocking call, made in a worker thread (inline for t
 devices), so the event loop stays free for the loader and the sink; a cancelled run waits for the
 call to finish, so a step is always applied on every member or on none. Evaluation batches are
 sharded the same way and their sums reported once per round; predictions are joined in order.
+
+In an MPI job (``ranks``: actors.collective.Ranks) each rank holds its part of every global batch.
+Before a batch the ranks tell each other their rows, so each member's loss averages over the
+global batch's, and a rank without rows still takes part; the members' gradients are summed in
+the rank, then across the ranks in rank order, with the step's loss and correct rows; every rank
+applies the update. Every ``check_every`` steps and at every checkpoint the ranks compare a digest
+of their weights and stop, naming the ranks, at the first that differ.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import trio
 
 from actors.backend import Backend
+from actors.collective import Ranks
 from actors.device import _PROGRAMS, _EvalSums
 from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
@@ -58,7 +66,10 @@ class DataParallelStatistics(ActorStatistics):
 
 
 def host_all_reduce(
-    sources: Sequence[Backend], targets: Sequence[Backend], tensor: str = "grads:all"
+    sources: Sequence[Backend],
+    targets: Sequence[Backend],
+    tensor: str = "grads:all",
+    across: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Sum ``tensor`` over ``sources`` in their order (a fixed order: the same bits every time) and
     write the sum into every target. Blocking.
@@ -67,6 +78,8 @@ def host_all_reduce(
         sources: the backends whose tensors are summed (at least one).
         targets: the backends that receive the sum.
         tensor: the flat tensor (every member's layout places it alike).
+        across: what turns this process's sum into the one to write (the sum over the ranks of an
+            MPI job), or None.
 
     Returns:
         The sum (a host array).
@@ -74,6 +87,8 @@ def host_all_reduce(
     total = sources[0].read(tensor)  # a fresh host copy: summed into in place
     for backend in sources[1:]:
         total += backend.read(tensor)
+    if across is not None:
+        total = across(total)
     for backend in targets:
         backend.write(tensor, total)
     return total
@@ -119,6 +134,7 @@ class DataParallelActor:
         parallel: the plan's split and update rule.
         start: where the run stands (the first training step's cursor).
         inline: run each step on the event loop (thread-free fake devices).
+        ranks: the other ranks of an MPI job (None: this process trains alone).
     """
 
     def __init__(
@@ -128,13 +144,15 @@ class DataParallelActor:
         parallel: DataParallelPlan,
         start: Cursor | None = None,
         inline: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
         self.meter = meter
         self.engines = list(engines)
         self.parallel = parallel
         self.optimiser = engines[0].plan.optimiser
         self.classifies = isinstance(engines[0].plan.model.loss, CrossEntropy)
-        self.inline = inline
+        self.inline = inline and ranks is None  # a collective never waits on the event loop
+        self.ranks = ranks
         self.limiter = trio.CapacityLimiter(1)
         self.applied = start or Cursor()  # the cursor of the last training batch applied
         self._eval = _EvalSums()
@@ -152,7 +170,7 @@ class DataParallelActor:
                     if message is not None:
                         await self.meter.send(message)
                 elif isinstance(item, CheckpointMark):
-                    state = await self._blocking(self.engines[0].state)
+                    state = await self._blocking(self._checked_state, item.cursor.step)
                     await self.meter.send(Snapshot(item.cursor, state, final=item.final))
                 else:
                     await self.meter.send(item)
@@ -162,16 +180,26 @@ class DataParallelActor:
             return fn(*args)
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
+    def _checked_state(self, step: int) -> dict[str, np.ndarray]:
+        """The leader's state for a checkpoint, once every rank's weights are seen to agree."""
+        state = self.engines[0].state()
+        if self.ranks is not None:
+            self.ranks.check_weights(state["params:all"], step)
+        return state
+
     # -- one batch, blocking ---------------------------------------------------------------------
     def step(self, batch: Batch):
         """Run one batch on every member (blocking); the message to report, or None while an
         evaluation round is still summing."""
         kind = _PROGRAMS[batch.split]
         lr = device_learning_rate(self.optimiser, batch.step) if kind == "train" else 0.0
-        if batch.rows == 0:  # every sample was skipped as bad: the step counts, with no update
-            return self._report(batch, math.nan, 0.0, lr, empty=True)
+        rows = batch.rows
+        if self.ranks is not None and kind != "predict":  # the global batch's rows
+            rows = sum(self.ranks.gather(rows, f"the rows of {batch.split} batch {batch.seq}"))
+        if rows == 0:  # every sample was skipped as bad: the step counts, with no update
+            return self._report(batch, math.nan, 0.0, lr, 0)
         step = batch.step if kind == "train" else None
-        ran = self._run_shards(kind, batch, step)
+        ran = self._run_shards(kind, batch, step, rows)
         if kind == "predict":
             outputs = [self.engines[i].outputs(SLOT, rows) for i, rows in ran]
             return Prediction(batch.seq, batch.tag, batch.last, np.concatenate(outputs))
@@ -179,12 +207,18 @@ class DataParallelActor:
         for i, _ in ran:  # each member's loss is its share of the global mean
             member_loss, member_correct = self.engines[i].loss_and_correct(SLOT)
             loss, correct = loss + member_loss, correct + member_correct
+        sums = (loss, correct)
         if kind == "train":
-            self._all_reduce_and_update([i for i, _ in ran], step)
+            sums = self._all_reduce_and_update([i for i, _ in ran], step, sums)
             self.applied = batch.after()
-        return self._report(batch, loss, correct, lr, empty=False)
+            if self.ranks is not None and self.applied.step % self.ranks.world.check_every == 0:
+                self.ranks.check_weights(self.engines[0].weights(), self.applied.step)
+        elif self.ranks is not None:
+            what = f"the sums of {batch.split} batch {batch.seq}"
+            _, sums = self.ranks.sum_in_rank_order(np.empty(0, np.float32), sums, what)
+        return self._report(batch, *sums, lr, rows)
 
-    def _run_shards(self, kind: str, batch: Batch, step: int | None) -> list[tuple[int, int]]:
+    def _run_shards(self, kind: str, batch: Batch, step: int | None, divisor: int) -> list[tuple[int, int]]:
         """Write each member's shard, submit them all, then wait for them all; (member, rows) of
         those that had rows."""
         ran, tickets = [], []
@@ -196,7 +230,7 @@ class DataParallelActor:
             engine, end = self.engines[i], start + rows
             y = batch.y[start:end] if batch.y is not None and kind != "predict" else None
             engine.write_batch(SLOT, batch.x[start:end], y)
-            tickets.append(engine.submit(kind, SLOT, rows, step, divisor=batch.rows))
+            tickets.append(engine.submit(kind, SLOT, rows, step, divisor=divisor))
             ran.append((i, rows))
             start = end
         for (i, rows), ticket in zip(ran, tickets, strict=True):
@@ -205,31 +239,49 @@ class DataParallelActor:
             self.member_seconds[i] += time.perf_counter() - submitted
         return ran
 
-    def _all_reduce_and_update(self, ran: list[int], step: int | None) -> None:
-        """Sum the gradients of the members that ran, in member order, and apply the update."""
+    def _all_reduce_and_update(
+        self, ran: list[int], step: int | None, sums: tuple[float, float]
+    ) -> tuple[float, float]:
+        """Sum the gradients of the members that ran, in member order (then over the ranks, with
+        the step's ``sums``), and apply the update; the step's sums over the ranks."""
         started = time.perf_counter()
+        if not ran:  # a rank without rows of this batch: it adds nothing, yet takes part
+            leader = self.engines[0]
+            leader.backend.write("grads:all", np.zeros(leader.plan.total_params, np.float32))
+            ran = [0]
         sources = [self.engines[i].backend for i in ran]
+        across = None
+        if self.ranks is not None:
+            ranks = self.ranks
+
+            def across(local: np.ndarray) -> np.ndarray:
+                nonlocal sums
+                total, sums = ranks.sum_in_rank_order(local, sums, f"the gradients of step {step}")
+                return total
+
         if self.parallel.update == "each":
-            host_all_reduce(sources, [engine.backend for engine in self.engines])
+            host_all_reduce(sources, [engine.backend for engine in self.engines], across=across)
             tickets = [engine.submit("apply", SLOT, 1, step) for engine in self.engines]
             for engine, ticket in zip(self.engines, tickets, strict=True):
                 engine.backend.wait(ticket)
         else:
             leader = self.engines[0]
-            host_all_reduce(sources, [leader.backend])
+            host_all_reduce(sources, [leader.backend], across=across)
             leader.backend.wait(leader.submit("apply", SLOT, 1, step))
             weights = leader.weights()
             for engine in self.engines[1:]:
                 engine.set_weights(weights)
         self.reduce_s += time.perf_counter() - started
+        return sums
 
-    def _report(self, batch: Batch, loss: float, correct: float, lr: float, empty: bool):
+    def _report(self, batch: Batch, loss: float, correct: float, lr: float, rows: int):
+        """The message for a batch of ``rows`` (over every rank; 0: every sample skipped)."""
         if batch.split == "train":
-            if empty:
+            if rows == 0:
                 self.applied = batch.after()
-            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, batch.rows, lr)
-        if not empty:
-            self._eval.add(loss, correct, batch.rows)
+            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, rows, lr)
+        if rows:
+            self._eval.add(loss, correct, rows)
         if not batch.last:
             return None
         sums, self._eval = self._eval, _EvalSums()

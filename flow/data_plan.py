@@ -17,7 +17,7 @@ import numpy as np
 from flow.errors import PlanError, Problem, SpecError
 from flow.shapes import infer_shapes
 from flow.spec import Spec
-from loaders.sampler import Sampler
+from loaders.sampler import RankSlices, Sampler
 from loaders.splits import split_indices
 
 SPLITS = ("train", "val", "test")
@@ -203,6 +203,9 @@ class DataPlan:
         seed: the seed of the splits and the shuffles.
         drop_last: whether an epoch's final partial training batch is left out.
         schedule: steps, evaluations and checkpoints.
+        resident: the dataset kept on the device, if any.
+        rank: this process's rank in an MPI job: its samplers give its part of every batch.
+        world: the number of ranks (1 without MPI).
     """
 
     samples: int
@@ -213,10 +216,13 @@ class DataPlan:
     drop_last: bool
     schedule: StepSchedule
     resident: ResidentData | None = None
+    rank: int = 0
+    world: int = 1
 
-    def sampler(self, split: str) -> Sampler | None:
+    def sampler(self, split: str) -> Sampler | RankSlices | None:
         """The sampler of ``split``: training shuffles (when asked) and may drop its last partial
         batch; validation and test keep their order and every sample. None for an empty split.
+        In an MPI job, this rank's part of each (loaders.sampler.RankSlices).
 
         Args:
             split: one of SPLITS.
@@ -228,8 +234,10 @@ class DataPlan:
         if not indices.size:
             return None
         if split == "train":
-            return Sampler(indices, self.batch_size, self.shuffle, self.seed, self.drop_last)
-        return Sampler(indices, self.batch_size, False, self.seed, False)
+            sampler = Sampler(indices, self.batch_size, self.shuffle, self.seed, self.drop_last)
+        else:
+            sampler = Sampler(indices, self.batch_size, False, self.seed, False)
+        return sampler if self.world == 1 else RankSlices(sampler, self.rank, self.world)
 
     def as_dict(self) -> dict:
         """The plan as plain data: sizes and batches (the indices themselves are left out)."""
@@ -321,12 +329,14 @@ def data_problems(
     return problems
 
 
-def plan_data(spec: Spec, header: SourceHeader) -> DataPlan:
+def plan_data(spec: Spec, header: SourceHeader, rank: int = 0, world: int = 1) -> DataPlan:
     """Split, batch and schedule the data of ``spec`` as its source's header describes it.
 
     Args:
         spec: a valid spec.
         header: its source's header.
+        rank: this process's rank in an MPI job.
+        world: the number of ranks (each takes its part of every global batch).
 
     Returns:
         The data plan.
@@ -370,4 +380,6 @@ def plan_data(spec: Spec, header: SourceHeader) -> DataPlan:
         data.seed,
         data.drop_last,
         schedule,
+        rank=rank,
+        world=world,
     )

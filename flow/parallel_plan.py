@@ -13,20 +13,96 @@ same bits). Then every member applies the same update:
 - ``"leader"``: members that differ (an NVIDIA GPU, lavapipe and numpy round differently, e.g.
   fused multiply-adds) would drift apart by ulps, so member 0 applies the update and its weights
   are copied to the others: identical by construction.
+
+Across the ranks of an MPI job (:class:`World`, read from the launcher's environment by
+:func:`world_from_env`), every rank draws the same global batch and takes its contiguous part
+(loaders.sampler.rank_bounds); the plan here is one rank's: its members share the rank's part. The
+gradients are summed in member order within each rank, then in rank order across the ranks
+(actors.collective), and every rank applies the update itself; a digest of the weights compared
+every ``check_every`` steps catches ranks that drift apart (:func:`divergence`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from flow.device_facts import DeviceFacts
+from loaders.sampler import rank_bounds
 
 Update = Literal["each", "leader"]
 # Where the shares came from: equal devices, the spec's shares, throughput measured before the
 # first step, or (a plan made before that measurement) still to be measured.
 Basis = Literal["equal", "spec", "measured", "to measure"]
+# (rank, size) variables of the launchers: Open MPI, MPICH's hydra and Intel MPI (PMI), MVAPICH.
+RANK_VARIABLES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+)
+# Why every 100 steps: a digest costs one read of the weights from the device and one small
+# collective, ~nothing at that rate, and a drift found 100 steps late is still found before the
+# next checkpoint (which is checked as well).
+CHECK_EVERY = 100
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ranks of an MPI job (rank 0 of 1 without one).
+
+    Attributes:
+        rank: this process's rank.
+        size: the number of ranks.
+        check_every: compare the ranks' weights every this many steps (and at every checkpoint).
+        deadline_s: the longest a collective may wait for the other ranks before the job is aborted.
+    """
+
+    rank: int = 0
+    size: int = 1
+    check_every: int = CHECK_EVERY
+    deadline_s: float = 600.0
+
+
+def world_from_env(environ: Mapping[str, str]) -> World:
+    """The MPI world a launcher (``mpiexec``) put this process in, read from its environment only,
+    so a process started without one never loads MPI. ``VKFLOW_CHECK_EVERY`` and
+    ``VKFLOW_MPI_DEADLINE`` (seconds) override the weight check's interval and the deadline.
+
+    Args:
+        environ: the environment (``os.environ``).
+
+    Returns:
+        The world; size 1 when no launcher's variables are set (or it started one process).
+
+    Raises:
+        ValueError: variables that make no sense (a rank outside 0..size-1).
+    """
+    for rank_name, size_name in RANK_VARIABLES:
+        if rank_name in environ and size_name in environ:
+            rank, size = int(environ[rank_name]), int(environ[size_name])
+            if not 0 <= rank < size:
+                raise ValueError(f"{rank_name}={rank} is outside 0..{size_name}-1={size - 1}")
+            return World(
+                rank,
+                size,
+                int(environ.get("VKFLOW_CHECK_EVERY", CHECK_EVERY)),
+                float(environ.get("VKFLOW_MPI_DEADLINE", 600.0)),
+            )
+    return World()
+
+
+def divergence(digests: list[bytes]) -> tuple[int, ...]:
+    """The ranks whose weights' digest differs from rank 0's (empty: all agree).
+
+    Args:
+        digests: every rank's digest, in rank order.
+
+    Returns:
+        Those ranks, in order.
+    """
+    return tuple(rank for rank, digest in enumerate(digests) if digest != digests[0])
 
 
 def split_rows(total: int, weights: tuple[float, ...]) -> tuple[int, ...]:
@@ -73,6 +149,9 @@ class DataParallelPlan:
             where the shares are measured after the programs are recorded.
         basis: where the shares came from.
         update: "each" or "leader".
+        ranks: the ranks of an MPI job that share each global batch (1 without one).
+        rank: this process's rank.
+        global_batch: the rows of a full global batch, over every rank (``batch`` is this rank's).
     """
 
     members: tuple[str, ...]
@@ -82,6 +161,9 @@ class DataParallelPlan:
     capacity: tuple[int, ...]
     basis: Basis
     update: Update
+    ranks: int = 1
+    rank: int = 0
+    global_batch: int = 0
 
     def shard(self, rows: int) -> tuple[int, ...]:
         """The rows each member takes of a batch of ``rows`` (a full batch: ``self.rows``; a
@@ -111,23 +193,36 @@ class DataParallelPlan:
             "capacity": list(self.capacity),
             "basis": self.basis,
             "update": self.update,
+            "ranks": self.ranks,
+            "rank": self.rank,
+            "global_batch": self.global_batch or self.batch,
         }
 
 
 def plan_data_parallel(
-    group: tuple[DeviceFacts, ...], batch: int, shares: tuple[float, ...] | None
+    group: tuple[DeviceFacts, ...], batch: int, shares: tuple[float, ...] | None, world: World | None = None
 ) -> DataParallelPlan:
-    """How ``group`` shares a global batch of ``batch`` rows.
+    """How ``group`` shares a global batch of ``batch`` rows (its rank's part, in an MPI job).
 
     Args:
-        group: the members' facts, in the spec's order (two or more).
+        group: the members' facts, in the spec's order (two or more; one in an MPI job).
         batch: the global batch's rows.
         shares: the spec's ``devices.shares``, or None.
+        world: the ranks of an MPI job, each taking its part of every global batch (None: one).
 
     Returns:
         The plan: equal shares for equal devices, the spec's where given, else shares to be
         measured (every member then records its programs for the whole batch).
     """
+    world = world or World()
+    start, stop = rank_bounds(batch, world.rank, world.size)
+    on_ranks = {"ranks": world.size, "rank": world.rank, "global_batch": batch}
+    return replace(_plan_members(group, stop - start, shares), **on_ranks)
+
+
+def _plan_members(
+    group: tuple[DeviceFacts, ...], batch: int, shares: tuple[float, ...] | None
+) -> DataParallelPlan:
     names = tuple(f.name for f in group)
     update: Update = "each" if same_device(group) else "leader"
     if shares is not None or same_device(group):

@@ -33,7 +33,7 @@ from flow.graph import (
     parameters,
 )
 from flow.optim import optimiser_state_names, update_launch
-from flow.parallel_plan import DataParallelPlan, plan_data_parallel
+from flow.parallel_plan import DataParallelPlan, World, plan_data_parallel
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
 from flow.program import (
     ITEM_BYTES,
@@ -495,6 +495,7 @@ def plan(
     mode: str = "train",
     maps_inputs: bool | None = None,
     tuning: GemmTable | tuple[GemmTable | None, ...] | None = None,
+    world: World | None = None,
 ) -> Plan:
     """Turn a valid spec into the whole run's plan, before any device work.
 
@@ -514,6 +515,9 @@ def plan(
         tuning: the device's measured GEMM tiles (shaders.gemm_tuning.load_table(facts.name)),
             which the programs' launches use where they list the launch's shape; one per device
             where there are several.
+        world: the ranks of an MPI job this process is one of (None: none). A training run over
+            several ranks is data parallel even on one local device: this rank's plan takes its
+            part of every global batch.
 
     Returns:
         The plan.
@@ -526,11 +530,14 @@ def plan(
     if mode not in ("train", "predict"):
         raise ValueError(f"mode must be 'train' or 'predict', got {mode!r}")
     check(spec)
-    if isinstance(facts, tuple) and len(facts) == 1:
+    world = world if world is not None and mode == "train" else World()
+    if world.size > 1 and isinstance(facts, DeviceFacts):
+        facts, tuning = (facts,), tuning if isinstance(tuning, tuple) else (tuning,)
+    if isinstance(facts, tuple) and len(facts) == 1 and world.size == 1:
         facts, tuning = facts[0], tuning[0] if isinstance(tuning, tuple) else tuning
     if isinstance(facts, tuple):
         tables = tuning if isinstance(tuning, tuple) else (tuning,) * len(facts)
-        return _plan_data_parallel(spec, facts, tables, budget, header, mode)
+        return _plan_data_parallel(spec, facts, tables, budget, header, mode, world)
     assert not isinstance(tuning, tuple)
     if facts is not None:
         budget = memory_budget(facts, spec.devices.memory_fraction) if budget is None else budget
@@ -568,14 +575,19 @@ def _plan_data_parallel(
     budget: int | None,
     header: SourceHeader | None,
     mode: str,
+    world: World,
 ) -> Plan:
     """:func:`plan` over several devices: a device plan per member for the rows it takes, each
     with the update apart (``apply``) to run after the all-reduce. Shards are gathered on the host
-    and written into each member's slots, so nothing is read in place or kept on a device."""
+    and written into each member's slots, so nothing is read in place or kept on a device. In an
+    MPI job the members share this rank's part of each global batch."""
     if spec.data.placement == "device" and mode == "train":
         message = "'device' asked for, but data-parallel devices take their shards from the host"
         raise PlanError([Problem("data.placement", message)])
-    parallel = plan_data_parallel(group, spec.data.batch_size, spec.devices.shares)
+    if spec.data.batch_size < world.size:
+        message = f"{spec.data.batch_size} rows cannot be shared by {world.size} ranks: each needs one"
+        raise PlanError([Problem("data.batch_size", message)])
+    parallel = plan_data_parallel(group, spec.data.batch_size, spec.devices.shares, world)
     devices = tuple(
         plan_device(
             spec,
@@ -589,7 +601,7 @@ def _plan_data_parallel(
         )
         for facts, table, capacity in zip(group, tables, parallel.capacity, strict=True)
     )
-    data = plan_data(spec, header) if header is not None and mode == "train" else None
+    data = plan_data(spec, header, world.rank, world.size) if header is not None and mode == "train" else None
     sample_shape = header.sample_shape if header is not None else None
     pipeline = plan_pipeline(spec, mode=mode, sample_shape=sample_shape)
     return Plan(spec=spec, mode=mode, devices=devices, pipeline=pipeline, data=data, parallel=parallel)

@@ -11,12 +11,23 @@ checkpoint). An actor that raises is recorded as an :class:`ActorError` naming i
 KeyboardInterrupt the device is drained and a checkpoint written (:meth:`Runtime.interrupted`).
 Sources and backends opened here are closed by :meth:`Runtime.close`, and the outputs' claims are
 released last. flow.runner runs a Runtime in a nursery and turns what ends it into one error.
+
+Started by an MPI launcher (``mpiexec -n N python -m flow run spec.json``, or ``flow.run`` in each
+rank of an MPI job: flow.parallel_plan.world_from_env), a training run is one rank of a data-parallel
+run: each rank runs this pipeline on its own devices over its part of every global batch, and the
+ranks first agree on the spec and the step they start at (actors.collective). Only rank 0 claims
+and writes the checkpoints, the metrics and the progress line. An error on any rank aborts the
+whole job (MPI_Abort) once it is printed: the other ranks would otherwise wait at their next
+collective until its deadline.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -30,6 +41,7 @@ from actors import checkpoint as checkpoints
 from actors import cpu_ops, device_select
 from actors import optimiser as optim
 from actors.backend import Backend
+from actors.collective import Ranks, RanksError
 from actors.data_parallel import DataParallelActor, measure_throughput
 from actors.device import DeviceActor, InputSlots
 from actors.engine import Engine
@@ -45,6 +57,7 @@ from actors.statistics import ActorStatistics
 from flow.data_plan import header_of
 from flow.device_facts import DeviceFacts
 from flow.optim import describe_optimiser
+from flow.parallel_plan import World, world_from_env
 from flow.pipeline_plan import ActorPlan
 from flow.planning import Plan, plan
 from flow.spec import Devices, Spec
@@ -148,22 +161,27 @@ def selected_facts(devices: Devices) -> DeviceFacts:
     return selected_group(devices)[0]
 
 
-def plan_on(spec: Spec, facts: DeviceFacts | tuple[DeviceFacts, ...], **options: Any) -> Plan:
+def plan_on(
+    spec: Spec, facts: DeviceFacts | tuple[DeviceFacts, ...], world: World | None = None, **options: Any
+) -> Plan:
     """The run's plan on the device(s) with ``facts``, with each device's measured GEMM tiles (the
     tables are read here, the effect; the planner only chooses from them).
 
     Args:
         spec: the spec.
         facts: the device's facts, or every member's (data parallel).
+        world: this process's MPI world; default: the launcher's environment's (so ``mpiexec -n 2
+            python -m flow plan`` shows each rank's plan).
         **options: the rest of flow.planning.plan's keywords (header, mode, maps_inputs, budget).
 
     Returns:
         The plan.
     """
+    world = world_from_env(os.environ) if world is None else world
     if isinstance(facts, tuple):
         tuning = tuple(gemm_tuning.load_table(f.name) for f in facts)
-        return plan(spec, facts=facts, tuning=tuning, **options)
-    return plan(spec, facts=facts, tuning=gemm_tuning.load_table(facts.name), **options)
+        return plan(spec, facts=facts, tuning=tuning, world=world, **options)
+    return plan(spec, facts=facts, tuning=gemm_tuning.load_table(facts.name), world=world, **options)
 
 
 def start_engine(
@@ -269,6 +287,15 @@ class Runtime:
         self.run_id = saved.run if saved is not None else checkpoints.new_run_id()
         self.outputs: Outputs | None = None
         self.stored = None  # the source's whole data where the plan keeps it on the device
+        # One rank of an MPI job (flow.parallel_plan.World); only training runs across ranks.
+        self.world = world_from_env(os.environ) if mode == "train" else World()
+        self.ranks: Ranks | None = None
+        self.done = False  # the run finished and its result was taken
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the run's outputs: rank 0 of an MPI job, or the only one."""
+        return self.world.rank == 0
 
     async def _blocking(self, fn, *args):
         """Setup work that may take a while (device creation, recording, opening a source): in a
@@ -288,7 +315,15 @@ class Runtime:
         if self.mode == "train":
             # Another run's checkpoints or metrics, or a live run writing them: refused at once.
             start = self.saved.cursor.step if self.saved is not None else None
-            self.outputs = open_outputs(self.run_id, spec.run.checkpoint_dir, spec.run.metrics_file, start)
+            if self.world.size > 1:  # first: from here on, a failure on this rank aborts them all
+                self.ranks = await trio.to_thread.run_sync(Ranks, self.world)
+            if self.writes:
+                paths = (spec.run.checkpoint_dir, spec.run.metrics_file)
+                self.outputs = open_outputs(self.run_id, *paths, start)
+            if self.ranks is not None:
+                agreed = (hashlib.sha256(repr(spec).encode()).hexdigest(), start or 0)
+                what = "the spec (its digest) and the step they start at"
+                await trio.to_thread.run_sync(self.ranks.agree, agreed, what)
             from loaders import open_source
 
             self.source = await self._blocking(open_source, spec.data.source)
@@ -300,7 +335,7 @@ class Runtime:
             group = await trio.to_thread.run_sync(selected_group, spec.devices)
             facts = group if len(group) > 1 else group[0]
             maps_inputs = None  # as the plan assumes for the facts' kind
-        self.plan = plan_on(spec, facts, header=header, mode=self.mode, maps_inputs=maps_inputs)
+        self.plan = plan_on(spec, facts, self.world, header=header, mode=self.mode, maps_inputs=maps_inputs)
         if self.backend is None:
             for member in facts if isinstance(facts, tuple) else (facts,):
                 fraction = spec.devices.memory_fraction
@@ -408,7 +443,7 @@ class Runtime:
             )
         if actor.kind == "device" and self.plan.parallel is not None:
             self.device = DataParallelActor(
-                meter, self.member_engines, self.plan.parallel, self.start_cursor, inline=self.inline
+                meter, self.member_engines, self.plan.parallel, self.start_cursor, self.inline, self.ranks
             )
             return self.device
         if actor.kind == "device":
@@ -419,6 +454,7 @@ class Runtime:
         if actor.kind == "optimiser" and self.mode == "train":
             return OptimiserActor(meter, spec.optimiser, self.start_cursor.step)
         if actor.kind == "sink":
+            writes = self.mode == "train" and self.writes
             self.sink = Sink(
                 meter,
                 spec,
@@ -426,9 +462,9 @@ class Runtime:
                 self.start_cursor.step,
                 self.statistics,
                 describe_optimiser(spec.optimiser, self.engine.plan.state_names),
-                spec.run.checkpoint_dir if self.mode == "train" else None,
-                spec.run.metrics_file if self.mode == "train" else None,
-                self.progress if self.mode == "train" else Progress(enabled=False),
+                spec.run.checkpoint_dir if writes else None,
+                spec.run.metrics_file if writes else None,
+                self.progress if writes else Progress(enabled=False),
                 keep=spec.run.keep_checkpoints,
                 run=self.run_id,
                 inline=self.inline,
@@ -469,7 +505,7 @@ class Runtime:
     def interrupted(self) -> Path | None:
         """After a KeyboardInterrupt: drain the device and write a checkpoint (blocking)."""
         directory = self.spec.run.checkpoint_dir
-        if self.mode != "train" or self.device is None or directory is None:
+        if self.mode != "train" or self.device is None or directory is None or not self.writes:
             return None
         snapshot = self.device.snapshot_now()
         describe = describe_optimiser(self.spec.optimiser, self.engine.plan.state_names)
@@ -491,6 +527,7 @@ class Runtime:
         accuracy = vals[-1].accuracy if vals and math.isfinite(vals[-1].accuracy) else None
         test = next((e for e in reversed(evals) if e.split == "test"), None)
         skipped, examples = self.skipped()
+        self.done = True
         return RunResult(
             steps=steps,
             epochs=epochs,
@@ -520,6 +557,8 @@ class Runtime:
 
     def close(self) -> None:
         try:
+            if self.ranks is not None and not self.done:
+                self._stop_job()
             if self.source is not None:
                 self.source.close()
                 self.source = None
@@ -532,6 +571,19 @@ class Runtime:
             if self.outputs is not None:
                 self.outputs.close()
                 self.outputs = None
+
+
+    def _stop_job(self) -> None:
+        """This rank failed or was interrupted: unless every rank found the same error, say so and
+        stop every rank (see the module docstring). The outputs' claims need no release: their
+        locks die with the process."""
+        error = self.failure or sys.exc_info()[1]  # close() runs in a finally: the error in flight
+        cause = error.error if isinstance(error, ActorError) else error
+        if isinstance(cause, RanksError) and cause.everywhere:
+            return
+        failure = f": {type(error).__name__}: {error}" if error is not None else ""
+        self.ranks.abort(f"vkflow: rank {self.world.rank} of {self.world.size} stopped before the end"
+                         f"{failure}; aborting the MPI job")  # fmt: skip
 
 
 def error_leaves(error: BaseException) -> list[BaseException]:

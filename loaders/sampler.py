@@ -10,6 +10,11 @@ Sharding: each epoch's permutation is cut to a multiple of ``world`` and rank ``
 permutation sit this epoch out, so every rank sees the same number of samples and batches (no rank
 waits at a collective for a batch another lacks) and no sample is duplicated. With shuffling the
 left-out tail differs each epoch; without it the same last samples are always left out.
+
+:class:`RankSlices` shards the other way, as a data-parallel run over the ranks of an MPI job needs:
+every rank draws the same global batches and takes its contiguous part of each
+(:func:`rank_bounds`), so N ranks train on exactly the batches one process would, at the same
+global batch size, and no sample sits out.
 """
 
 from __future__ import annotations
@@ -128,3 +133,57 @@ class Sampler:
         for pos in range(state.position, total):
             batch = shard[pos * self.batch_size : (pos + 1) * self.batch_size]
             yield SamplerState(state.epoch, pos + 1), batch
+
+
+def rank_bounds(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous part of a batch of ``rows``: equal parts, one more row for each
+    of the first ``rows % world`` ranks (flow.parallel_plan.split_rows with equal weights).
+
+    Args:
+        rows: the global batch's rows.
+        rank: this rank.
+        world: the number of ranks.
+
+    Returns:
+        (start, stop) of this rank's rows; empty when there are fewer rows than ranks.
+    """
+    base, extra = divmod(rows, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class RankSlices:
+    """One rank's part of every batch of a global sampler (see the module docstring): the same
+    epochs, batch positions and resumable states, fewer rows.
+
+    Args:
+        sampler: the global sampler (every rank builds the same one).
+        rank: this rank.
+        world: the number of ranks.
+    """
+
+    def __init__(self, sampler: Sampler, rank: int, world: int) -> None:
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
+        self.sampler, self.rank, self.world = sampler, rank, world
+
+    def batches_per_epoch(self) -> int:
+        """Global batches per epoch: the same on every rank.
+
+        Returns:
+            The count.
+        """
+        return self.sampler.batches_per_epoch()
+
+    def batches(self, state: SamplerState) -> Iterator[tuple[SamplerState, np.ndarray]]:
+        """As :meth:`Sampler.batches`, each batch cut to this rank's part.
+
+        Args:
+            state: where to start.
+
+        Yields:
+            (the state after this batch, this rank's sample indices of it).
+        """
+        for after, batch in self.sampler.batches(state):
+            start, stop = rank_bounds(len(batch), self.rank, self.world)
+            yield after, batch[start:stop]

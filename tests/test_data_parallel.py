@@ -5,6 +5,7 @@ member, exact resume, the CLI example, and a failing member stopping the run."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -205,7 +206,10 @@ def test_the_data_parallel_example_trains_from_the_cli(tmp_path, vulkan_backend)
     assert accuracy >= 0.95, done.stdout
     plan_text = subprocess.run([sys.executable, "-m", "flow", "plan", str(example)], capture_output=True,
                                text=True, cwd=tmp_path, check=True).stdout  # fmt: skip
-    assert "data parallel over 2 devices" in plan_text and "cpu (numpy)" in plan_text
+    command = [sys.executable, "-m", "flow", "devices", "--json"]
+    devices = subprocess.run(command, capture_output=True, text=True, check=True)
+    listed = json.loads(devices.stdout)["devices"]
+    assert f"data parallel over {len(listed)} devices" in plan_text and "cpu (numpy)" in plan_text
 
 
 def test_a_member_over_its_memory_budget_is_refused_naming_it(vulkan_backend):

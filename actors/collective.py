@@ -1,0 +1,253 @@
+"""The other ranks of an MPI job, as a data-parallel run needs them: the sum of every rank's
+gradients (and step sums: loss, correct rows), an agreement check, and a digest of the weights
+compared across ranks (flow.parallel_plan describes the run; actors.data_parallel calls these).
+
+Why one thread: every MPI call runs on one dedicated OS thread (:class:`MpiThread`), started on
+first use. It imports mpi4py, which initialises MPI, and finalises MPI at exit, since MPI wants
+both on the same thread. Callers (the device actor's worker thread, the runtime's setup) hand it a
+function and wait on a Future, so the trio event loop never blocks on another rank, and MPI sees
+a single thread however many trio workers come and go. mpi4py is imported only here, only when a
+launcher started several ranks (flow.parallel_plan.world_from_env), so a single-process run never
+loads it.
+
+Why gather then sum, not ``MPI.SUM``: MPI leaves the order of a reduction to the implementation
+(its algorithm, message sizes, topology), so a float sum may change with the rank count or the
+library. Every rank gathers every rank's partial sum (Allgather) and adds them in rank order: each
+rank computes the same bits, and they are the bits of one process whose members sum in that order
+(one member per rank: ``mpiexec -n 2`` on ``"cpu"`` trains bit for bit as one process on
+``["cpu", "cpu"]``). The cost: each rank receives (ranks - 1) times the gradient's bytes, where a
+ring all-reduce moves about twice them; fine for a few ranks at the sizes vkflow trains.
+
+Why a deadline: a rank that hangs or died leaves the others waiting in their next collective for
+ever. A collective unanswered within ``World.deadline_s`` prints which rank gave up and aborts the
+whole job (``MPI_Abort``, legal from any thread: mpi4py asks for MPI_THREAD_MULTIPLE).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from flow.parallel_plan import World, divergence
+
+ABORT_CODE = 3  # the exit status of every rank of a job aborted by vkflow
+# Why wait before aborting: the launcher forwards a rank's stderr through its proxies, and an abort
+# that tears the job down at once loses the line that says why (seen with MPICH's hydra).
+FORWARD_S = 1.0
+
+
+class RanksError(RuntimeError):
+    """The ranks disagree (a different spec or start, weights that drifted apart) or stopped
+    answering; the message names the ranks.
+
+    Attributes:
+        everywhere: every rank found it (a comparison all of them made), so each stops on its own
+            and none needs to abort the job.
+    """
+
+    def __init__(self, message: str, everywhere: bool = True) -> None:
+        super().__init__(message)
+        self.everywhere = everywhere
+
+
+class MpiThread:
+    """One OS thread that makes every MPI call of the process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="vkflow mpi", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, future = job
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # handed to the caller, who raises it
+                future.set_exception(error)
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """Run ``fn(*args)`` on the MPI thread and wait for it (blocking).
+
+        Args:
+            fn: the function.
+            *args: its arguments.
+            timeout: seconds to wait at most (None: for ever).
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            TimeoutError: no answer within ``timeout`` (the call goes on on the MPI thread).
+        """
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future.result(timeout)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+
+_thread: MpiThread | None = None
+_MPI: Any = None  # mpi4py's MPI module, once the thread has imported it
+_guard = threading.Lock()
+
+
+def _initialise():
+    import mpi4py
+
+    mpi4py.rc.finalize = False  # on this thread, at exit: _finalise
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _finalise() -> None:
+    if _thread is None:
+        return
+    try:
+        _thread.call(lambda: _MPI.Is_finalized() or _MPI.Finalize(), timeout=30)
+    finally:
+        _thread.stop()
+
+
+def mpi_thread() -> MpiThread:
+    """The process's MPI thread, started (and MPI initialised on it) on the first call.
+
+    Returns:
+        The thread.
+    """
+    global _thread, _MPI
+    with _guard:
+        if _thread is None:
+            thread = MpiThread()
+            _MPI = thread.call(_initialise)
+            _thread = thread
+            atexit.register(_finalise)
+        return _thread
+
+
+class Ranks:
+    """This rank's link to the others (blocking calls; each runs on the MPI thread).
+
+    Args:
+        world: where this process stands, as the launcher's environment says.
+        thread: the MPI thread (default: the process's).
+
+    Raises:
+        RanksError: MPI's rank and size are not the environment's.
+    """
+
+    def __init__(self, world: World, thread: MpiThread | None = None) -> None:
+        self.world = world
+        self.thread = thread or mpi_thread()
+        self.comm = self.thread.call(lambda: _MPI.COMM_WORLD)
+        found = (self.thread.call(self.comm.Get_rank), self.thread.call(self.comm.Get_size))
+        if found != (world.rank, world.size):
+            raise RanksError(f"MPI says rank {found[0]} of {found[1]}, the launcher's environment "
+                             f"rank {world.rank} of {world.size}")  # fmt: skip
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return self.thread.call(fn, *args, timeout=self.world.deadline_s)
+        except TimeoutError:
+            message = (
+                f"vkflow: rank {self.rank}: the other ranks did not answer within "
+                f"{self.world.deadline_s:g} s ({what}); aborting the MPI job"
+            )
+            self.abort(message)
+            raise RanksError(message, everywhere=False) from None
+
+    def abort(self, message: str, code: int = ABORT_CODE) -> None:
+        """Print ``message``, then stop every rank of the job (MPI_Abort), from any thread."""
+        print(message, file=sys.stderr, flush=True)
+        time.sleep(FORWARD_S)
+        self.comm.Abort(code)
+
+    def gather(self, value: Any, what: str) -> list:
+        """Every rank's ``value`` (small, picklable), in rank order.
+
+        Args:
+            value: this rank's.
+            what: what is gathered, for the error should the others not answer.
+
+        Returns:
+            The values.
+        """
+        return self._call(what, self.comm.allgather, value)
+
+    def agree(self, value: Any, what: str) -> None:
+        """Check that every rank holds the same ``value``.
+
+        Raises:
+            RanksError: naming the ranks whose value differs from rank 0's, and the values.
+        """
+        values = self.gather(value, what)
+        differ = [rank for rank, other in enumerate(values) if other != values[0]]
+        if differ:
+            raise RanksError(f"ranks {differ} differ from rank 0 in {what}: {values[differ[0]]!r} against "
+                             f"{values[0]!r}")  # fmt: skip
+
+    def sum_in_rank_order(
+        self, grads: np.ndarray, sums: tuple[float, ...], what: str
+    ) -> tuple[np.ndarray, tuple[float, ...]]:
+        """Every rank's ``grads`` (float32) and ``sums`` (float64) added in rank order (see the
+        module docstring), in one Allgather.
+
+        Args:
+            grads: this rank's partial sum (any length, the same on every rank; may be empty).
+            sums: this rank's step sums (loss, correct rows, ...).
+            what: the step, for the error should the others not answer.
+
+        Returns:
+            (the gradients' sum, the sums' sums), the same bits on every rank.
+        """
+        head = np.asarray(sums, np.float64).view(np.uint8)
+        packed = np.concatenate([head, np.ascontiguousarray(grads, np.float32).view(np.uint8)])
+        gathered = np.empty((self.world.size, packed.size), np.uint8)
+        self._call(what, self.comm.Allgather, packed, gathered)
+        parts = [(row[: head.size].view(np.float64), row[head.size :].view(np.float32)) for row in gathered]
+        total = parts[0][1].copy()
+        for _, rank_grads in parts[1:]:
+            total += rank_grads
+        totals = [0.0] * len(sums)
+        for rank_sums, _ in parts:
+            totals = [t + float(s) for t, s in zip(totals, rank_sums, strict=True)]
+        return total, tuple(totals)
+
+    def check_weights(self, weights: np.ndarray, step: int) -> None:
+        """Compare a digest of this rank's weights with every other rank's.
+
+        Args:
+            weights: the flat parameters.
+            step: the training steps done, for the message.
+
+        Raises:
+            RanksError: naming the ranks whose weights differ from rank 0's.
+        """
+        digest = hashlib.sha256(np.ascontiguousarray(weights).tobytes()).digest()
+        digests = self.gather(digest, f"the weights' digest after step {step}")
+        differ = divergence(digests)
+        if differ:
+            raise RanksError(
+                f"the weights of rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "
+                f"differ from rank 0's after step {step}: the ranks no longer train one model "
+                "(devices that round differently, or a rank that missed an update)"
+            )
