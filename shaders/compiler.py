@@ -9,6 +9,10 @@ Some headers are generated from Python rather than written by hand: ``op_codes.g
 registry's op codes (registry.OP_CODES), so a code has one source. They are written into a
 temporary include directory for each compile and hashed like any included file, so changing a
 code in the registry recompiles every shader that includes them.
+
+``compile_all`` fills the cache for many variants at once, running a compiler per core: the
+Vulkan backend hands it every shader of a program before recording it, so an empty cache costs a
+few compiles side by side rather than one after another as each pipeline is made.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -162,6 +169,52 @@ def preprocess(name: str, defines: dict[str, str] | None = None) -> str:
     return result.stdout
 
 
+Variant = tuple[str, tuple[tuple[str, str], ...]]
+"""One compiled form of a shader: its file name and its defines as sorted (name, value) pairs."""
+
+
+def variant(name: str, defines: dict[str, str] | None = None) -> Variant:
+    """The variant ``compile_shader(name, defines)`` compiles, hashable and in canonical order."""
+    return name, tuple(sorted((defines or {}).items()))
+
+
+def _cache_target(name: str, defines: dict[str, str], generated: dict[str, str]) -> Path:
+    """Where the SPIR-V of ``name`` with ``defines`` is cached (it may not exist yet).
+
+    Raises:
+        ShaderCompileError: when there is no such shader file.
+    """
+    path = SHADER_DIR / name
+    if not path.exists():
+        raise ShaderCompileError(f"no shader file {path}")
+    key = hashlib.sha256()
+    key.update(_source_with_includes(path, generated))
+    key.update(repr(defines).encode())
+    key.update(compiler_version().encode())
+    return cache_dir("spirv", f"{path.stem}-{key.hexdigest()[:32]}.spv")
+
+
+def _compile_into(name: str, defines: dict[str, str], generated: dict[str, str], target: Path) -> None:
+    """Run the compiler on ``name`` and put its SPIR-V at ``target``.
+
+    Raises:
+        ShaderCompileError: with the compiler's output when the shader does not compile.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The compiler writes a name of this process and thread, renamed when complete: neither a
+    # concurrent compile of the same variant (another thread or process) nor an interrupted one
+    # ever leaves a half file at ``target``.
+    partial = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_native_id()}.tmp")
+    try:
+        flags = ["-V", "--target-env", "vulkan1.2", "-S", "comp", "-o", str(partial)]
+        result = _run_compiler(SHADER_DIR / name, flags, defines, generated)
+        if result.returncode != 0 or not partial.exists():
+            raise ShaderCompileError(f"{name} failed to compile:\n{result.stdout}{result.stderr}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def compile_shader(name: str, defines: dict[str, str] | None = None) -> bytes:
     """SPIR-V for ``shaders/<name>``, compiled once and cached by content hash.
 
@@ -175,28 +228,51 @@ def compile_shader(name: str, defines: dict[str, str] | None = None) -> bytes:
     Raises:
         ShaderCompileError: with the compiler's output when the shader does not compile.
     """
-    path = SHADER_DIR / name
-    if not path.exists():
-        raise ShaderCompileError(f"no shader file {path}")
-    defines = dict(sorted((defines or {}).items()))
+    defines = dict(variant(name, defines)[1])
     generated = generated_headers()
-    key = hashlib.sha256()
-    key.update(_source_with_includes(path, generated))
-    key.update(repr(defines).encode())
-    key.update(compiler_version().encode())
-    digest = key.hexdigest()[:32]
-    target = cache_dir("spirv", f"{path.stem}-{digest}.spv")
-    if target.exists():
-        return target.read_bytes()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        spirv = Path(tmp) / "out.spv"
-        flags = ["-V", "--target-env", "vulkan1.2", "-S", "comp", "-o", str(spirv)]
-        result = _run_compiler(path, flags, defines, generated)
-        if result.returncode != 0 or not spirv.exists():
-            raise ShaderCompileError(f"{name} failed to compile:\n{result.stdout}{result.stderr}")
-        # Write then rename, so a concurrent or interrupted compile never leaves a half file.
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_bytes(spirv.read_bytes())
-        os.replace(partial, target)
+    target = _cache_target(name, defines, generated)
+    if not target.exists():
+        _compile_into(name, defines, generated, target)
     return target.read_bytes()
+
+
+def compile_all(variants: Iterable[Variant], workers: int | None = None) -> list[Variant]:
+    """Fill the SPIR-V cache with every variant not in it yet, compiling them concurrently.
+
+    A cold start otherwise compiles each shader when its first pipeline is made, one after the
+    other; each compile is a glslangValidator process, so threads (which only wait on it) run as
+    many at once as there are cores. Afterwards compile_shader finds every variant cached.
+
+    Args:
+        variants: what to compile, from ``variant`` (repeats are compiled once).
+        workers: most compiles at once (default: the usable cores).
+
+    Returns:
+        The variants that were compiled (the cache misses), in the order given.
+
+    Raises:
+        ShaderCompileError: naming every variant that failed, after all compiles have ended.
+    """
+    generated = generated_headers()
+    targets = {v: _cache_target(v[0], dict(v[1]), generated) for v in dict.fromkeys(variants)}
+    missing = [v for v, target in targets.items() if not target.exists()]
+    if not missing:
+        return []
+    count = min(len(missing), workers or _usable_cores())
+    with ThreadPoolExecutor(count, thread_name_prefix="vkflow-glslang") as pool:
+        jobs = {v: pool.submit(_compile_into, v[0], dict(v[1]), generated, targets[v]) for v in missing}
+    errors = [job.exception() for job in jobs.values() if job.exception() is not None]
+    for error in errors:
+        if not isinstance(error, ShaderCompileError):
+            raise error  # not the shader's fault (a cache that cannot be written): as it is
+    if errors:
+        raise ShaderCompileError("\n".join(str(error) for error in errors))
+    return missing
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on every platform
+        return os.cpu_count() or 1

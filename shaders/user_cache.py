@@ -10,6 +10,7 @@ would load every source, numpy and Pillow just to compile a kernel (tests/test_l
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
@@ -29,3 +30,24 @@ def cache_dir(*parts: str) -> Path:
         return Path(root, *parts)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base, "vkflow", *parts)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a file of this process and thread renamed over it, so a
+    reader (another run, another thread) sees the old file or the new one, never a half-written
+    one, and a write interrupted half way leaves the old file as it was.
+
+    Args:
+        path: the file; its directory is created if missing.
+        data: the whole content.
+
+    Raises:
+        OSError: when the directory or the file cannot be written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_native_id()}.tmp")
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

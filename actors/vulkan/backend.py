@@ -57,7 +57,7 @@ class VulkanBackend(Queues):
         self.memory = DeviceMemory(
             self.device, facts, self.budget, block_bytes, (self.queue_family, self.upload_family)
         )
-        self.pipelines = Pipelines(self.device)
+        self.pipelines = Pipelines(self.device, physical)  # physical: the pipeline cache's identity
         self._uploads = Uploads(self, self.memory)
         self._timestamps = Timestamps(self)
         # For hand-made programs (planned ones carry their constants): resolve launches for this

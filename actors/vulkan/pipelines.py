@@ -5,13 +5,20 @@ Building a pipeline compiles SPIR-V into machine code in the driver (millisecond
 made once per op and specialisation and cached for the backend's life; shader modules and set
 layouts (one per binding count) are shared between them. Descriptor sets come from pools that
 grow as programs are recorded and are freed with the layout, whose buffers they point at.
+
+Between runs, two caches spare the compiling: the SPIR-V cache (``shaders.compiler``), which
+``compile_shaders`` fills for a whole program at once and in parallel before it is recorded, and
+the driver's pipeline cache, kept on disk per device (``pipeline_cache``), loaded when the
+backend opens and written back on ``close`` when this run built pipelines.
 """
 
 from __future__ import annotations
 
-from actors.vulkan import library
+from collections.abc import Iterable
+
+from actors.vulkan import library, pipeline_cache
 from actors.vulkan.library import check
-from shaders.compiler import compile_shader
+from shaders.compiler import Variant, compile_all, compile_shader
 from shaders.registry import OpDef
 
 # Assigned, not imported by name: see library's docstring (3.11 method calls).
@@ -19,14 +26,33 @@ ffi, lib, vk = library.ffi, library.lib, library.vk
 
 
 class Pipelines:
-    """The pipelines, shader modules, set layouts and descriptor pools of one VkDevice."""
+    """The pipelines, shader modules, set layouts and descriptor pools of one VkDevice.
 
-    def __init__(self, device) -> None:
+    Args:
+        device: the VkDevice.
+        physical: its VkPhysicalDevice, to keep the driver's pipeline cache on disk; None keeps
+            none (every pipeline is compiled afresh).
+    """
+
+    def __init__(self, device, physical=None) -> None:
         self.device = device
+        self._cache = ffi.NULL
+        self._cache_path = None
+        if physical is not None:
+            self._open_cache(physical)
+        self._built = False  # a pipeline was built since the cache was loaded: close saves it
         self._pipelines: dict[tuple, tuple[object, object, dict[str, int]]] = {}
         self._modules: dict[tuple, object] = {}
         self._set_layouts: dict[int, object] = {}
         self._descriptor_pools: list[object] = []
+
+    def _open_cache(self, physical) -> None:
+        identity = pipeline_cache.identity_of(physical)
+        # Decided now, not at close: the cache goes back where it came from even if the
+        # environment (VKFLOW_CACHE) has changed since.
+        self._cache_path = pipeline_cache.cache_path(identity)
+        seed = pipeline_cache.initial_data(self._cache_path, identity)
+        self._cache = pipeline_cache.open_cache(self.device, seed)
 
     def set_layout(self, bindings: int):
         """The VkDescriptorSetLayout of ``bindings`` storage buffers (bindings 0..n-1)."""
@@ -58,6 +84,15 @@ class Pipelines:
             )
             self._set_layouts[bindings] = handle[0]
         return self._set_layouts[bindings]
+
+    def compile_shaders(self, variants: Iterable[Variant]) -> list[Variant]:
+        """Compile the shader variants that have no module yet into the SPIR-V cache, in parallel,
+        so the modules made while recording only read the cache.
+
+        Returns:
+            The variants that were compiled (not found in the cache).
+        """
+        return compile_all(v for v in variants if v not in self._modules)
 
     def _module(self, shader: str, defines: tuple[tuple[str, str], ...]):
         key = (shader, defines)
@@ -157,10 +192,11 @@ class Pipelines:
         )
         handle = ffi.new("VkPipeline*")
         check(
-            lib.vkCreateComputePipelines(self.device, ffi.NULL, 1, info, ffi.NULL, handle),
+            lib.vkCreateComputePipelines(self.device, self._cache, 1, info, ffi.NULL, handle),
             f"vkCreateComputePipelines({definition.name})",
         )
         self._pipelines[key] = (handle[0], layout_handle[0], spec)
+        self._built = True
         return self._pipelines[key]
 
     def descriptor_set(self, bindings: int):
@@ -208,7 +244,13 @@ class Pipelines:
         self._descriptor_pools = []
 
     def close(self) -> None:
-        """Destroy the pipelines, their layouts, the shader modules and the set layouts."""
+        """Write the pipeline cache back if this run added to it, then destroy it, the pipelines,
+        their layouts, the shader modules and the set layouts."""
+        if self._cache != ffi.NULL:
+            if self._built:
+                pipeline_cache.save_cache(self.device, self._cache, self._cache_path)
+            lib.vkDestroyPipelineCache(self.device, self._cache, ffi.NULL)
+            self._cache = ffi.NULL
         for pipeline, layout, _ in self._pipelines.values():
             lib.vkDestroyPipeline(self.device, pipeline, ffi.NULL)
             lib.vkDestroyPipelineLayout(self.device, layout, ffi.NULL)

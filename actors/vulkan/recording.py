@@ -5,6 +5,10 @@ program is recorded once per slot and replayed for every step: its pipelines, de
 (pointing at that slot's arenas), push constants, group counts and barriers are all fixed here,
 and the step's changing values reach the shaders through host-visible tensors. The result is a
 ``Recorded`` whose submit infos the queues reuse on every submit.
+
+Before the first launch is recorded, every shader the program needs is compiled at once and in
+parallel (``shader_variants`` decides which, ``Pipelines.compile_shaders`` compiles), so a cold
+start does not compile them one by one as their pipelines are made.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from actors.vulkan import library
 from actors.vulkan.library import check
 from actors.vulkan.queues import Recorded
 from flow.program import Barrier, Program
+from shaders.compiler import Variant, variant
 from shaders.registry import op as op_def
 from shaders.registry import resolve
 from shaders.tiles import GemmTable
@@ -69,6 +74,16 @@ def compute_barrier(command) -> None:
     )
 
 
+def shader_variants(program: Program) -> list[Variant]:
+    """Every shader variant ``program``'s launches are built from, each once, in first-use order.
+
+    Raises:
+        KeyError: a launch of an op the registry does not know.
+    """
+    # Pipelines are built with no defines (variants differ by specialisation constants instead).
+    return list(dict.fromkeys(variant(op_def(launch.op).shader) for launch in program.launches))
+
+
 def record_program(
     queues: Queues,
     memory: DeviceMemory,
@@ -105,6 +120,7 @@ def record_program(
     layout = memory.layout
     assert layout is not None, "open_layout first"
     facts = queues.facts
+    pipelines.compile_shaders(shader_variants(program))
     handles = queues.allocate_command_buffer()
     command = handles[0]
     begin = ffi.new("VkCommandBufferBeginInfo*", {"sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO})
