@@ -7,9 +7,10 @@ a. all-reduce: ``actors.data_parallel.host_all_reduce`` of a float32 tensor of 4
    the same buffer on member 0. GB/s = the buffer's bytes / seconds (algorithm bandwidth); median
    and range over ``--reps``.
 b. training: ``flow.run`` end to end on the Fashion-MNIST MLP (784-1024-1024-10, SGD momentum 0.9,
-   batch 256) over a Synthetic set of 60000 rows, on member 0 alone and on every member together.
-   samples/s of the steady epochs: (wall(E epochs) - wall(1 epoch)) / (E - 1) epochs, so setup and
-   the first epoch's warm-up are left out; median and range over ``--reps``.
+   batch 256 and 1024) over a Synthetic set (``VKFLOW_BENCH_SAMPLES``, default 60000 rows), on member 0 alone
+   and on every member together. samples/s of the steady epochs 2..E (E = 3), each epoch's time
+   from the metrics file's step lines (bench_realworld.epochs_from_metrics), so setup and the first
+   epoch's warm-up are left out; median and range over ``--reps``.
 
 ``--members``: the devices, as ``Devices.select`` takes them (default "all": every Vulkan device and
 the CPU backend); ``--quick``: small sizes, a smoke run on lavapipe.
@@ -17,7 +18,9 @@ the CPU backend); ``--quick``: small sizes, a smoke run on lavapipe.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
+from bench_realworld import epochs_from_metrics  # noqa: E402
 
 import flow  # noqa: E402
 from actors import device_select  # noqa: E402
@@ -82,7 +86,7 @@ def all_reduce(rep: common.Reporter, choices, sizes_mb, reps: int) -> None:
             backend.close()
 
 
-def mlp_spec(select, samples: int, epochs: int, batch: int) -> Spec:
+def mlp_spec(select, samples: int, epochs: int, batch: int, metrics: Path) -> Spec:
     return Spec(
         model=Model(input_shape=(784,), loss=CrossEntropy(),
                     layers=(Linear(1024, activation="relu"), Linear(1024, activation="relu"), Linear(10))),
@@ -90,7 +94,7 @@ def mlp_spec(select, samples: int, epochs: int, batch: int) -> Spec:
         data=Data(Synthetic(samples=samples, features=(784,), classes=10, seed=1), batch_size=batch, seed=0,
                   split=Split(train=1.0, val=0.0), placement="host"),
         devices=Devices(select),
-        run=RunSettings(epochs=epochs, in_flight=2),
+        run=RunSettings(epochs=epochs, in_flight=2, metrics_file=str(metrics)),
     )  # fmt: skip
 
 
@@ -100,17 +104,14 @@ def training(rep: common.Reporter, choices, samples: int, epochs: int, batch: in
     configurations = {"one device": first, "data parallel": choices if len(choices) > 1 else choices[0]}
     rates = {}
     for impl, select in configurations.items():
-        per_epoch = []
-        device = ""
+        speeds, device = [], ""
         for _ in range(reps):
-            walls = []
-            for count in (1, epochs):
-                started = time.perf_counter()
-                result = flow.run(mlp_spec(select, samples, count, batch))
-                walls.append(time.perf_counter() - started)
-                device = result.device
-            per_epoch.append((walls[1] - walls[0]) / (epochs - 1))
-        speeds = [samples / s for s in per_epoch]  # every sample is trained on once an epoch
+            with tempfile.TemporaryDirectory() as folder:
+                metrics = Path(folder) / "metrics.jsonl"
+                device = flow.run(mlp_spec(select, samples, epochs, batch, metrics)).device
+                # Epochs 2..E from the sink's step times: setup and the first epoch's warm-up left out.
+                steady = epochs_from_metrics(metrics)[1:]
+            speeds.append(samples * len(steady) / sum(steady))
         rates[impl] = common.median(speeds)
         members = len(group) if impl != "one device" else 1
         rep.figure(BENCH, impl, device, shape=f"784-1024-1024-10 b{batch}", samples_per_s=rates[impl],
@@ -121,6 +122,7 @@ def training(rep: common.Reporter, choices, samples: int, epochs: int, batch: in
 
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], "ab")
+    args.samples = int(os.environ.get("VKFLOW_BENCH_SAMPLES", "60000"))
     choices = _members(args.device) if args.device != "auto" else ("all",)
     rep = common.Reporter(args.out)
     started = time.perf_counter()
@@ -130,7 +132,7 @@ def main() -> None:
         rep.guarded(BENCH, "all_reduce", lambda: all_reduce(rep, choices, sizes, args.reps))
     if "b" in args.parts:
         common.section("b. flow.run over the members against one device")
-        samples, epochs = (2048, 2) if args.quick else (60000, 3)
+        samples, epochs = (2048, 2) if args.quick else (args.samples, 3)
         for batch in (256,) if args.quick else (256, 1024):
             run = lambda b=batch: training(rep, choices, samples, epochs, b, args.reps)  # noqa: E731
             rep.guarded(BENCH, "training", run)
