@@ -177,13 +177,6 @@ class DataParallelPlan:
                 share[next(j for j, c in enumerate(self.capacity) if share[j] < c)] += 1
         return tuple(share)
 
-    def measured(self, speeds: tuple[float, ...]) -> DataParallelPlan:
-        """This plan with the shares of measured throughputs (samples/s, one per member)."""
-        rows = split_rows(self.batch, speeds)
-        if any(r > c for r, c in zip(rows, self.capacity, strict=True)):
-            raise AssertionError(f"measured shares {rows} exceed the recorded capacity {self.capacity}")
-        return replace(self, weights=tuple(speeds), rows=rows, basis="measured")
-
     def as_dict(self) -> dict:
         return {
             "members": list(self.members),
@@ -200,7 +193,12 @@ class DataParallelPlan:
 
 
 def plan_data_parallel(
-    group: tuple[DeviceFacts, ...], batch: int, shares: tuple[float, ...] | None, world: World | None = None
+    group: tuple[DeviceFacts, ...],
+    batch: int,
+    shares: tuple[float, ...] | None,
+    world: World | None = None,
+    speeds: tuple[float, ...] | None = None,
+    running_statistics: bool = False,
 ) -> DataParallelPlan:
     """How ``group`` shares a global batch of ``batch`` rows (its rank's part, in an MPI job).
 
@@ -209,19 +207,30 @@ def plan_data_parallel(
         batch: the global batch's rows.
         shares: the spec's ``devices.shares``, or None.
         world: the ranks of an MPI job, each taking its part of every global batch (None: one).
+        speeds: each member's measured samples/s, for unequal devices without the spec's shares.
+        running_statistics: the model keeps state its forward pass updates (BatchNorm): each
+            member would update it from its own shard, so the leader's weights are copied to
+            all, as DDP broadcasts rank 0's buffers.
 
     Returns:
-        The plan: equal shares for equal devices, the spec's where given, else shares to be
-        measured (every member then records its programs for the whole batch).
+        The plan: equal shares for equal devices, the spec's where given, else the measured
+        speeds' shares, or (no speeds yet) shares to be measured: every member then records its
+        programs for the whole batch, and the run plans again once it has measured them.
     """
     world = world or World()
     start, stop = rank_bounds(batch, world.rank, world.size)
     on_ranks = {"ranks": world.size, "rank": world.rank, "global_batch": batch}
-    return replace(_plan_members(group, stop - start, shares), **on_ranks)
+    members = _plan_members(group, stop - start, shares, speeds)
+    if running_statistics:
+        members = replace(members, update="leader")
+    return replace(members, **on_ranks)
 
 
 def _plan_members(
-    group: tuple[DeviceFacts, ...], batch: int, shares: tuple[float, ...] | None
+    group: tuple[DeviceFacts, ...],
+    batch: int,
+    shares: tuple[float, ...] | None,
+    speeds: tuple[float, ...] | None = None,
 ) -> DataParallelPlan:
     names = tuple(f.name for f in group)
     update: Update = "each" if same_device(group) else "leader"
@@ -230,6 +239,9 @@ def _plan_members(
         rows = split_rows(batch, weights)
         basis: Basis = "spec" if shares is not None else "equal"
         return DataParallelPlan(names, batch, weights, rows, rows, basis, update)
+    if speeds is not None:  # each member's programs for its own rows: a slow one runs few
+        rows = split_rows(batch, speeds)
+        return DataParallelPlan(names, batch, tuple(speeds), rows, rows, "measured", update)
     equal = (1.0,) * len(group)
     whole = (batch,) * len(group)  # any measured share must fit the recorded programs
     return DataParallelPlan(names, batch, equal, split_rows(batch, equal), whole, "to measure", update)

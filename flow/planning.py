@@ -496,6 +496,7 @@ def plan(
     maps_inputs: bool | None = None,
     tuning: GemmTable | tuple[GemmTable | None, ...] | None = None,
     world: World | None = None,
+    speeds: tuple[float, ...] | None = None,
 ) -> Plan:
     """Turn a valid spec into the whole run's plan, before any device work.
 
@@ -518,6 +519,9 @@ def plan(
         world: the ranks of an MPI job this process is one of (None: none). A training run over
             several ranks is data parallel even on one local device: this rank's plan takes its
             part of every global batch.
+        speeds: data parallel over unequal devices without the spec's shares: each member's
+            measured samples/s (actors.data_parallel.measure_throughput), which set the shares;
+            None: the plan records every member's programs for the whole batch, to measure them.
 
     Returns:
         The plan.
@@ -537,7 +541,7 @@ def plan(
         facts, tuning = facts[0], tuning[0] if isinstance(tuning, tuple) else tuning
     if isinstance(facts, tuple):
         tables = tuning if isinstance(tuning, tuple) else (tuning,) * len(facts)
-        return _plan_data_parallel(spec, facts, tables, budget, header, mode, world)
+        return _plan_data_parallel(spec, facts, tables, budget, header, mode, world, speeds)
     assert not isinstance(tuning, tuple)
     if facts is not None:
         budget = memory_budget(facts, spec.devices.memory_fraction) if budget is None else budget
@@ -576,6 +580,7 @@ def _plan_data_parallel(
     header: SourceHeader | None,
     mode: str,
     world: World,
+    speeds: tuple[float, ...] | None = None,
 ) -> Plan:
     """:func:`plan` over several devices: a device plan per member for the rows it takes, each
     with the update apart (``apply``) to run after the all-reduce. Shards are gathered on the host
@@ -587,7 +592,8 @@ def _plan_data_parallel(
     if spec.data.batch_size < world.size:
         message = f"{spec.data.batch_size} rows cannot be shared by {world.size} ranks: each needs one"
         raise PlanError([Problem("data.batch_size", message)])
-    parallel = plan_data_parallel(group, spec.data.batch_size, spec.devices.shares, world)
+    running = any(not p.trainable for p in parameters(spec.model))
+    parallel = plan_data_parallel(group, spec.data.batch_size, spec.devices.shares, world, speeds, running)
     devices = tuple(
         plan_device(
             spec,

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -348,15 +348,15 @@ class Runtime:
         state, cursor = (self.saved.state, self.saved.cursor) if self.saved else (None, None)
         # Partial batches run the same programs (see flow.planning.DevicePlan), so every one the
         # run launches is recorded here, before the first step.
-        for member, backend in enumerate((self.backend, *self.members)):
-            started = await self._blocking(start_engine, self.plan, backend, state, cursor, member)
-            self.member_engines.append(started[0])
-        self.engine, self.start_cursor = self.member_engines[0], started[1]
+        await self._start_members(state, cursor)
         parallel = self.plan.parallel
         if parallel is not None and parallel.basis == "to measure" and self.mode == "train":
-            # Unequal devices: each takes the share of the batch its throughput earns.
+            # Unequal devices: each takes the share of the batch its throughput earns, and records
+            # its programs again for just those rows (padding rows would cost a slow device as much).
             speeds = await self._blocking(measure_throughput, self.member_engines, parallel.batch)
-            self.plan = replace(self.plan, parallel=parallel.measured(speeds))
+            options = {"header": header, "mode": self.mode, "maps_inputs": maps_inputs, "speeds": speeds}
+            self.plan = plan_on(spec, facts, self.world, **options)
+            await self._start_members(state, cursor)
             logger.info("vkflow: data-parallel shares %s from %s samples/s", self.plan.parallel.rows, speeds)
         resident = self.plan.data.resident if self.plan.data is not None else None
         if resident is not None:
@@ -364,6 +364,14 @@ class Runtime:
             self.stored = await self._blocking(self.source.stored)
             await self._blocking(self.engine.upload_dataset, self.stored.x, self.stored.labels)
         self._wire()
+
+    async def _start_members(self, state, cursor) -> None:
+        """Start every member's engine on the plan (replacing engines started before)."""
+        self.member_engines = []
+        for member, backend in enumerate((self.backend, *self.members)):
+            started = await self._blocking(start_engine, self.plan, backend, state, cursor, member)
+            self.member_engines.append(started[0])
+        self.engine, self.start_cursor = self.member_engines[0], started[1]
 
     @property
     def total(self) -> int:

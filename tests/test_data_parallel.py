@@ -67,8 +67,11 @@ def test_unequal_devices_are_measured_and_the_leader_updates(vulkan_backend):
     for device in the_plan.devices:
         assert device.kinds[-1] == "apply" and [s.op for s in device.apply.launches] == ["adam"]
         assert "adam" not in [s.op for s in device.program("train").launches]
-    measured = parallel.measured((3000.0, 1000.0))
-    assert measured.rows == (48, 16) and measured.basis == "measured"
+    # Measured: each member records its programs for its own share only.
+    measured = plan(spec, facts=(vulkan_backend.facts, cpu_facts()), speeds=(3000.0, 1000.0))
+    assert measured.parallel.rows == (48, 16) == measured.parallel.capacity
+    assert measured.parallel.basis == "measured"
+    assert [d.batch_size for d in measured.devices] == [48, 16]
 
 
 def test_bad_device_lists_are_refused_with_their_place():
@@ -123,15 +126,10 @@ def test_lavapipe_twice_and_lavapipe_with_the_cpu_train_as_one_device(vulkan_bac
         assert many.accuracy == pytest.approx(one.accuracy, abs=0.02)
 
 
-@pytest.mark.parametrize("update", ["each", "leader"])
-def test_every_member_holds_the_same_weights(vulkan_backend, update):
-    """After training, every member's weights are bit-identical: same devices apply the same
-    update; unequal ones take the leader's weights."""
+def _member_weights(spec) -> tuple[str, list[np.ndarray]]:
+    """Train ``spec``; the plan's update rule and every member's final weights."""
     from flow.runtime import Runtime
 
-    index = vulkan_backend.facts.index
-    select = (index, index) if update == "each" else (index, "cpu")
-    spec = _on(synthetic_spec(epochs=1), select)
     kept = {}
     original = Runtime.close
 
@@ -145,9 +143,19 @@ def test_every_member_holds_the_same_weights(vulkan_backend, update):
         flow.run(spec)
     finally:
         Runtime.close = original
-    assert kept["update"] == update and len(kept["weights"]) == 2
-    np.testing.assert_array_equal(kept["weights"][1], kept["weights"][0])
-    assert np.abs(kept["weights"][0]).sum() > 0
+    return kept["update"], kept["weights"]
+
+
+@pytest.mark.parametrize("update", ["each", "leader"])
+def test_every_member_holds_the_same_weights(vulkan_backend, update):
+    """After training, every member's weights are bit-identical: same devices apply the same
+    update; unequal ones take the leader's weights."""
+    index = vulkan_backend.facts.index
+    select = (index, index) if update == "each" else (index, "cpu")
+    planned, weights = _member_weights(_on(synthetic_spec(epochs=1), select))
+    assert planned == update and len(weights) == 2
+    np.testing.assert_array_equal(weights[1], weights[0])
+    assert np.abs(weights[0]).sum() > 0
 
 
 def test_resume_with_two_devices_is_bit_exact(tmp_path):
@@ -221,3 +229,19 @@ def test_a_member_over_its_memory_budget_is_refused_naming_it(vulkan_backend):
     text = str(caught.value)
     assert "devices[cpu (numpy)]" in text and "memory budget is 180,000 bytes" in text
     assert "layers[1].weight" in text or "grads:all" in text or "params:all" in text
+
+
+def test_running_statistics_come_from_the_leader_so_members_stay_identical():
+    """BatchNorm's running statistics are updated by each member's own shard: the leader's weights,
+    statistics included, are copied to the others, as DDP broadcasts rank 0's buffers."""
+    from flow.spec import BatchNorm1d, Linear
+
+    spec = synthetic_spec(epochs=1)
+    layers = (Linear(12, activation="relu"), BatchNorm1d(), Linear(3))
+    model = dataclasses.replace(spec.model, layers=layers)
+    spec = _on(dataclasses.replace(spec, model=model), ("cpu", "cpu"))
+    # Each member normalises by its own shard's statistics (DDP without SyncBatchNorm), so this
+    # is not one device's training; but the members never drift apart.
+    planned, weights = _member_weights(spec)
+    assert planned == "leader" and len(weights) == 2
+    np.testing.assert_array_equal(weights[1], weights[0])

@@ -223,4 +223,9 @@ def test_a_rank_that_drifts_dies_or_hangs_stops_the_job(tmp_path, fault):
         return
     if fault == "hangs":
         assert "rank 0: the other ranks did not answer within 5 s" in said
-    assert checkpoints.load(tmp_path / "mpi" / "ckpt").cursor.step == 5, said
+        assert checkpoints.load(tmp_path / "mpi" / "ckpt").cursor.step == 5, said
+        return
+    # A dead rank makes the launcher kill rank 0 at once, possibly while its sink is still writing
+    # the step-5 checkpoint (it lags the device): what is on disk is then nothing or intact.
+    if checkpoints.checkpoints(tmp_path / "mpi" / "ckpt"):
+        assert checkpoints.load(tmp_path / "mpi" / "ckpt").cursor.step == 5, said
