@@ -257,3 +257,29 @@ def test_a_corrupt_or_foreign_pipeline_cache_is_ignored_and_the_run_works(spirv_
     if damage != "directory":  # replaced by this run's own cache
         saved = unseal(path.read_bytes())
         assert saved is not None and header_matches(saved, identity)
+
+
+def test_a_programs_pipelines_are_built_at_once_and_then_reused(spirv_cache) -> None:
+    """Recording builds every pipeline a program binds before it records (the driver's compiles in
+    parallel threads); each is built once, and the program then computes what it should."""
+    from actors.backend import run_program
+    from flow.program import Barrier
+    from shaders.registry import op as op_def
+
+    spirv_cache("build")
+    backend = _open_backend()
+    try:
+        pipelines = backend.pipelines
+        wanted = [(op_def("fill"), None), (op_def("copy"), None), (op_def("fill"), None)]
+        assert pipelines.build_all(wanted) == 2
+        assert pipelines.build_all(wanted) == 0
+        built = pipelines.pipeline(op_def("fill"))
+        assert pipelines.pipeline(op_def("fill")) == built
+        tensors = (Tensor("a", (37,), "float32", "work", 0), Tensor("b", (37,), "float32", "work", 256))
+        backend.open_layout(Layout(arenas=(Arena("work", 1024),), tensors=tensors))
+        steps = (launch("fill", ("a",), n=37, value=1.5), Barrier(), launch("copy", ("a", "b"), n=37))
+        program = Program("fill then copy", steps)
+        run_program(backend, program)
+        np.testing.assert_array_equal(backend.read("b"), np.full(37, 1.5, np.float32))
+    finally:
+        backend.close()

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from actors.vulkan import library
 from actors.vulkan.library import check
 from actors.vulkan.queues import Recorded
-from flow.program import Barrier, Program
+from flow.device_facts import DeviceFacts
+from flow.program import Barrier, Launch, Program
 from shaders.compiler import Variant, variant
 from shaders.registry import op as op_def
 from shaders.registry import resolve
@@ -84,6 +85,23 @@ def shader_variants(program: Program) -> list[Variant]:
     return list(dict.fromkeys(variant(op_def(launch.op).shader) for launch in program.launches))
 
 
+def launch_constants(
+    launch: Launch,
+    spec_overrides: dict[str, dict[str, int]] | None,
+    facts: DeviceFacts | None,
+    table: GemmTable | None,
+) -> dict[str, int] | None:
+    """The specialisation constants ``launch``'s pipeline is built with: a planned launch carries
+    the constants the plan chose for this device; a hand-made one is resolved here the same way
+    (``facts`` None: the defaults every device runs). Either way they include what the launch
+    itself needs (gemm's TA/TB/VEC), so ``spec_overrides`` replace tiles on top of them."""
+    overrides = (spec_overrides or {}).get(launch.op)
+    if op_def(launch.op).tune is None:
+        return overrides
+    resolved = launch if launch.constants else resolve(launch, facts, table)
+    return {**dict(resolved.constants), **(overrides or {})}
+
+
 def record_program(
     queues: Queues,
     memory: DeviceMemory,
@@ -121,6 +139,10 @@ def record_program(
     assert layout is not None, "open_layout first"
     facts = queues.facts
     pipelines.compile_shaders(shader_variants(program))
+    # Every pipeline the program binds, built before recording (the driver's compiles at once).
+    device = facts if tuning else None
+    constants = [launch_constants(launch, spec_overrides, device, table) for launch in program.launches]
+    pipelines.build_all((op_def(launch.op), c) for launch, c in zip(program.launches, constants, strict=True))
     handles = queues.allocate_command_buffer()
     command = handles[0]
     begin = ffi.new("VkCommandBufferBeginInfo*", {"sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO})
@@ -140,6 +162,7 @@ def record_program(
             lib.vkCmdResetQueryPool(command, timestamps.pool, 0, timestamps.count)
         lib.vkCmdWriteTimestamp(command, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, timestamps.pool, 0)
     query = 1
+    launched = 0  # launches recorded so far (their constants are ``constants[launched]``)
     for step in program.steps:
         if isinstance(step, Barrier):
             compute_barrier(command)
@@ -150,13 +173,7 @@ def record_program(
                 f"launch of {step.op!r} binds {len(step.args)} tensors, op needs "
                 f"{len(definition.bindings)} {definition.bindings}"
             )
-        overrides = (spec_overrides or {}).get(step.op)
-        if definition.tune is not None:
-            # A planned launch carries the constants the plan chose for this device; a hand-made
-            # one is resolved here the same way. Either way they include what the launch itself
-            # needs (gemm's TA/TB/VEC), so overrides replace tiles on top of them.
-            resolved = step if step.constants else resolve(step, facts if tuning else None, table)
-            overrides = {**dict(resolved.constants), **(overrides or {})}
+        overrides, launched = constants[launched], launched + 1
         pipeline, pipeline_layout, spec = pipelines.pipeline(definition, overrides)
         descriptor_set = pipelines.descriptor_set(len(definition.bindings))
         infos = ffi.new("VkDescriptorBufferInfo[]", len(step.args))
