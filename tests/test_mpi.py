@@ -111,10 +111,11 @@ def test_a_ranks_plan_shows_the_global_and_its_own_batch():
 
 def _mpiexec(tmp_path: Path, ranks: int, *args: str, env: dict | None = None, timeout: float = 240):
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MV2_"))}
-    # Open MPI refuses root and more ranks than cores unless told (CI runs as root); MPICH ignores
-    # these. Both read them from the environment, so one command serves either launcher.
+    # Open MPI refuses root and more ranks than cores unless told (CI runs as root), and wants an
+    # ssh agent even for local ranks (a container has none; local ranks are forked, never run
+    # through it, so /bin/false satisfies the check); MPICH ignores all of these.
     clean.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                 OMPI_MCA_rmaps_base_oversubscribe="1")  # fmt: skip
+                 OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_plm_rsh_agent="false")  # fmt: skip
     command = [MPIEXEC, "-n", str(ranks), sys.executable, *args]
     started = time.monotonic()
     done = subprocess.run(command, cwd=tmp_path, env={**clean, **(env or {})}, capture_output=True,
