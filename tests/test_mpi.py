@@ -192,7 +192,9 @@ import flow
 from actors.data_parallel import DataParallelActor
 from actors.engine import Engine
 
-fault, rank = sys.argv[2], int(os.environ["PMI_RANK"])
+from flow.parallel_plan import world_from_env
+
+fault, rank = sys.argv[2], world_from_env(os.environ).rank
 step = DataParallelActor.step
 
 def faulty(self, batch):
