@@ -220,7 +220,8 @@ def test_a_rank_that_drifts_dies_or_hangs_stops_the_job(tmp_path, fault):
     or stops answering ends the job within its deadline; the last checkpoint stays intact."""
     (tmp_path / "rank.py").write_text(SCRIPT)
     spec = _written(tmp_path, "mpi", synthetic_spec(epochs=3, checkpoint_every=5))
-    env = {"VKFLOW_CHECK_EVERY": "4", "VKFLOW_MPI_DEADLINE": "5", "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = {"VKFLOW_CHECK_EVERY": "4", "VKFLOW_MPI_DEADLINE": "5", "PYTHONPATH": path}
     done, seconds = _mpiexec(tmp_path, 2, "rank.py", spec, fault, env=env, timeout=120)
     said = done.stdout + done.stderr
     assert done.returncode != 0 and seconds < 60, said
