@@ -34,7 +34,7 @@ import trio
 
 from actors.backend import Backend
 from actors.collective import Ranks
-from actors.device import _PROGRAMS, _EvalSums
+from actors.device import _PROGRAMS, DEVICE_DEADLINE_S, _EvalSums, wait_for_device
 from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
 from actors.meter import Meter
@@ -135,6 +135,8 @@ class DataParallelActor:
         start: where the run stands (the first training step's cursor).
         inline: run each step on the event loop (thread-free fake devices).
         ranks: the other ranks of an MPI job (None: this process trains alone).
+        deadline_s: the longest a member's submission may take before the run stops (DeviceHung,
+            naming the member).
     """
 
     def __init__(
@@ -145,9 +147,11 @@ class DataParallelActor:
         start: Cursor | None = None,
         inline: bool = False,
         ranks: Ranks | None = None,
+        deadline_s: float = DEVICE_DEADLINE_S,
     ) -> None:
         self.meter = meter
         self.engines = list(engines)
+        self.deadline_s = deadline_s
         self.parallel = parallel
         self.optimiser = engines[0].plan.optimiser
         self.classifies = isinstance(engines[0].plan.model.loss, CrossEntropy)
@@ -234,7 +238,7 @@ class DataParallelActor:
             ran.append((i, rows))
             start = end
         for (i, rows), ticket in zip(ran, tickets, strict=True):
-            self.engines[i].backend.wait(ticket)
+            wait_for_device(self.engines[i], ticket, self.deadline_s, i)
             self.member_rows[i] += rows
             self.member_seconds[i] += time.perf_counter() - submitted
         return ran
@@ -262,12 +266,12 @@ class DataParallelActor:
         if self.parallel.update == "each":
             host_all_reduce(sources, [engine.backend for engine in self.engines], across=across)
             tickets = [engine.submit("apply", SLOT, 1, step) for engine in self.engines]
-            for engine, ticket in zip(self.engines, tickets, strict=True):
-                engine.backend.wait(ticket)
+            for i, (engine, ticket) in enumerate(zip(self.engines, tickets, strict=True)):
+                wait_for_device(engine, ticket, self.deadline_s, i)
         else:
             leader = self.engines[0]
             host_all_reduce(sources, [leader.backend], across=across)
-            leader.backend.wait(leader.submit("apply", SLOT, 1, step))
+            wait_for_device(leader, leader.submit("apply", SLOT, 1, step), self.deadline_s)
             weights = leader.weights()
             for engine in self.engines[1:]:
                 engine.set_weights(weights)

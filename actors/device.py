@@ -53,6 +53,30 @@ from flow.spec_model import CrossEntropy
 
 _PROGRAMS = {"train": "train", "val": "eval", "test": "eval", "predict": "predict"}
 
+# The longest a device may take to finish one submission before the run stops with it named: a
+# lost or hung GPU must end the run, not leave it waiting forever (VKFLOW_DEVICE_DEADLINE sets it;
+# the first step of a large model compiles nothing, so minutes are ample).
+DEVICE_DEADLINE_S = 600.0
+
+
+class DeviceHung(RuntimeError):
+    """A device did not finish a submission within its deadline."""
+
+
+def wait_for_device(engine: Engine, ticket: int, deadline_s: float, member: int = 0) -> None:
+    """Wait for ``ticket`` on ``engine``'s device (blocking), at most ``deadline_s``.
+
+    Raises:
+        DeviceHung: naming the device, when the deadline passes first.
+    """
+    try:
+        engine.backend.wait(ticket, deadline_s)
+    except TimeoutError as error:
+        name = engine.backend.facts.name
+        message = f"device {member} ({name}) did not finish its work within {deadline_s:g} s"
+        raise DeviceHung(message) from error
+
+
 # How long the completer polls an idle event loop before it waits in a thread. A hop to a thread
 # and back costs ~50-100 µs, a quarter of a small step on a fast GPU, and with K = 2 the next
 # submission waits for it; past 1 ms of waiting it is under a tenth of the wait.
@@ -173,6 +197,7 @@ class DeviceActor:
         inline: wait for the device on the event loop (a fake device: deterministic, no threads).
         slots: the engine's input slots, shared with a producer that fills them in place; None: the
             actor's own, and every batch is copied in.
+        deadline_s: the longest a submission may take before the run stops (DeviceHung).
     """
 
     def __init__(
@@ -182,9 +207,11 @@ class DeviceActor:
         start: Cursor | None = None,
         inline: bool = False,
         slots: InputSlots | None = None,
+        deadline_s: float = DEVICE_DEADLINE_S,
     ) -> None:
         self.meter = meter
         self.engine = engine
+        self.deadline_s = deadline_s
         self.optimiser = engine.plan.optimiser
         self.classifies = isinstance(engine.plan.model.loss, CrossEntropy)
         self.inline = inline
@@ -273,7 +300,9 @@ class DeviceActor:
                 if spin_until is None:
                     spin_until = now + self.spin_s
                 if now >= spin_until:
-                    await trio.to_thread.run_sync(backend.wait, ticket, limiter=self.limiter)
+                    await trio.to_thread.run_sync(
+                        wait_for_device, self.engine, ticket, self.deadline_s, limiter=self.limiter
+                    )
                     break
             await trio.lowlevel.checkpoint()  # let the others run, then look again
         else:

@@ -43,7 +43,7 @@ from actors import optimiser as optim
 from actors.backend import Backend
 from actors.collective import Ranks, RanksError
 from actors.data_parallel import DataParallelActor, measure_throughput
-from actors.device import DeviceActor, InputSlots
+from actors.device import DEVICE_DEADLINE_S, DeviceActor, InputSlots
 from actors.engine import Engine
 from actors.loader import Loader, jobs
 from actors.messages import Cursor, EvalDone, InputStatistics
@@ -229,6 +229,12 @@ def open_backend(devices: Devices) -> Backend:
         LookupError: a named Vulkan device that cannot be had.
     """
     return device_select.open_device(selected_facts(devices), devices.memory_fraction)
+
+
+def device_deadline() -> float:
+    """The longest a device may take over one submission (``VKFLOW_DEVICE_DEADLINE`` seconds, else
+    actors.device.DEVICE_DEADLINE_S) before the run stops with the device named."""
+    return float(os.environ.get("VKFLOW_DEVICE_DEADLINE", DEVICE_DEADLINE_S))
 
 
 class _Relay:
@@ -451,12 +457,14 @@ class Runtime:
             )
         if actor.kind == "device" and self.plan.parallel is not None:
             self.device = DataParallelActor(
-                meter, self.member_engines, self.plan.parallel, self.start_cursor, self.inline, self.ranks
+                meter, self.member_engines, self.plan.parallel, self.start_cursor, self.inline, self.ranks,
+                deadline_s=device_deadline(),
             )
             return self.device
         if actor.kind == "device":
             self.device = DeviceActor(
-                meter, self.engine, self.start_cursor, inline=self.inline, slots=self.slots
+                meter, self.engine, self.start_cursor, inline=self.inline, slots=self.slots,
+                deadline_s=device_deadline(),
             )
             return self.device
         if actor.kind == "optimiser" and self.mode == "train":

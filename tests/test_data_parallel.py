@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -245,3 +246,43 @@ def test_running_statistics_come_from_the_leader_so_members_stay_identical():
     planned, weights = _member_weights(spec)
     assert planned == "leader" and len(weights) == 2
     np.testing.assert_array_equal(weights[1], weights[0])
+
+
+def test_a_member_that_stops_answering_stops_the_run_naming_it(monkeypatch):
+    """A device whose submission is not done within the deadline (the driver's wait times out)
+    ends the run with the device named, instead of leaving it waiting forever."""
+    from actors.cpu_backend import CpuBackend
+
+    opened = []
+    original_init = CpuBackend.__init__
+
+    def track(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        opened.append(self)
+
+    def wait(self, ticket, timeout_s=None):
+        if self is opened[1] and timeout_s is not None:
+            raise TimeoutError(f"GPU work for ticket {ticket} not done after {timeout_s} s")
+
+    monkeypatch.setattr(CpuBackend, "__init__", track)
+    monkeypatch.setattr(CpuBackend, "wait", wait)
+    monkeypatch.setenv("VKFLOW_DEVICE_DEADLINE", "2.5")
+    with pytest.raises(Exception, match=r"device 1 \(cpu \(numpy\)\) did not finish its work within 2.5 s"):
+        flow.run(_on(synthetic_spec(epochs=1), ("cpu", "cpu")))
+
+
+def test_one_device_that_stops_answering_stops_the_run_naming_it(monkeypatch, vulkan_backend):
+    backend_type = type(vulkan_backend)
+    original_wait = backend_type.wait
+
+    def wait(self, ticket, timeout_s=None):
+        if timeout_s is not None:  # the device actor's wait for a step: the device never answers
+            raise TimeoutError(f"GPU work for ticket {ticket} not done after {timeout_s} s")
+        return original_wait(self, ticket)
+
+    monkeypatch.setattr(backend_type, "wait", wait)
+    monkeypatch.setattr(backend_type, "is_done", lambda self, ticket: False)
+    monkeypatch.setenv("VKFLOW_DEVICE_DEADLINE", "1.5")
+    said = rf"device 0 \({re.escape(vulkan_backend.facts.name)}\) did not finish its work within 1.5 s"
+    with pytest.raises(Exception, match=said):
+        flow.run(_on(synthetic_spec(epochs=1), vulkan_backend.facts.index), backend=vulkan_backend)
