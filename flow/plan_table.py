@@ -51,11 +51,17 @@ def format_plan(plan: Plan) -> str:
     if parallel is not None:
         shares = "to be measured before the first step" if parallel.basis == "to measure" else parallel.basis
         lines.append(
-            f"data parallel over {len(parallel.members)} devices: rows of a batch of {parallel.batch} "
+            f"data parallel over {len(parallel.members)} device{'s' if len(parallel.members) > 1 else ''}: "
+            f"rows of a batch of {parallel.batch} "
             f"{list(parallel.rows)} ({shares}); gradients summed on the host in device order; "
             + ("each device applies the update" if parallel.update == "each"
                else "device 0 applies the update and its weights are copied to the others")
         )  # fmt: skip
+        if parallel.ranks > 1:
+            lines.append(
+                f"  MPI rank {parallel.rank} of {parallel.ranks}: {parallel.batch} rows of each global batch "
+                f"of {parallel.global_batch}; gradients summed over the ranks in rank order"
+            )
         for i, name in enumerate(parallel.members):
             lines.append(f"  [{i}] {name}: {parallel.rows[i]} rows, programs for {parallel.capacity[i]}")
     for device in plan.devices:

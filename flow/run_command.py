@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,6 +19,7 @@ from dataclasses import replace
 from actors.health import NonFiniteLoss
 from flow.codec import load as load_spec
 from flow.errors import FlowError
+from flow.parallel_plan import world_from_env
 from flow.runner import run
 from flow.runtime import ActorError, RunResult
 from loaders.errors import LoaderError
@@ -124,5 +126,6 @@ def main_run(argv: Sequence[str]) -> int:
         for line in lines:
             print(f"error: {line}", file=sys.stderr)
         return 1
-    print(summary(result))
+    if world_from_env(os.environ).rank == 0:  # one summary for an MPI job, as rank 0 alone writes
+        print(summary(result))
     return 0

@@ -179,6 +179,7 @@ def test_two_ranks_on_lavapipe_train_as_one_device(tmp_path, vulkan_backend):
     done, _ = _mpiexec(tmp_path, 2, "-m", "flow", "run", _written(tmp_path, "mpi", spec),
                        env={"VKFLOW_CHECK_EVERY": "1"})  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("steps: 26") == 1, done.stdout  # one summary, from rank 0
     flow.run(tmp_path / _written(tmp_path, "one", spec))
     files, steps = _outputs(tmp_path, "mpi")
     assert len(steps) == 26 and files == _outputs(tmp_path, "one")[0]
@@ -237,3 +238,14 @@ def test_a_rank_that_drifts_dies_or_hangs_stops_the_job(tmp_path, fault):
     # the step-5 checkpoint (it lags the device): what is on disk is then nothing or intact.
     if checkpoints.checkpoints(tmp_path / "mpi" / "ckpt"):
         assert checkpoints.load(tmp_path / "mpi" / "ckpt").cursor.step == 5, said
+
+
+def test_plan_shows_the_ranks_part_of_each_global_batch():
+    """``flow plan`` under a launcher's environment (no MPI started): this rank's rows of each
+    global batch, in the text and the JSON."""
+    example = str(ROOT / "examples" / "digits.json")
+    env = {**os.environ, "PMI_RANK": "1", "PMI_SIZE": "3"}
+    text = subprocess.run([sys.executable, "-m", "flow", "plan", example], capture_output=True, text=True,
+                          env=env, cwd=ROOT, check=True).stdout  # fmt: skip
+    assert "MPI rank 1 of 3: 21 rows of each global batch of 64" in text
+    assert "data parallel over 1 device: rows of a batch of 21 [21]" in text
