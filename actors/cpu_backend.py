@@ -178,6 +178,15 @@ class CpuBackend:
         declared = self._layout.tensor(tensor)
         return self._view(declared, slot).reshape(declared.shape).copy()
 
+    def read_into(self, tensor: str, out: np.ndarray, slot: int = 0) -> None:
+        """Copy ``tensor`` into ``out`` (its size and type), as VulkanBackend.read_into."""
+        assert self._layout is not None, "open_layout first"
+        declared = self._layout.tensor(tensor)
+        if out.dtype != np.dtype(declared.dtype) or out.size != declared.size:
+            wanted = f"{declared.dtype} {declared.shape}"
+            raise ValueError(f"read of {tensor!r} into {out.dtype} {out.shape}: needs {wanted}")
+        np.copyto(out.reshape(-1), self._view(declared, slot).reshape(-1))
+
     def staging_view(self, tensor: str, slot: int = 0) -> np.ndarray:
         """A host array shaped and typed as declared (not widened: it stands for pinned host
         memory), which ``upload`` copies into the tensor."""

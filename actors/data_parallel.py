@@ -70,6 +70,7 @@ def host_all_reduce(
     targets: Sequence[Backend],
     tensor: str = "grads:all",
     across: Callable[[np.ndarray], np.ndarray] | None = None,
+    scratch: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> np.ndarray:
     """Sum ``tensor`` over ``sources`` in their order (a fixed order: the same bits every time) and
     write the sum into every target. Blocking.
@@ -80,18 +81,35 @@ def host_all_reduce(
         tensor: the flat tensor (every member's layout places it alike).
         across: what turns this process's sum into the one to write (the sum over the ranks of an
             MPI job), or None.
+        scratch: host arrays kept between calls (a caller's own dict, filled here), so a step reads
+            into memory already touched; None: fresh arrays.
 
     Returns:
-        The sum (a host array).
+        The sum (a host array; with ``scratch``, overwritten by the next call).
     """
-    total = sources[0].read(tensor)  # a fresh host copy: summed into in place
+    if scratch is None:
+        scratch = {}
+    if tensor not in scratch:
+        shape, dtype = sources[0].read(tensor).shape, np.float32
+        scratch[tensor] = (np.empty(shape, dtype), np.empty(shape, dtype))
+    total, part = scratch[tensor]
+    _read_into(sources[0], tensor, total)
     for backend in sources[1:]:
-        total += backend.read(tensor)
+        _read_into(backend, tensor, part)
+        total += part
     if across is not None:
         total = across(total)
     for backend in targets:
         backend.write(tensor, total)
     return total
+
+
+def _read_into(backend: Backend, tensor: str, out: np.ndarray) -> None:
+    read_into = getattr(backend, "read_into", None)  # a backend of a test's own making may lack it
+    if read_into is not None:
+        read_into(tensor, out)
+    else:
+        np.copyto(out, backend.read(tensor))
 
 
 def measure_throughput(engines: Sequence[Engine], rows: int, repeats: int = 3) -> tuple[float, ...]:
@@ -162,6 +180,7 @@ class DataParallelActor:
         self._eval = _EvalSums()
         self.reduce_s = 0.0  # host time spent summing and redistributing gradients
         self.member_rows = [0] * len(self.engines)
+        self._scratch: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the all-reduce's host arrays
         self.member_seconds = [0.0] * len(self.engines)
 
     async def run(self) -> None:
@@ -264,13 +283,14 @@ class DataParallelActor:
                 return total
 
         if self.parallel.update == "each":
-            host_all_reduce(sources, [engine.backend for engine in self.engines], across=across)
+            targets = [engine.backend for engine in self.engines]
+            host_all_reduce(sources, targets, across=across, scratch=self._scratch)
             tickets = [engine.submit("apply", SLOT, 1, step) for engine in self.engines]
             for i, (engine, ticket) in enumerate(zip(self.engines, tickets, strict=True)):
                 wait_for_device(engine, ticket, self.deadline_s, i)
         else:
             leader = self.engines[0]
-            host_all_reduce(sources, [leader.backend], across=across)
+            host_all_reduce(sources, [leader.backend], across=across, scratch=self._scratch)
             wait_for_device(leader, leader.submit("apply", SLOT, 1, step), self.deadline_s)
             weights = leader.weights()
             for engine in self.engines[1:]:

@@ -70,9 +70,9 @@ def all_reduce(rep: common.Reporter, choices, sizes_mb, reps: int) -> None:
                 backend.write("grads:all", rng.standard_normal(n, dtype=np.float32))
             data = rng.standard_normal(n, dtype=np.float32)
             timed = {
-                "all_reduce": lambda: host_all_reduce(backends, backends),
+                "all_reduce": lambda scratch={}: host_all_reduce(backends, backends, scratch=scratch),  # noqa: B006
                 "h2d_write": lambda data=data: backends[0].write("grads:all", data),
-                "d2h_read": lambda: backends[0].read("grads:all"),
+                "d2h_read": lambda out=np.empty(n, np.float32): backends[0].read_into("grads:all", out),  # noqa: B008
             }
             for impl, fn in timed.items():
                 fn()  # warm: staging buffers made, pages touched

@@ -180,17 +180,17 @@ def test_a_failing_member_stops_the_run_with_its_error(monkeypatch):
         opened.append(self)
 
     reads = {"n": 0}
-    original_read = CpuBackend.read
+    original_read = CpuBackend.read_into
 
-    def read(self, name, *args, **kwargs):
+    def read_into(self, name, out, *args, **kwargs):
         if name == "grads:all" and self is opened[1]:
             reads["n"] += 1
             if reads["n"] == 4:
                 raise RuntimeError("device lost")
-        return original_read(self, name, *args, **kwargs)
+        return original_read(self, name, out, *args, **kwargs)
 
     monkeypatch.setattr(CpuBackend, "__init__", track)
-    monkeypatch.setattr(CpuBackend, "read", read)
+    monkeypatch.setattr(CpuBackend, "read_into", read_into)
     with pytest.raises(Exception, match="device lost") as caught:
         flow.run(_on(synthetic_spec(epochs=2), ("cpu", "cpu")))
     assert "device" in str(caught.value)
@@ -286,3 +286,31 @@ def test_one_device_that_stops_answering_stops_the_run_naming_it(monkeypatch, vu
     said = rf"device 0 \({re.escape(vulkan_backend.facts.name)}\) did not finish its work within 1.5 s"
     with pytest.raises(Exception, match=said):
         flow.run(_on(synthetic_spec(epochs=1), vulkan_backend.facts.index), backend=vulkan_backend)
+
+
+def test_host_all_reduce_sums_in_member_order_into_kept_arrays(rng, vulkan_backend):
+    """The all-reduce over a CPU backend, lavapipe and another CPU backend: the float32 sum in
+    member order, written to every target, read into the caller's kept arrays."""
+    from actors.cpu_backend import CpuBackend
+    from actors.data_parallel import host_all_reduce
+    from flow.program import Arena, Layout, Tensor
+
+    n = 1031
+    layout = Layout((Arena("grads", n * 4),), (Tensor("grads:all", (n,), "float32", "grads", 0),))
+    backends = [CpuBackend(), vulkan_backend, CpuBackend()]
+    parts = [rng.standard_normal(n).astype(np.float32) for _ in backends]
+    for backend, part in zip(backends, parts, strict=True):
+        backend.open_layout(layout, slots=1)
+        backend.write("grads:all", part)
+    scratch: dict = {}
+    total = host_all_reduce(backends, backends[1:], scratch=scratch)
+    expected = (parts[0] + parts[1]) + parts[2]
+    np.testing.assert_array_equal(total, expected)
+    np.testing.assert_array_equal(backends[1].read("grads:all"), expected)
+    np.testing.assert_array_equal(backends[2].read("grads:all"), expected)
+    np.testing.assert_array_equal(backends[0].read("grads:all"), parts[0])  # not a target
+    assert host_all_reduce(backends[:1], [], scratch=scratch) is total  # the kept array, refilled
+    np.testing.assert_array_equal(total, parts[0])
+    for backend in backends[:2]:
+        with pytest.raises(ValueError, match="grads:all"):
+            backend.read_into("grads:all", np.empty(n - 1, np.float32))
