@@ -39,7 +39,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import trio
@@ -212,6 +212,7 @@ class DeviceActor:
         self.meter = meter
         self.engine = engine
         self.deadline_s = deadline_s
+        self.thread_waits = 0  # waits for a step that outlasted the spin and went to a thread
         self.optimiser = engine.plan.optimiser
         self.classifies = isinstance(engine.plan.model.loss, CrossEntropy)
         self.inline = inline
@@ -300,6 +301,7 @@ class DeviceActor:
                 if spin_until is None:
                     spin_until = now + self.spin_s
                 if now >= spin_until:
+                    self.thread_waits += 1
                     await trio.to_thread.run_sync(
                         wait_for_device, self.engine, ticket, self.deadline_s, limiter=self.limiter
                     )
@@ -391,7 +393,9 @@ class DeviceActor:
         return Snapshot(self.applied, self.engine.state(), interrupted=True)
 
     def statistics(self):
-        return self.meter.statistics()
+        # thread_items: the steps whose end was waited for in a worker thread (past SPIN_S), each
+        # a hop the next submission may wait behind.
+        return replace(self.meter.statistics(), thread_items=self.thread_waits)
 
 
 def predict_batches(engine: Engine, batches):

@@ -258,6 +258,7 @@ class ActorRun:
     loop_cpu_s_per_step: float  # the event loop thread's CPU time over the timed epochs
     process_cpu_s_per_step: float  # every thread's (loader threads, drivers, fence waits)
     thread_items: int  # the loader's reads that went to worker threads
+    device_thread_waits: int  # step ends the device actor waited for in a thread (past its spin)
     loader_items: int  # what the loader sent: batches and marks
     result: object
 
@@ -346,6 +347,7 @@ def run_actors(backend, spec, warm_steps: int) -> ActorRun:
         process_cpu_s_per_step=(end[2] - first[2] - (end[3] - first[3])) / steps,
         thread_items=getattr(loader, "thread_items", 0),
         loader_items=getattr(loader, "items_out", 0),
+        device_thread_waits=getattr(result.statistics.get("device"), "thread_items", 0),
         result=result,
     )
 
@@ -411,6 +413,9 @@ def measure_actors(
         "loop_cpu_us_per_step": median([r.loop_cpu_s_per_step * 1e6 for r in runs]),
         "process_cpu_us_per_step": median([r.process_cpu_s_per_step * 1e6 for r in runs]),
         "thread_items": max(r.thread_items for r in runs),
+        # Per run, beside "values": where a slow run comes from (the spread hunt of issue 13).
+        "device_thread_waits": [r.device_thread_waits for r in runs],
+        "loop_cpu_us_values": [round(r.loop_cpu_s_per_step * 1e6, 1) for r in runs],
         "loader_items": runs[-1].loader_items,
         "setup_s": median([r.setup_s for r in runs]),
         "loss": result.loss,
