@@ -486,6 +486,49 @@ def batchnorm_backward_data(arrays: list[np.ndarray], p: Params) -> None:
     dx[n * c * hw : rows * c * hw] = 0  # padding rows took no part in the statistics
 
 
+def _layer_rows(array: np.ndarray, p: Params, samples: int) -> np.ndarray:
+    """The rows of the first ``samples`` samples of a LayerNorm tensor as [samples * R, D]."""
+    r, d = int(p["R"]), int(p["D"])
+    return array[: samples * r * d].reshape(samples * r, d)
+
+
+def layernorm(arrays: list[np.ndarray], p: Params) -> None:
+    x, gamma, beta, y, stats = arrays
+    n, d = int(p["N"]), int(p["D"])
+    rows = _layer_rows(x, p, n).astype(np.float64)
+    mean = rows.mean(axis=1, keepdims=True)
+    # Two passes, as the shader: the deviations from the mean, not a sum of squares minus its square.
+    invstd = 1.0 / np.sqrt(((rows - mean) ** 2).mean(axis=1, keepdims=True) + float(p["eps"]))
+    y[: rows.size] = (gamma[:d] * ((rows - mean) * invstd) + beta[:d]).reshape(-1)
+    stats[: 2 * rows.shape[0]] = np.concatenate([mean, invstd], axis=1).reshape(-1)
+
+
+def _layer_xhat(x: np.ndarray, stats: np.ndarray, p: Params, samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """xhat of the first ``samples`` samples' rows, and their 1 / std, in float64."""
+    pairs = stats[: 2 * samples * int(p["R"])].astype(np.float64).reshape(-1, 2)
+    invstd = pairs[:, 1:]
+    return (_layer_rows(x, p, samples).astype(np.float64) - pairs[:, :1]) * invstd, invstd
+
+
+def layernorm_backward_reduce(arrays: list[np.ndarray], p: Params) -> None:
+    dy, x, stats, dgamma, dbeta, stepvals = arrays
+    n, d = _real_rows(stepvals, int(p["N"])), int(p["D"])
+    grad = _layer_rows(dy, p, n).astype(np.float64)
+    xhat, _ = _layer_xhat(x, stats, p, n)
+    dbeta[:d], dgamma[:d] = grad.sum(axis=0), (grad * xhat).sum(axis=0)
+
+
+def layernorm_backward_data(arrays: list[np.ndarray], p: Params) -> None:
+    dy, x, stats, gamma, stepvals, dx = arrays
+    rows, r, d = int(p["N"]), int(p["R"]), int(p["D"])
+    n = _real_rows(stepvals, rows)
+    xhat, invstd = _layer_xhat(x, stats, p, n)
+    g = _layer_rows(dy, p, n).astype(np.float64) * gamma[:d]
+    grads = invstd * (g - g.mean(axis=1, keepdims=True) - xhat * (g * xhat).mean(axis=1, keepdims=True))
+    dx[: n * r * d] = grads.reshape(-1)
+    dx[n * r * d : rows * r * d] = 0  # padding samples' rows: the layers before never learn from them
+
+
 def sgd(arrays: list[np.ndarray], p: Params) -> None:
     param, grad, momentum_buf, stepvals = arrays
     n = int(p["n"])
@@ -594,6 +637,9 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "batchnorm": batchnorm,
     "batchnorm_backward_reduce": batchnorm_backward_reduce,
     "batchnorm_backward_data": batchnorm_backward_data,
+    "layernorm": layernorm,
+    "layernorm_backward_reduce": layernorm_backward_reduce,
+    "layernorm_backward_data": layernorm_backward_data,
     "sgd": sgd,
     "adam": adam,
     "fill": fill,

@@ -27,6 +27,7 @@ from flow.spec_model import (
     CrossEntropy,
     Flatten,
     GlobalAvgPool,
+    LayerNorm,
     Linear,
     MaxPool2d,
     Model,
@@ -161,6 +162,12 @@ class _Builder:
             g.emit(launch("reduce", (h, out), rows=b * c, cols=height * width, axis=1, fn=mean, alpha=1.0))
         elif isinstance(layer, BatchNorm):
             saved["stats"] = self._batch_norm_forward(stage, layer, h, out)
+        elif isinstance(layer, LayerNorm):
+            params, prefix = self._layer_norm_params(stage, layer), f"layers[{stage.index}]"
+            # Each row's mean and 1 / std, which the backward reads; the same in train and eval.
+            stats = g.add(f"norm_stats[{stage.index}]", (b, 2 * params["R"]))
+            g.emit(launch("layernorm", (h, f"{prefix}.weight", f"{prefix}.bias", out, stats), **params))
+            saved["stats"] = stats
         elif isinstance(layer, Flatten):
             base = g.tensors[h].view_of or h
             g.tensors[out] = TensorDecl(out, (b, *stage.out_shape), "float32", "work", view_of=base)
@@ -293,6 +300,10 @@ class _Builder:
         """A BatchNorm input as [N, C, HW]: HW is 1 for flat features, H*W for images."""
         return dict(N=self.b, C=stage.in_shape[0], HW=math.prod(stage.in_shape[1:]))
 
+    def _layer_norm_params(self, stage: Stage, layer: LayerNorm) -> dict[str, int | float]:
+        """A LayerNorm input as [N * R, D]: D its last dimension, R = 1 for flat features."""
+        return dict(N=self.b, R=math.prod(stage.in_shape[:-1]), D=stage.in_shape[-1], eps=float(layer.eps))
+
     def _batch_norm_forward(self, stage: Stage, layer: BatchNorm, h: str, out: str) -> str:
         """Per-channel statistics (the batch's while training, moving the running ones; else the
         running ones) into a [4, C] work tensor, then the normalisation; returns the tensor, whose
@@ -374,7 +385,7 @@ class _Builder:
             (
                 p
                 for p, s in enumerate(self.stages)
-                if isinstance(unwrap(s.layer)[0], Linear | Conv2d | BatchNorm)
+                if isinstance(unwrap(s.layer)[0], Linear | Conv2d | BatchNorm | LayerNorm)
             ),
             None,
         )
@@ -469,6 +480,20 @@ class _Builder:
                         **params,
                     )
                 )
+        elif isinstance(layer, LayerNorm):
+            params, prefix = self._layer_norm_params(stage, layer), f"layers[{stage.index}]"
+            stats = saved["stats"]
+            grads = (f"grad:{prefix}.weight", f"grad:{prefix}.bias")
+            g.emit(
+                launch("layernorm_backward_reduce", (grad, h, stats, *grads, "stepvals"), **params),
+                launch(
+                    "layernorm_backward_data",
+                    (grad, h, stats, f"{prefix}.weight", "stepvals", in_grad),
+                    **params,
+                )
+                if in_grad
+                else None,
+            )
         elif isinstance(layer, Flatten):
             if in_grad:
                 # The gradient of a reshape is the reshaped gradient: a view, no launch.

@@ -21,10 +21,15 @@ import msgpack
 
 from flow.errors import Problem, SpecError, did_you_mean
 from flow.spec import SCHEMA_VERSION, Spec, file_key
+from flow.spec_data import NDArray
 from flow.validation import alternatives, validate
 
 _JSON = (".json",)
 _MSGPACK = (".msgpack", ".mpk")
+_IN_MEMORY = (
+    "holds an array in memory, which a spec file cannot hold: write the data with "
+    "np.savez('data.npz', x=x, y=y) and use Arrays(path='data.npz')"
+)
 
 
 def _declared_float(annotation: Any) -> bool:
@@ -72,6 +77,8 @@ def _encode(value: Any, annotation: Any, path: str) -> Any:
         return value + 0.0  # -0.0 == 0.0, so it must encode the same
     if value is None or isinstance(value, bool | int | str):
         return value
+    if isinstance(value, NDArray):
+        raise SpecError([Problem(path, _IN_MEMORY)])
     raise SpecError([Problem(path, f"cannot encode a {type(value).__name__}: {value!r}")])
 
 

@@ -18,6 +18,7 @@ from flow.spec_model import (
     BatchNorm1d,
     BatchNorm2d,
     Conv2d,
+    LayerNorm,
     LeakyReLU,
     Linear,
     Model,
@@ -192,6 +193,10 @@ def parameters(model: Model) -> list[ParamDecl]:
             params.append(ParamDecl(f"{prefix}.bias", (c,), c, c, True))
             kept.append(ParamDecl(f"{prefix}.running_mean", (c,), c, c, False, constant=0.0, trainable=False))
             kept.append(ParamDecl(f"{prefix}.running_var", (c,), c, c, False, constant=1.0, trainable=False))
+        elif isinstance(layer, LayerNorm):
+            d, prefix = stage.in_shape[-1], f"layers[{stage.index}]"
+            params.append(ParamDecl(f"{prefix}.weight", (d,), d, d, False, constant=1.0))
+            params.append(ParamDecl(f"{prefix}.bias", (d,), d, d, True))
     return params + kept
 
 

@@ -17,6 +17,7 @@ from flow.spec_model import (
     Flatten,
     GlobalAvgPool,
     Layer,
+    LayerNorm,
     Linear,
     MaxPool2d,
     Model,
@@ -73,6 +74,8 @@ def output_shape(layer: Layer, shape: Shape) -> Shape | str:
         return f"BatchNorm2d needs a (channels, height, width) input, got shape {shape}; use BatchNorm1d"
     if isinstance(layer, BatchNorm1d) and len(shape) not in (1, 2):
         return f"BatchNorm1d needs a (features,) or (channels, length) input, got {shape}; use BatchNorm2d"
+    if isinstance(layer, LayerNorm) and len(shape) not in (1, 2):
+        return f"LayerNorm needs a (features,) or (channels, length) input, got {shape}; add a Flatten"
     if isinstance(layer, Flatten):
         return (math.prod(shape),)
     return shape  # activations and batch normalisation keep the shape
@@ -135,6 +138,8 @@ def layer_parameters(layer: Layer, input_shape: Shape) -> int:
         return weights + (layer.channels if layer.bias else 0)
     if isinstance(layer, BatchNorm1d | BatchNorm2d):
         return 2 * input_shape[0]  # scale and shift per channel; the running statistics are not trained
+    if isinstance(layer, LayerNorm):
+        return 2 * input_shape[-1]  # scale and shift per position of the normalised (last) dimension
     return 0
 
 

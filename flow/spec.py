@@ -36,6 +36,7 @@ from flow.spec_base import Record
 from flow.spec_data import (
     CSV,
     IDX,
+    Arrays,
     Data,
     Digits,
     HorizontalFlip,
@@ -59,6 +60,7 @@ from flow.spec_model import (
     Flatten,
     GlobalAvgPool,
     Init,
+    LayerNorm,
     LeakyReLU,
     Linear,
     MaxPool2d,
@@ -338,11 +340,11 @@ class Spec(Record):
 
 
 RECORDS: tuple[type, ...] = (
-    Linear, Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool, BatchNorm1d, BatchNorm2d, Flatten,
-    ReLU, LeakyReLU, Sigmoid, Tanh, GELU, Softmax,
+    Linear, Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool, BatchNorm1d, BatchNorm2d, LayerNorm,
+    Flatten, ReLU, LeakyReLU, Sigmoid, Tanh, GELU, Softmax,
     CrossEntropy, MSE, Init, Model,
     Constant, StepLR, Cosine, SGD, Adam, AdamW,
-    ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits,
+    ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays,
     Normalize, Scale, RandomCrop, HorizontalFlip, Resize,
     Split, Data, Devices, Node, Edge, Pipeline, RunSettings, Spec,
 )  # fmt: skip

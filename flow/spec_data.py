@@ -5,8 +5,9 @@ annotations are real objects (no ``from __future__ import annotations``) because
 validator read them from ``dataclasses.fields``.
 """
 
+import sys
 from dataclasses import KW_ONLY, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from flow.spec_base import Record, Shape
 
@@ -142,7 +143,47 @@ class Digits(Record):
     read through the image-folder loader, 10 classes. Needs no preprocessing."""
 
 
-Source = ImageFolder | CSV | RawBinary | IDX | Synthetic | Digits
+class _ArrayType(type):
+    def __instancecheck__(cls, value: Any) -> bool:
+        numpy = sys.modules.get("numpy")  # a numpy array exists only once numpy is loaded
+        return numpy is not None and isinstance(value, numpy.ndarray)
+
+
+class NDArray(metaclass=_ArrayType):
+    """A numpy array, as a field's type: checked without importing numpy, so specs stay light."""
+
+
+@dataclass(frozen=True, eq=False)
+class Arrays(Record):
+    """Samples in numpy arrays: in memory (``Arrays(x, y)``, for a run from Python) or in files a
+    saved spec refers to: ``Arrays(path="data.npz")`` (arrays named x and y) or
+    ``Arrays(x="x.npy", y="y.npy")`` (mapped, not read). A spec holding arrays in memory cannot be
+    saved: write them with ``np.savez("data.npz", x=x, y=y)`` and use the file form. uint8 x is
+    divided by 255 (samples in [0, 1]); other real dtypes are cast to float32 unscaled.
+
+    Attributes:
+        x: the samples [n, *sample_shape], real and finite, or a ``.npy`` file of them; None with path.
+        y: [n] integer class ids >= 0 or [n, k] float targets, or a ``.npy`` file; None with path.
+        path: a ``.npz`` file of arrays x and y; None (default) when x and y are given.
+    """
+
+    x: NDArray | str | None = None
+    y: NDArray | str | None = None
+    _: KW_ONLY
+    path: str | None = None
+
+    def _key(self) -> tuple:
+        # numpy's == is elementwise, so arrays are the same only when they are the same object.
+        return tuple(v if v is None or isinstance(v, str) else id(v) for v in (self.x, self.y, self.path))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Arrays and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+Source = ImageFolder | CSV | RawBinary | IDX | Synthetic | Digits | Arrays
 
 # Preprocessing and augmentation
 
@@ -245,7 +286,7 @@ class Data(Record):
     """Where the samples come from and how they are batched.
 
     Attributes:
-        source: ImageFolder, CSV, RawBinary, IDX, Synthetic or Digits; each gives float32 samples
+        source: ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits or Arrays; each gives float32 samples
             by the module's convention (8-bit data in [0, 1]).
         batch_size: samples per batch, > 0 (default 64).
         shuffle: reshuffle the training samples each epoch (default True).
@@ -255,7 +296,7 @@ class Data(Record):
         preprocess: transforms applied in order to every batch (default none).
         augment: transforms applied after ``preprocess`` to training batches only (default none).
         placement: where the samples live during training. "auto" (default): on the device when
-            the source can hand over its whole data as stored (IDX, raw binary, Synthetic
+            the source can hand over its whole data as stored (IDX, raw binary, Arrays, Synthetic
             classification), every transform is a Scale or Normalize (they are fused into the
             step's first launch), there is no augmentation, the loss is CrossEntropy and it fits the
             device's memory budget beside the model; else streamed from the host. "device":

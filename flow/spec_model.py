@@ -131,6 +131,21 @@ class BatchNorm1d(Record):
     eps: float = 1e-5
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayerNorm(Record):
+    """Layer normalisation over the last dimension of a (F,) or (C, L) input, as PyTorch's
+    ``LayerNorm(last_dim)``: each sample's row of F (or each of its C rows of L) is normalised by
+    its own mean and biased variance, ``y = weight * (x - mean) / sqrt(var + eps) + bias``, with a
+    learned scale (starting at 1) and shift (starting at 0) per position of that dimension. No
+    running statistics: training and evaluation compute the same thing.
+
+    Attributes:
+        eps: added to the variance before the square root, > 0 (default 1e-5).
+    """
+
+    eps: float = 1e-5
+
+
 @dataclass(frozen=True)
 class Flatten(Record):
     """Reshapes each sample to one dimension (C * H * W values, row-major), as Linear needs."""
@@ -176,8 +191,8 @@ class Softmax(Record):
 
 
 Layer = (
-    Linear | Conv2d | MaxPool2d | AvgPool2d | GlobalAvgPool | BatchNorm1d | BatchNorm2d | Flatten | ReLU
-    | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
+    Linear | Conv2d | MaxPool2d | AvgPool2d | GlobalAvgPool | BatchNorm1d | BatchNorm2d | LayerNorm
+    | Flatten | ReLU | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
 )  # fmt: skip
 # The layers that normalise by batch statistics and keep running ones.
 BatchNorm = BatchNorm1d | BatchNorm2d

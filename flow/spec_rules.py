@@ -29,6 +29,7 @@ from flow.spec import (
 from flow.spec_data import (
     CSV,
     IDX,
+    Arrays,
     Data,
     HorizontalFlip,
     ImageFolder,
@@ -46,6 +47,7 @@ from flow.spec_model import (
     Conv2d,
     CrossEntropy,
     Init,
+    LayerNorm,
     Linear,
     MaxPool2d,
     Model,
@@ -141,6 +143,10 @@ def _avg_pool(r: Rule) -> None:
 
 def _batch_norm(r: Rule) -> None:
     r.need("momentum", lambda m: 0 <= m <= 1, "must be in [0, 1]")
+    r.need("eps", _positive, "must be > 0")
+
+
+def _layer_norm(r: Rule) -> None:
     r.need("eps", _positive, "must be > 0")
 
 
@@ -255,6 +261,33 @@ def _synthetic(r: Rule) -> None:
     r.need("seed", _non_negative, "must be >= 0")
     if r.good("task") and r.obj.task == "classification":
         r.need("classes", lambda c: c >= 2, "must be >= 2")
+
+
+def _arrays(r: Rule) -> None:
+    obj = r.obj
+    if not r.good("x", "y", "path"):
+        return
+    if obj.path is not None:
+        _path(r, "path")
+        for name in ("x", "y"):
+            if getattr(obj, name) is not None:
+                r.add(name, "must be None when path is given (the .npz file holds x and y)")
+        return
+    missing = [name for name in ("x", "y") if getattr(obj, name) is None]
+    for name in missing:
+        r.add(name, "is required: an array or a .npy file (or give path, a .npz file of x and y)")
+    if missing:
+        return
+    if isinstance(obj.x, str) != isinstance(obj.y, str):
+        r.add("", "x and y must both be arrays or both be file names")
+    elif isinstance(obj.x, str):
+        _path(r, "x")
+        _path(r, "y")
+    else:
+        from loaders.arrays import array_problems  # numpy is loaded already: these are its arrays
+
+        for name, message in array_problems(obj.x, obj.y):
+            r.add(name, message)
 
 
 def _normalize(r: Rule) -> None:
@@ -415,6 +448,7 @@ RULES: dict[type, Callable[[Rule], None]] = {
     AvgPool2d: _avg_pool,
     BatchNorm1d: _batch_norm,
     BatchNorm2d: _batch_norm,
+    LayerNorm: _layer_norm,
     Init: _init,
     Model: _model,
     Constant: _warmup,
@@ -428,6 +462,7 @@ RULES: dict[type, Callable[[Rule], None]] = {
     RawBinary: _raw_binary,
     IDX: _idx,
     Synthetic: _synthetic,
+    Arrays: _arrays,
     Normalize: _normalize,
     RandomCrop: _random_crop,
     HorizontalFlip: _flip,

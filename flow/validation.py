@@ -78,7 +78,8 @@ def _describe(annotation: Any) -> str:
             args = get_args(option)
             words.append("a tuple" if args[-1] is Ellipsis else f"a tuple of {len(args)}")
         elif not is_dataclass(option):
-            words.append({int: "an int", float: "a number", str: "a string", bool: "a bool"}[option])
+            names = {int: "an int", float: "a number", str: "a string", bool: "a bool"}
+            words.append(names.get(option, "an array"))
     return " or ".join(words)
 
 

@@ -9,6 +9,7 @@ source's ``on_error`` policy (:mod:`loaders.errors`). This package imports nothi
 :func:`shaders.user_cache.cache_dir`, so that one setting moves every cache.
 """
 
+from loaders.arrays import ArraysSource
 from loaders.binary import IDXSource, RawBinarySource, read_idx, write_idx
 from loaders.cache import load_manifest, manifest_path
 from loaders.csv_source import CSVSource
@@ -31,6 +32,7 @@ from loaders.transforms import (
 )
 
 __all__ = [
+    "ArraysSource",
     "CSVSource",
     "IDXSource",
     "ImageFolderSource",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loaders.arrays import open_arrays
 from loaders.binary import IDXSource, RawBinarySource
 from loaders.csv_source import CSVSource
 from loaders.digits import open_digits
@@ -30,7 +31,7 @@ def open_source(spec: Any) -> Source:
     """Open the source a spec describes.
 
     Args:
-        spec: an ImageFolder, CSV, RawBinary, IDX, Synthetic or Digits record.
+        spec: an ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits or Arrays record.
 
     Returns:
         The open source; the caller closes it.
@@ -77,4 +78,7 @@ def open_source(spec: Any) -> Source:
         )
     if kind == "Digits":
         return open_digits(workers=_opt(spec, "workers", 2), on_error=_opt(spec, "on_error", "raise"))
-    raise ValueError(f"unknown source spec {kind} (ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits)")
+    if kind == "Arrays":
+        return open_arrays(_opt(spec, "x", None), _opt(spec, "y", None), _opt(spec, "path", None))
+    known = "ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays"
+    raise ValueError(f"unknown source spec {kind} ({known})")

@@ -187,6 +187,8 @@ _POOL_PUSH = (
 )
 # A BatchNorm input viewed as [N, C, HW] (HW = 1 for flat features).
 _NORM_PUSH = (("N", "u"), ("C", "u"), ("HW", "u"))
+# A LayerNorm input viewed as [N * R, D]: R rows of D per sample (R = 1 for flat features).
+_LAYER_NORM_PUSH = (("N", "u"), ("R", "u"), ("D", "u"), ("eps", "f"))
 
 
 def _conv_out_groups(params, local, spec) -> Groups:
@@ -444,6 +446,31 @@ _OPS: tuple[OpDef, ...] = (
         _NORM_PUSH,
         _norm_element_groups,
     ),
+    # Layer normalisation of each of the N * R rows of D: its mean and 1/sqrt(biased var + eps)
+    # into stats[row], and Y = gamma[d] * (X - mean) * invstd + beta[d].
+    OpDef(
+        "layernorm",
+        "layernorm.comp",
+        ("X", "gamma", "beta", "Y", "stats"),
+        _LAYER_NORM_PUSH,
+        lambda p, local, spec: capped_groups(int(p["N"]) * int(p["R"]), 1),
+    ),
+    # Over the rows of the first n = stepvals[4] samples: dbeta[d] = sum dY, dgamma[d] = sum dY * xhat.
+    OpDef(
+        "layernorm_backward_reduce",
+        "layernorm_backward_reduce.comp",
+        ("dY", "X", "stats", "dgamma", "dbeta", "stepvals"),
+        _LAYER_NORM_PUSH,
+        lambda p, local, spec: capped_groups(int(p["D"]), 1),
+    ),
+    # dX = invstd * (g - mean(g) - xhat * mean(g * xhat)), g = dY * gamma, on real rows; 0 below.
+    OpDef(
+        "layernorm_backward_data",
+        "layernorm_backward_data.comp",
+        ("dY", "X", "stats", "gamma", "stepvals", "dX"),
+        _LAYER_NORM_PUSH,
+        lambda p, local, spec: capped_groups(int(p["N"]) * int(p["R"]), 1),
+    ),
     # In-place optimisers over a flat parameter range; step values [lr, 1-b1^t, 1-b2^t, t] per slot.
     OpDef(
         "sgd",
@@ -560,6 +587,9 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "batchnorm": ("Y",),
     "batchnorm_backward_reduce": ("stats", "dgamma", "dbeta"),
     "batchnorm_backward_data": ("dX",),
+    "layernorm": ("Y", "stats"),
+    "layernorm_backward_reduce": ("dgamma", "dbeta"),
+    "layernorm_backward_data": ("dX",),
     "sgd": ("P", "M"),
     "adam": ("P", "M", "V"),
     "fill": ("X",),

@@ -1,5 +1,6 @@
 // Workgroup reductions over rows, shared by argmax, softmax_xent, softmax_xent_totals and the
-// batch normalisation statistics (batchnorm_stats, batchnorm_backward_reduce).
+// batch normalisation statistics (batchnorm_stats, batchnorm_backward_reduce) and layer
+// normalisation (layernorm, layernorm_backward_data, layernorm_backward_reduce).
 // The including shader declares, before the #include:
 //     shared float partial[gl_WorkGroupSize.x];
 //     shared uint partial_index[gl_WorkGroupSize.x];

@@ -15,6 +15,13 @@ import json
 import numpy as np
 import pytest
 from conftest import relative_error
+from layer_programs import (
+    check_gradients_by_differences,
+    layer_batch,
+    layer_spec,
+    nudged_parameters,
+    run_train_program,
+)
 
 import flow
 from actors import checkpoint as checkpoints
@@ -47,7 +54,6 @@ from flow.spec import (
     RunSettings,
     Spec,
     Split,
-    Synthetic,
 )
 from flow.summary import summarize
 from flow.validation import validate
@@ -84,42 +90,12 @@ MODELS = [CNN, NORM_FIRST, SEQUENCE]
 IDS = ["cnn", "norm_first", "sequence"]
 
 
-def _spec(model: Model, batch: int, optimiser=None) -> Spec:
-    return Spec(
-        model=model,
-        optimiser=optimiser or SGD(lr=0.1),
-        data=Data(Synthetic(samples=64, features=model.input_shape, classes=4), batch_size=batch),
-    )
 
 
-def _batch(model: Model, rows: int, rng: np.random.Generator):
-    x = rng.standard_normal((rows, *model.input_shape)) * 2.0 + 0.5
-    if isinstance(model.loss, MSE):
-        return x, rng.standard_normal((rows, *infer_shapes(model)[-1]))
-    return x, rng.integers(0, 4, rows).astype(np.int32)
 
 
-def _train_program(device, backend, params, x, y, real: int | None = None):
-    """One train program with lr 0 (the update leaves the weights alone): the loss, the
-    gradients and the running statistics it leaves."""
-    for name, value in params.items():
-        backend.write(name, value)
-    backend.write("x", x)
-    backend.write("y", y)
-    real = x.shape[0] if real is None else real
-    backend.write("stepvals", np.array([0.0, 1.0, 1.0, 1.0, real, real], np.float32))
-    run_program(backend, device.program("train"))
-    grads = {p.name: backend.read(f"grad:{p.name}") for p in device.parameters if p.trainable}
-    kept = {p.name: backend.read(p.name) for p in device.parameters if not p.trainable}
-    return float(backend.read("loss")[0]), grads, kept
 
 
-def _random_params(device, rng):
-    """Initial values nudged, so that every BatchNorm scale and shift differs from 1 and 0."""
-    return {
-        name: value.astype(np.float64) + 0.1 * rng.standard_normal(value.shape)
-        for name, value in init_parameters(device, "xavier", int(rng.integers(1 << 30))).items()
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,10 +106,10 @@ def test_shapes_parameters_and_summary():
     assert infer_shapes(CNN) == [(4, 7, 5), (4, 7, 5), (4, 7, 5), (4, 4, 3), (5, 5, 4), (5,), (5,), (4,)]
     # Trainable parameters only: BatchNorm's scale and shift count, its running statistics do not.
     assert count_parameters(CNN) == 3 * 4 * 9 + 2 * 4 + (4 * 5 * 4 + 5) + 2 * 5 + (5 * 4 + 4)
-    summary = summarize(_spec(CNN, 4))
+    summary = summarize(layer_spec(CNN, 4))
     assert "AvgPool2d(3, stride=2, padding=1)" in summary and "BatchNorm1d(momentum=0.3)" in summary
     assert "GlobalAvgPool()" in summary and "(5,)" in summary
-    device = plan(_spec(CNN, 4)).devices[0]
+    device = plan(layer_spec(CNN, 4)).devices[0]
     kept = [p.name for p in device.parameters if not p.trainable]
     assert kept == [
         "layers[1].running_mean",
@@ -152,7 +128,7 @@ def test_spec_files_round_trip(tmp_path):
     model = dataclasses.replace(
         CNN, layers=(*CNN.layers[:1], BatchNorm2d(momentum=0.2, eps=1e-3), *CNN.layers[2:])
     )
-    spec = _spec(model, 8)
+    spec = layer_spec(model, 8)
     assert validate(spec) == []
     assert loads(dumps(spec)) == spec and dumps(loads(dumps(spec))) == dumps(spec)
     for name in ("spec.json", "spec.msgpack"):
@@ -198,13 +174,13 @@ def test_spec_files_round_trip(tmp_path):
     ],
 )  # fmt: skip
 def test_bad_layers_are_named_by_their_path(layers, input_shape, path, words):
-    spec = _spec(Model(input_shape=input_shape, layers=layers, loss=CrossEntropy()), 4)
+    spec = layer_spec(Model(input_shape=input_shape, layers=layers, loss=CrossEntropy()), 4)
     problems = validate(spec)
     assert len(problems) == 1 and problems[0].path == path and words in problems[0].message, problems
 
 
 def test_a_spec_file_with_a_kernel_larger_than_its_input_is_refused_with_the_path(tmp_path):
-    tree = encode(_spec(CNN, 4))
+    tree = encode(layer_spec(CNN, 4))
     tree["model"]["layers"][3] = {"kind": "AvgPool2d", "kernel": 9}
     (tmp_path / "bad.json").write_text(json.dumps(tree))
     with pytest.raises(
@@ -221,24 +197,7 @@ def test_a_spec_file_with_a_kernel_larger_than_its_input_is_refused_with_the_pat
 def test_whole_model_gradients_match_finite_differences(model, rng):
     """Gradients of the training loss (BatchNorm normalising by the batch, its derivative through
     the batch's mean and variance included) against central differences, in float64."""
-    rows = 5
-    device = plan(_spec(model, batch=rows)).devices[0]
-    backend = CpuBackend(precision="float64")
-    backend.open_layout(device.layout)
-    params = _random_params(device, rng)
-    x, y = _batch(model, rows, rng)
-    _, grads, _ = _train_program(device, backend, params, x, y)
-    eps = 1e-6
-    for name in grads:
-        value = params[name]
-        for index in rng.choice(value.size, size=min(5, value.size), replace=False):
-            shifted = {k: v.copy() for k, v in params.items()}
-            shifted[name].reshape(-1)[index] += eps
-            up, _, _ = _train_program(device, backend, shifted, x, y)
-            shifted[name].reshape(-1)[index] -= 2 * eps
-            down, _, _ = _train_program(device, backend, shifted, x, y)
-            numeric = (up - down) / (2 * eps)
-            assert grads[name].reshape(-1)[index] == pytest.approx(numeric, rel=1e-5, abs=1e-8), (name, index)
+    check_gradients_by_differences(model, rng, probes=5)
 
 
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
@@ -246,16 +205,16 @@ def test_partial_batch_matches_its_rows_alone(model, rng):
     """A batch of ``real`` rows in a plan for 9: the batch statistics, the loss, the gradients and
     the running statistics are those of a plan for exactly those rows, whatever the padding holds."""
     rows, real = 9, int(rng.integers(2, 9))
-    full = plan(_spec(model, batch=rows)).devices[0]
-    exact = plan(_spec(model, batch=real)).devices[0]
-    params = _random_params(full, rng)
-    x, y = _batch(model, rows, rng)
+    full = plan(layer_spec(model, batch=rows)).devices[0]
+    exact = plan(layer_spec(model, batch=real)).devices[0]
+    params = nudged_parameters(full, rng)
+    x, y = layer_batch(model, rows, rng)
     x[real:] = 50.0 * rng.standard_normal(x[real:].shape)
     results = []
     for device, count in ((full, rows), (exact, real)):
         backend = CpuBackend(precision="float64")
         backend.open_layout(device.layout)
-        results.append(_train_program(device, backend, params, x[:count], y[:count], real))
+        results.append(run_train_program(device, backend, params, x[:count], y[:count], real))
     (loss, grads, kept), (loss_exact, grads_exact, kept_exact) = results
     assert loss == pytest.approx(loss_exact, rel=1e-12)
     for name, value in {**grads_exact, **kept_exact}.items():
@@ -267,14 +226,14 @@ def test_train_and_eval_programs_agree_on_cpu_and_vulkan(model, rng, vulkan_back
     """The same train program (with a partial batch) on Vulkan and on the float64 CPU backend:
     loss, gradients and running statistics; then the eval program, which normalises by them."""
     rows, real = 6, 5
-    device = plan(_spec(model, batch=rows)).devices[0]
-    params = {k: v.astype(np.float32) for k, v in _random_params(device, rng).items()}
-    x, y = _batch(model, rows, rng)
+    device = plan(layer_spec(model, batch=rows)).devices[0]
+    params = {k: v.astype(np.float32) for k, v in nudged_parameters(device, rng).items()}
+    x, y = layer_batch(model, rows, rng)
     x = x.astype(np.float32)
     results = []
     for backend in (CpuBackend(precision="float64"), vulkan_backend):
         backend.open_layout(device.layout)
-        loss, grads, kept = _train_program(device, backend, params, x, y, real)
+        loss, grads, kept = run_train_program(device, backend, params, x, y, real)
         run_program(backend, device.program("eval"))
         results.append((loss, grads, kept, float(backend.read("loss")[0])))
     (loss, grads, kept, evaluated), (gpu_loss, gpu_grads, gpu_kept, gpu_evaluated) = results
@@ -298,7 +257,7 @@ def test_train_and_eval_programs_agree_on_cpu_and_vulkan(model, rng, vulkan_back
 def test_running_statistics_are_state_the_optimiser_never_moves(optimiser, rng):
     """Running statistics follow the batches alone (PyTorch's momentum rule, unbiased variance),
     however hard the optimiser and its weight decay push, while the scale and shift train."""
-    device = plan(_spec(NORM_FIRST, batch=6, optimiser=optimiser)).devices[0]
+    device = plan(layer_spec(NORM_FIRST, batch=6, optimiser=optimiser)).devices[0]
     update = device.program("train").launches[-1]
     assert update.op in ("sgd", "adam")
     for p in device.parameters:
@@ -322,7 +281,7 @@ def test_running_statistics_are_state_the_optimiser_never_moves(optimiser, rng):
 
 def test_prediction_normalises_by_the_running_statistics(rng):
     model = Model(input_shape=(5,), layers=(BatchNorm1d(eps=1e-2), Linear(3)), loss=MSE())
-    device = plan(_spec(model, batch=4)).devices[0]
+    device = plan(layer_spec(model, batch=4)).devices[0]
     engine = Engine(device, CpuBackend())
     values = {
         "layers[0].weight": rng.standard_normal(5),

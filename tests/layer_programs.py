@@ -1,0 +1,79 @@
+"""Helpers that tests of whole layers share: a spec around a model, a random batch for it, nudged
+starting parameters, and one train program run by hand on a backend."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.backend import run_program
+from flow.planning import init_parameters
+from flow.shapes import infer_shapes
+from flow.spec import MSE, SGD, Data, Model, Spec, Synthetic
+
+
+def layer_spec(model: Model, batch: int, optimiser=None) -> Spec:
+    """``model`` on a small Synthetic set of 4 classes, in batches of ``batch``."""
+    return Spec(
+        model=model,
+        optimiser=optimiser or SGD(lr=0.1),
+        data=Data(Synthetic(samples=64, features=model.input_shape, classes=4), batch_size=batch),
+    )
+
+
+def layer_batch(model: Model, rows: int, rng: np.random.Generator):
+    """(x, y) of ``rows`` rows: inputs offset and scaled away from N(0, 1), class ids or targets."""
+    x = rng.standard_normal((rows, *model.input_shape)) * 2.0 + 0.5
+    if isinstance(model.loss, MSE):
+        return x, rng.standard_normal((rows, *infer_shapes(model)[-1]))
+    return x, rng.integers(0, 4, rows).astype(np.int32)
+
+
+def nudged_parameters(device, rng) -> dict[str, np.ndarray]:
+    """Initial values nudged, so that every normalisation's scale and shift differs from 1 and 0."""
+    return {
+        name: value.astype(np.float64) + 0.1 * rng.standard_normal(value.shape)
+        for name, value in init_parameters(device, "xavier", int(rng.integers(1 << 30))).items()
+    }
+
+
+def run_train_program(device, backend, params, x, y, real: int | None = None):
+    """One train program with lr 0 (the update leaves the weights alone): the loss, the gradients
+    of the trainable parameters and the values of the others (running statistics) it leaves."""
+    for name, value in params.items():
+        backend.write(name, value)
+    backend.write("x", x)
+    backend.write("y", y)
+    real = x.shape[0] if real is None else real
+    backend.write("stepvals", np.array([0.0, 1.0, 1.0, 1.0, real, real], np.float32))
+    run_program(backend, device.program("train"))
+    grads = {p.name: backend.read(f"grad:{p.name}") for p in device.parameters if p.trainable}
+    kept = {p.name: backend.read(p.name) for p in device.parameters if not p.trainable}
+    return float(backend.read("loss")[0]), grads, kept
+
+
+def check_gradients_by_differences(model: Model, rng: np.random.Generator, probes: int = 4) -> None:
+    """The train program's gradients of ``model`` (float64 CPU backend, 5 rows) against central
+    differences of its loss, at ``probes`` random elements of every trainable parameter."""
+    import pytest
+
+    from actors.cpu_backend import CpuBackend
+    from flow.planning import plan
+
+    rows = 5
+    device = plan(layer_spec(model, batch=rows)).devices[0]
+    backend = CpuBackend(precision="float64")
+    backend.open_layout(device.layout)
+    params = nudged_parameters(device, rng)
+    x, y = layer_batch(model, rows, rng)
+    _, grads, _ = run_train_program(device, backend, params, x, y)
+    eps = 1e-6
+    for name in grads:
+        value = params[name]
+        for index in rng.choice(value.size, size=min(probes, value.size), replace=False):
+            shifted = {k: v.copy() for k, v in params.items()}
+            shifted[name].reshape(-1)[index] += eps
+            up, _, _ = run_train_program(device, backend, shifted, x, y)
+            shifted[name].reshape(-1)[index] -= 2 * eps
+            down, _, _ = run_train_program(device, backend, shifted, x, y)
+            numeric = (up - down) / (2 * eps)
+            assert grads[name].reshape(-1)[index] == pytest.approx(numeric, rel=1e-5, abs=1e-8), (name, index)
