@@ -61,6 +61,7 @@ from flow.parallel_plan import World, world_from_env
 from flow.pipeline_plan import ActorPlan
 from flow.planning import Plan, plan
 from flow.spec import Devices, Spec
+from flow.validation import check
 from shaders import gemm_tuning
 
 logger = logging.getLogger("vkflow")
@@ -317,6 +318,7 @@ class Runtime:
         pipeline, the data against the model and the memory budget all at once. Only then is the
         device opened and its programs recorded, every one of them before the first step."""
         spec = self.spec
+        check(spec)  # a bad spec (arrays that do not fit, say) is named by its paths, before any effect
         header = None
         if self.mode == "train":
             # Another run's checkpoints or metrics, or a live run writing them: refused at once.
