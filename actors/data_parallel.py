@@ -39,6 +39,7 @@ from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
 from actors.meter import Meter
 from actors.statistics import ActorStatistics
+from flow.graph import optimised_floats
 from flow.optim import device_learning_rate
 from flow.parallel_plan import DataParallelPlan
 from flow.spec_model import CrossEntropy
@@ -181,6 +182,9 @@ class DataParallelActor:
         self.reduce_s = 0.0  # host time spent summing and redistributing gradients
         self.member_rows = [0] * len(self.engines)
         self._scratch: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the all-reduce's host arrays
+        # The ranks compare the trainable weights: running statistics (BatchNorm) are each rank's
+        # own, from its own shards, as under DDP without buffer broadcasts.
+        self._trainable = optimised_floats(engines[0].plan.model, engines[0].plan.total_params)
         self.member_seconds = [0.0] * len(self.engines)
 
     async def run(self) -> None:
@@ -207,7 +211,7 @@ class DataParallelActor:
         """The leader's state for a checkpoint, once every rank's weights are seen to agree."""
         state = self.engines[0].state()
         if self.ranks is not None:
-            self.ranks.check_weights(state["params:all"], step)
+            self.ranks.check_weights(state["params:all"][: self._trainable], step)
         return state
 
     # -- one batch, blocking ---------------------------------------------------------------------
@@ -235,7 +239,7 @@ class DataParallelActor:
             sums = self._all_reduce_and_update([i for i, _ in ran], step, sums)
             self.applied = batch.after()
             if self.ranks is not None and self.applied.step % self.ranks.world.check_every == 0:
-                self.ranks.check_weights(self.engines[0].weights(), self.applied.step)
+                self.ranks.check_weights(self.engines[0].weights()[: self._trainable], self.applied.step)
         elif self.ranks is not None:
             what = f"the sums of {batch.split} batch {batch.seq}"
             _, sums = self.ranks.sum_in_rank_order(np.empty(0, np.float32), sums, what)

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
+from actors.collective import RanksError
+from actors.device import DeviceHung
 from actors.health import NonFiniteLoss
 from flow.codec import load as load_spec
 from flow.errors import FlowError
@@ -64,7 +66,9 @@ def user_error(error: BaseException, spec_file: str = "") -> list[str] | None:
     (CheckpointError and the resume checks, which are ValueErrors), a file that cannot be read
     (OSError), a device that is not there (the plain LookupError of device selection; KeyError and
     IndexError are LookupErrors too, but there they are bugs), a run that diverged (NonFiniteLoss: a
-    learning rate too high, or NaN in the data), and an actor failing with one of these.
+    learning rate too high, or NaN in the data), a device that stopped answering (DeviceHung) or
+    ranks of an MPI job that disagree (RanksError), each naming the device or the ranks, and an
+    actor failing with one of these.
 
     Args:
         error: what the run raised.
@@ -78,7 +82,8 @@ def user_error(error: BaseException, spec_file: str = "") -> list[str] | None:
     if isinstance(error, FlowError):
         prefix = f"{spec_file}: " if spec_file else ""
         return [prefix + " ".join(str(problem).split()) for problem in error.problems]
-    if isinstance(error, LoaderError | ValueError | OSError | NonFiniteLoss) or type(error) is LookupError:
+    named = LoaderError | ValueError | OSError | NonFiniteLoss | DeviceHung | RanksError
+    if isinstance(error, named) or type(error) is LookupError:
         return [" ".join(str(error).split()) or type(error).__name__]
     return None
 

@@ -249,3 +249,36 @@ def test_plan_shows_the_ranks_part_of_each_global_batch():
                           env=env, cwd=ROOT, check=True).stdout  # fmt: skip
     assert "MPI rank 1 of 3: 21 rows of each global batch of 64" in text
     assert "data parallel over 1 device: rows of a batch of 21 [21]" in text
+
+
+@needs_mpi
+def test_two_ranks_with_running_statistics_train_and_agree_on_the_weights(tmp_path):
+    """BatchNorm's running statistics come from each rank's own shards (as under DDP without buffer
+    broadcasts), so the ranks compare their trainable weights only: a BatchNorm model trains to the
+    end with the weights checked after every step, to the bits of one process of two CPU members."""
+    from flow.spec import BatchNorm1d, Linear
+
+    spec = synthetic_spec(epochs=2)
+    layers = (Linear(12, activation="relu"), BatchNorm1d(), Linear(3))
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=layers))
+    done, _ = _mpiexec(tmp_path, 2, "-m", "flow", "run", _written(tmp_path, "mpi", spec),
+                       env={"VKFLOW_CHECK_EVERY": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("steps: 26") == 1, done.stdout
+    # Rank 0's checkpoint: the same bits as member 0's of one process (both normalise by the same
+    # shards; the leader's running statistics are shard 0's there too).
+    flow.run(tmp_path / _written(tmp_path, "one", _on(spec, ("cpu", "cpu"))))
+    np.testing.assert_array_equal(_final(tmp_path, "mpi"), _final(tmp_path, "one"))
+
+
+def test_run_failures_that_name_a_device_or_ranks_print_one_line():
+    from actors.collective import RanksError
+    from actors.device import DeviceHung
+    from flow.run_command import user_error
+    from flow.runtime import ActorError
+
+    hung = DeviceHung("device 1 (cpu (numpy)) did not finish its work within 2.5 s")
+    assert user_error(ActorError("device", hung)) == [str(hung)]
+    drift = RanksError("the weights of rank 1 differ from rank 0's after step 4")
+    assert user_error(ActorError("device", drift)) == [str(drift)]
+    assert user_error(ActorError("device", RuntimeError("a bug"))) is None  # vkflow's own: a traceback
