@@ -34,9 +34,9 @@ import trio
 
 from actors.backend import Backend
 from actors.collective import Ranks
-from actors.device import _PROGRAMS, DEVICE_DEADLINE_S, _EvalSums, wait_for_device
+from actors.device import _PROGRAMS, DEVICE_DEADLINE_S, EvalRound, wait_for_device
 from actors.engine import Engine
-from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
+from actors.messages import Batch, CheckpointMark, Cursor, Prediction, Snapshot, StepDone
 from actors.meter import Meter
 from actors.statistics import ActorStatistics
 from flow.graph import optimised_floats
@@ -90,11 +90,13 @@ def host_all_reduce(
     """
     if scratch is None:
         scratch = {}
-    if tensor not in scratch:
-        shape, dtype = sources[0].read(tensor).shape, np.float32
-        scratch[tensor] = (np.empty(shape, dtype), np.empty(shape, dtype))
-    total, part = scratch[tensor]
-    _read_into(sources[0], tensor, total)
+    if tensor in scratch:
+        total, part = scratch[tensor]
+        _read_into(sources[0], tensor, total)
+    else:  # the first read makes the arrays kept from then on
+        total = sources[0].read(tensor)
+        part = np.empty_like(total)
+        scratch[tensor] = (total, part)
     for backend in sources[1:]:
         _read_into(backend, tensor, part)
         total += part
@@ -173,12 +175,11 @@ class DataParallelActor:
         self.deadline_s = deadline_s
         self.parallel = parallel
         self.optimiser = engines[0].plan.optimiser
-        self.classifies = isinstance(engines[0].plan.model.loss, CrossEntropy)
+        self._eval = EvalRound(isinstance(engines[0].plan.model.loss, CrossEntropy))
         self.inline = inline and ranks is None  # a collective never waits on the event loop
         self.ranks = ranks
         self.limiter = trio.CapacityLimiter(1)
         self.applied = start or Cursor()  # the cursor of the last training batch applied
-        self._eval = _EvalSums()
         self.reduce_s = 0.0  # host time spent summing and redistributing gradients
         self.member_rows = [0] * len(self.engines)
         self._scratch: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the all-reduce's host arrays
@@ -308,14 +309,7 @@ class DataParallelActor:
             if rows == 0:
                 self.applied = batch.after()
             return StepDone(batch.step, batch.epoch, batch.position, loss, correct, rows, lr)
-        if rows:
-            self._eval.add(loss, correct, rows)
-        if not batch.last:
-            return None
-        sums, self._eval = self._eval, _EvalSums()
-        rows = max(sums.rows, 1)
-        accuracy = sums.correct / rows if self.classifies else math.nan
-        return EvalDone(batch.step, batch.epoch, sums.loss / rows, accuracy, sums.rows, batch.split)
+        return self._eval.add(batch, loss, correct, rows)
 
     # -- outside the run -------------------------------------------------------------------------
     def snapshot_now(self) -> Snapshot:

@@ -175,16 +175,32 @@ class _Forward:
     message: object
 
 
-@dataclass
-class _EvalSums:
-    loss: float = 0.0
-    correct: float = 0.0
-    rows: int = 0
+class EvalRound:
+    """Sums an evaluation round's batches and reports the round at its last batch (the device
+    actor's and the data-parallel actor's rounds alike).
 
-    def add(self, loss: float, correct: float, rows: int) -> None:
-        self.loss += loss * rows  # the program reports the batch mean
-        self.correct += correct
-        self.rows += rows
+    Args:
+        classifies: the model counts correct answers (CrossEntropy); else accuracy is NaN.
+    """
+
+    def __init__(self, classifies: bool) -> None:
+        self.classifies = classifies
+        self._loss, self._correct, self._rows = 0.0, 0.0, 0
+
+    def add(self, batch: Batch, loss: float, correct: float, rows: int) -> EvalDone | None:
+        """Add a finished batch of ``rows`` real rows (0: nothing ran, every sample skipped) whose
+        program reported the batch mean ``loss``; the round's EvalDone at its last batch, else None."""
+        if rows:
+            self._loss += loss * rows  # the program reports the batch mean
+            self._correct += correct
+            self._rows += rows
+        if not batch.last:
+            return None
+        loss_sum, correct_sum, seen = self._loss, self._correct, self._rows
+        self._loss, self._correct, self._rows = 0.0, 0.0, 0
+        rows = max(seen, 1)
+        accuracy = correct_sum / rows if self.classifies else math.nan
+        return EvalDone(batch.step, batch.epoch, loss_sum / rows, accuracy, seen, batch.split)
 
 
 class DeviceActor:
@@ -214,12 +230,11 @@ class DeviceActor:
         self.deadline_s = deadline_s
         self.thread_waits = 0  # waits for a step that outlasted the spin and went to a thread
         self.optimiser = engine.plan.optimiser
-        self.classifies = isinstance(engine.plan.model.loss, CrossEntropy)
+        self._eval = EvalRound(isinstance(engine.plan.model.loss, CrossEntropy))
         self.inline = inline
         self.limiter = trio.CapacityLimiter(1)  # fence waits get their own threads, never the shared pool's
         self.applied = start or Cursor()  # the cursor of the last training batch submitted
         self.outstanding: deque[int] = deque()  # tickets submitted and not yet waited for
-        self._eval = _EvalSums()
         self.slots = slots if slots is not None else InputSlots(engine.slots)
         self._handoff: _Handoff | None = None  # the batch waiting for a slot, if any
         self.spin_s = 0.0 if engine.backend.facts.kind == "cpu" else SPIN_S
@@ -321,14 +336,7 @@ class DeviceActor:
         loss, correct = (math.nan, 0.0) if empty else self.engine.loss_and_correct(job.slot)
         if batch.split == "train":
             return StepDone(batch.step, batch.epoch, batch.position, loss, correct, batch.rows, job.lr)
-        if not empty:
-            self._eval.add(loss, correct, batch.rows)
-        if not batch.last:
-            return None
-        sums, self._eval = self._eval, _EvalSums()
-        rows = max(sums.rows, 1)
-        accuracy = sums.correct / rows if self.classifies else math.nan
-        return EvalDone(batch.step, batch.epoch, sums.loss / rows, accuracy, sums.rows, batch.split)
+        return self._eval.add(batch, loss, correct, 0 if empty else batch.rows)
 
     async def _snapshot(self, barrier: _Barrier) -> None:
         if self.inline:

@@ -80,6 +80,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import common
 import numpy as np
@@ -407,7 +408,6 @@ def torch_once(
     start = time.perf_counter()
     images = np.array(read_idx(data.train_images))  # a writable copy, as torch wants
     labels = np.array(read_idx(data.train_labels)).astype(np.int64)
-    n = len(labels)
     torch.manual_seed(seed)
     net = torch_net(torch, model, sizes).to(device)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
@@ -433,22 +433,10 @@ def torch_once(
         x_all = torch.from_numpy(images).to(device).unsqueeze(1).float().div_(255.0)
         y_all = torch.from_numpy(labels).to(device)
         if variant == "eager_resident":
-
-            def epoch() -> None:
-                order = torch.randperm(n, device=device)
-                for first in range(0, n, BATCH):
-                    rows = order[first : first + BATCH]
-                    step(x_all[rows], y_all[rows])
-
+            epoch = resident_epoch(torch, step, x_all, y_all)
         else:
             epoch = graph_epoch(torch, net, opt, x_all, y_all, last_loss)
-    sync()
-    times = []
-    for _ in range(epochs):
-        begun = time.perf_counter()
-        epoch()
-        sync()
-        times.append(time.perf_counter() - begun)
+    times = timed_epochs(epoch, epochs, sync)
     wall = time.perf_counter() - start
     loss = float(last_loss[0].detach().cpu()) if last_loss[0] is not None else math.nan
 
@@ -462,6 +450,32 @@ def torch_once(
         predicted = torch.cat([net(chunk).argmax(dim=1) for chunk in test_x.split(2000)]).cpu().numpy()
     eval_s = time.perf_counter() - begun
     return Outcome(wall, tuple(times), float(np.mean(predicted == test_y)), loss, eval_s)
+
+
+def resident_epoch(torch, step: Callable, x_all, y_all) -> Callable[[], None]:
+    """An epoch over data already on the GPU: a fresh permutation there, each batch gathered by
+    indexing and handed to ``step(x, y)``."""
+    n = x_all.shape[0]
+
+    def epoch() -> None:
+        order = torch.randperm(n, device=x_all.device)
+        for first in range(0, n, BATCH):
+            rows = order[first : first + BATCH]
+            step(x_all[rows], y_all[rows])
+
+    return epoch
+
+
+def timed_epochs(epoch: Callable[[], None], epochs: int, sync: Callable[[], None]) -> list[float]:
+    """Run ``epochs`` epochs, each timed on the host clock up to ``sync()`` (the GPU done)."""
+    sync()
+    times = []
+    for _ in range(epochs):
+        begun = time.perf_counter()
+        epoch()
+        sync()
+        times.append(time.perf_counter() - begun)
+    return times
 
 
 def graph_epoch(torch, net, opt, x_all, y_all, last_loss: list) -> Callable[[], None]:
@@ -544,9 +558,7 @@ class RealWorldReporter(Reporter):
             cells = []
             for metric in METRICS:
                 row = by_metric.get(metric)
-                cells.append(
-                    "-" if row is None else f"{_fmt(row['median'])} [{_fmt(row['min'])}, {_fmt(row['max'])}]"
-                )
+                cells.append(spread_cell(row))
             lines.append((model, impl, *cells))
         text = aligned(lines)
         if notes:
@@ -554,12 +566,17 @@ class RealWorldReporter(Reporter):
         return text
 
 
-def _fmt(value) -> str:
+def fmt(value) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "nan"
     if abs(value) >= 1000:
         return f"{value:,.0f}"
     return f"{value:.4g}"
+
+
+def spread_cell(row: dict | None) -> str:
+    """A figure's table cell: "median [min, max]", or "-" where there is none."""
+    return "-" if row is None else f"{fmt(row['median'])} [{fmt(row['min'])}, {fmt(row['max'])}]"
 
 
 def aligned(lines: list[tuple[str, ...]]) -> str:
@@ -635,6 +652,26 @@ def report(
     return medians
 
 
+def warm_then_timed(
+    once: Callable[[int], Any], warmup: int, reps: int, name: str, describe: Callable[[Any], str]
+) -> tuple[list, list]:
+    """``warmup`` untimed runs of ``once(index)``, then ``reps`` timed ones, each logged as
+    "<name> warm-up 1/2: <describe(outcome)> (<seconds> s)".
+
+    Returns:
+        (the warm-up outcomes, the timed ones).
+    """
+    cold, timed = [], []
+    for index in range(warmup + reps):
+        warm = index < warmup
+        began = time.perf_counter()
+        outcome = once(index)
+        kind, number, count = ("warm-up", index + 1, warmup) if warm else ("rep", index - warmup + 1, reps)
+        log(f"{name} {kind} {number}/{count}: {describe(outcome)} ({time.perf_counter() - began:.1f} s)")
+        (cold if warm else timed).append(outcome)
+    return cold, timed
+
+
 def measure(
     rep: Reporter,
     args,
@@ -648,21 +685,14 @@ def measure(
 ) -> dict[str, float] | None:
     """``args.warmup`` untimed runs and ``args.reps`` timed ones of ``once(seed)``, then the figures."""
 
+    def describe(outcome: Outcome) -> str:
+        return (
+            f"wall {outcome.wall_s:.3f} s, steady epoch {outcome.steady():.4f} s, "
+            f"accuracy {outcome.accuracy:.4f}, loss {outcome.loss:.4f}"
+        )
+
     def runs() -> dict[str, float]:
-        cold, timed = [], []
-        total = args.warmup + args.reps
-        for index in range(total):
-            began = time.perf_counter()
-            outcome = once(index)
-            kind = "warm-up" if index < args.warmup else "rep"
-            number = index + 1 if index < args.warmup else index - args.warmup + 1
-            count = args.warmup if index < args.warmup else args.reps
-            log(
-                f"[{model}] {impl} {kind} {number}/{count}: wall {outcome.wall_s:.3f} s, steady epoch "
-                f"{outcome.steady():.4f} s, accuracy {outcome.accuracy:.4f}, loss {outcome.loss:.4f} "
-                f"({time.perf_counter() - began:.1f} s with the test)"
-            )
-            (cold if index < args.warmup else timed).append(outcome)
+        cold, timed = warm_then_timed(once, args.warmup, args.reps, f"[{model}] {impl}", describe)
         return report(rep, model, shape, impl, device, timed, cold, samples, epochs)
 
     return rep.guarded(BENCH, impl, runs, model=model, shape=shape)
@@ -768,20 +798,31 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    sizes = QUICK if args.quick else FULL
-    started = time.perf_counter()
+def open_both(device: str) -> tuple[object, str, object, str]:
+    """torch (with its CUDA context made, once, before any timing) and the Vulkan backend, each
+    with what the figures' lines call its device; a missing side is None, with the reason.
+
+    Returns:
+        (torch, torch's device, the backend, vkflow's device or why there is none).
+    """
     torch, torch_device = common.open_torch()
     if torch is not None and torch.cuda.is_available():
-        torch.zeros(1, device="cuda").sum().item()  # the CUDA context, made once before any timing
-    backend, why = open_vulkan(args.device)
+        torch.zeros(1, device="cuda").sum().item()
+    backend, why = open_vulkan(device)
     if backend is None:
         vk_device = f"no Vulkan: {why}"
         print(f"vkflow: {vk_device}")
     else:
         vk_device = backend.facts.name
         print(f"vkflow on {vk_device} ({backend.facts.driver_version}, Vulkan {backend.facts.api_version})")
+    return torch, torch_device, backend, vk_device
+
+
+def main() -> None:
+    args = parse_args()
+    sizes = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    torch, torch_device, backend, vk_device = open_both(args.device)
     with tempfile.TemporaryDirectory(prefix="bench-realworld-") as tmp:
         folder = Path(tmp)
         began = time.perf_counter()

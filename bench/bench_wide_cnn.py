@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -83,8 +82,18 @@ from pathlib import Path
 
 import common
 import numpy as np
-from bench_realworld import aligned, epochs_from_metrics, spread
-from common import Reporter, open_vulkan, section
+from bench_realworld import (
+    aligned,
+    epochs_from_metrics,
+    fmt,
+    open_both,
+    resident_epoch,
+    spread,
+    spread_cell,
+    timed_epochs,
+    warm_then_timed,
+)
+from common import Reporter, section
 
 BENCH = "wide_cnn"
 METRICS = ("wall_s", "epoch_s", "samples_per_s")
@@ -112,10 +121,6 @@ class Sizes:
 
 FULL = Sizes(samples=20480, channels=(64, 128, 256), epochs=3, reps=5, warmup=1)
 QUICK = Sizes(samples=1024, channels=(4, 8, 16), epochs=2, reps=1, warmup=0)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def shape_of(sizes: Sizes) -> str:
@@ -263,19 +268,7 @@ def torch_once(torch, sizes: Sizes, bf16: bool, epochs: int, seed: int) -> Outco
         opt.step()
         last_loss[0] = loss
 
-    def epoch() -> None:
-        order = torch.randperm(n, device=device)
-        for first in range(0, n, BATCH):
-            rows = order[first : first + BATCH]
-            step(x_all[rows], y_all[rows])
-
-    sync()
-    times = []
-    for _ in range(epochs):
-        begun = time.perf_counter()
-        epoch()
-        sync()
-        times.append(time.perf_counter() - begun)
+    times = timed_epochs(resident_epoch(torch, step, x_all, y_all), epochs, sync)
     wall = time.perf_counter() - start
     loss = float(last_loss[0].detach().float().cpu()) if last_loss[0] is not None else math.nan
     return Outcome(wall, tuple(times), loss)
@@ -316,9 +309,7 @@ class WideCNNReporter(Reporter):
             cells = []
             for metric in METRICS:
                 row = by_metric.get(metric)
-                cells.append(
-                    "-" if row is None else f"{fmt(row['median'])} [{fmt(row['min'])}, {fmt(row['max'])}]"
-                )
+                cells.append(spread_cell(row))
             first = next(iter(by_metric.values()))
             loss = fmt(by_metric["wall_s"]["loss"]) if "wall_s" in by_metric else "-"
             lines.append((impl, first["precision"], *cells, loss, first["device"]))
@@ -326,14 +317,6 @@ class WideCNNReporter(Reporter):
         if notes:
             parts.append(aligned([("ratio / impl", "metric / status", "value / reason"), *notes]))
         return "\n\n".join(parts)
-
-
-def fmt(value) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "nan"
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.4g}"
 
 
 def report(
@@ -384,26 +367,17 @@ def measure(
     large to keep on the device) gives a "not available" line; any other exception an "error" line."""
     from flow import PlanError
 
+    def describe(outcome: Outcome) -> str:
+        epochs = ", ".join(f"{s:.3f}" for s in outcome.epoch_s)
+        return f"wall {outcome.wall_s:.3f} s, epochs {epochs} s, loss {outcome.loss:.4f}"
+
     def runs() -> dict[str, float] | None:
-        cold, timed = [], []
-        for index in range(args.warmup + args.reps):
-            warm = index < args.warmup
-            began = time.perf_counter()
-            try:
-                outcome = once(index)
-            except PlanError as error:
-                reason = " ".join(str(error).split())
-                rep.missing(BENCH, impl, "not available", reason, shape=shape, precision=precision)
-                return None
-            kind, number, count = (
-                ("warm-up", index + 1, args.warmup) if warm else ("rep", index - args.warmup + 1, args.reps)
-            )
-            log(
-                f"{impl} {kind} {number}/{count}: wall {outcome.wall_s:.3f} s, epochs "
-                f"{', '.join(f'{s:.3f}' for s in outcome.epoch_s)} s, loss {outcome.loss:.4f} "
-                f"({time.perf_counter() - began:.1f} s)"
-            )
-            (cold if warm else timed).append(outcome)
+        try:
+            cold, timed = warm_then_timed(once, args.warmup, args.reps, impl, describe)
+        except PlanError as error:
+            reason = " ".join(str(error).split())
+            rep.missing(BENCH, impl, "not available", reason, shape=shape, precision=precision)
+            return None
         return report(rep, impl, device, precision, shape, timed, cold)
 
     return rep.guarded(BENCH, impl, runs, shape=shape, precision=precision)
@@ -447,17 +421,8 @@ def main() -> None:
     sizes: Sizes = args.sizes
     shape = shape_of(sizes)
     started = time.perf_counter()
-    torch, torch_device = common.open_torch()
+    torch, torch_device, backend, vk_device = open_both(args.device)
     cuda = torch is not None and torch.cuda.is_available()
-    if cuda:
-        torch.zeros(1, device="cuda").sum().item()  # the CUDA context, made once before any timing
-    backend, why = open_vulkan(args.device)
-    if backend is None:
-        vk_device = f"no Vulkan: {why}"
-        print(f"vkflow: {vk_device}")
-    else:
-        vk_device = backend.facts.name
-        print(f"vkflow on {vk_device} ({backend.facts.driver_version}, Vulkan {backend.facts.api_version})")
     rep = WideCNNReporter(args.out, sizes.samples)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-wide-cnn-") as tmp:

@@ -37,8 +37,9 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vkflow"))
 
 
-@pytest.fixture(scope="session")
-def vulkan_backend():
+def open_vulkan_or_skip():
+    """A VulkanBackend of the caller's own, or the test skipped without a driver (never silently
+    in CI: with VKFLOW_REQUIRE_VULKAN=1 the error stands)."""
     try:
         from actors.vulkan import VulkanBackend, VulkanUnavailable
     except ImportError as error:  # the vulkan package itself is missing
@@ -46,11 +47,16 @@ def vulkan_backend():
             raise
         pytest.skip(f"vulkan package unavailable: {error}")
     try:
-        backend = VulkanBackend()
+        return VulkanBackend()
     except VulkanUnavailable as error:
         if os.environ.get("VKFLOW_REQUIRE_VULKAN") == "1":
             raise
         pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def vulkan_backend():
+    backend = open_vulkan_or_skip()
     yield backend
     backend.close()
 

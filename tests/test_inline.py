@@ -6,11 +6,11 @@ waits off the CPU goes to threads with probes that back off; an in-memory source
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 import trio
+from fake_sources import CostlySource
 from specs import synthetic_spec
 
 from actors.inline import MAX_PROBE_GAP, WINDOW, CostWindow, InlineOrThread, InlinePolicy
@@ -155,26 +155,10 @@ async def test_inline_or_thread_reports_each_items_cost_to_its_policy():
     assert len(pinned.policy.cpu) == 0  # a forced policy's items are not timed
 
 
-class BurningSource:
-    """Reads that burn ``cost`` seconds of CPU, noting whether each ran on the event loop's thread."""
-
-    def __init__(self, cost: float, in_memory: bool) -> None:
-        self.cost = cost
-        self.in_memory = in_memory
-        self.on_loop: list[bool] = []
-
-    def read(self, indices):
-        self.on_loop.append(threading.current_thread() is threading.main_thread())
-        end = time.thread_time() + self.cost
-        while time.thread_time() < end:
-            pass
-        return np.zeros((len(indices), 2), np.float32), np.zeros(len(indices), np.int32), 0
-
-
 @pytest.mark.parametrize("in_memory", [True, False])
 async def test_the_loader_pins_an_in_memory_source_inline_and_counts_reads_in_threads(in_memory):
     # Reads 4x the threshold: measured, they go to threads; declared in memory, they never do.
-    source = BurningSource(1e-3, in_memory)
+    source = CostlySource(1e-3, in_memory)
     stream = (Read(seq, "train", seq, 0, seq, np.arange(4)) for seq in range(30))
     send, receive = trio.open_memory_channel(100)
     loader = Loader(Meter("loader", None, [send]), source, stream, workers=2)

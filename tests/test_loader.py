@@ -6,12 +6,11 @@ slot back)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 
 import numpy as np
 import pytest
 import trio
+from fake_sources import CostlySource
 
 from actors.device import InputSlots
 from actors.loader import Loader, Read, after_step, jobs, next_cursor
@@ -53,21 +52,6 @@ def test_a_resumed_stream_is_the_tail_of_the_uninterrupted_one():
         tail = [key(j) for j in jobs(cursor, schedule, train, val)]
         cut = full.index(("mark", cursor, cursor.step == 13)) + 1
         assert tail == full[cut:] or cursor.step == 13
-
-
-class CostlySource:
-    """Reads that burn ``cost`` seconds of CPU, noting whether each ran on the event loop's thread."""
-
-    def __init__(self, cost: float) -> None:
-        self.cost = cost
-        self.on_loop: list[bool] = []
-
-    def read(self, indices):
-        self.on_loop.append(threading.current_thread() is threading.main_thread())
-        end = time.thread_time() + self.cost
-        while time.thread_time() < end:
-            pass
-        return np.zeros((len(indices), 2), np.float32), np.zeros(len(indices), np.int32), 0
 
 
 @pytest.mark.parametrize("cost", [0.0, 0.003])

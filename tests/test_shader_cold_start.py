@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import open_vulkan_or_skip
 
 from flow.program import Arena, Layout, Program, Tensor, launch
 from shaders import compiler
@@ -173,23 +174,6 @@ def test_initial_data_ignores_missing_corrupt_foreign_and_oversized_files(
 # -- on a real device ---------------------------------------------------------------------------
 
 
-def _open_backend():
-    """A VulkanBackend of its own (the session one's pipeline cache belongs to the real user cache),
-    skipped the way conftest's vulkan_backend fixture skips."""
-    try:
-        from actors.vulkan import VulkanBackend, VulkanUnavailable
-    except ImportError as error:  # the vulkan package itself is missing
-        if os.environ.get("VKFLOW_REQUIRE_VULKAN") == "1":
-            raise
-        pytest.skip(f"vulkan package unavailable: {error}")
-    try:
-        return VulkanBackend()
-    except VulkanUnavailable as error:
-        if os.environ.get("VKFLOW_REQUIRE_VULKAN") == "1":
-            raise
-        pytest.skip(str(error))
-
-
 def _fill_and_read(backend, value: float) -> np.ndarray:
     from actors.backend import run_program
 
@@ -212,7 +196,7 @@ def test_a_cold_start_compiles_before_recording_and_the_pipeline_cache_persists(
     from actors.vulkan.pipeline_cache import cache_path, header_matches, initial_data, unseal
 
     cache = spirv_cache("cold")
-    backend = _open_backend()
+    backend = open_vulkan_or_skip()
     try:
         np.testing.assert_array_equal(_fill_and_read(backend, 2.5), np.full(37, 2.5, np.float32))
         assert len(list((cache / "spirv").glob("fill-*.spv"))) == 1
@@ -225,7 +209,7 @@ def test_a_cold_start_compiles_before_recording_and_the_pipeline_cache_persists(
     saved = unseal(path.read_bytes())
     assert saved is not None and header_matches(saved, identity)
     assert initial_data(path, identity) == saved  # what the next backend starts from
-    backend = _open_backend()
+    backend = open_vulkan_or_skip()
     try:
         np.testing.assert_array_equal(_fill_and_read(backend, -1.0), np.full(37, -1.0, np.float32))
     finally:
@@ -249,7 +233,7 @@ def test_a_corrupt_or_foreign_pipeline_cache_is_ignored_and_the_run_works(spirv_
         path.write_bytes(seal(ours + os.urandom(500))[:-100])
     else:  # neither readable nor replaceable: the run works, only without a cache
         path.mkdir()
-    backend = _open_backend()
+    backend = open_vulkan_or_skip()
     try:
         np.testing.assert_array_equal(_fill_and_read(backend, 4.0), np.full(37, 4.0, np.float32))
     finally:
@@ -267,7 +251,7 @@ def test_a_programs_pipelines_are_built_at_once_and_then_reused(spirv_cache) -> 
     from shaders.registry import op as op_def
 
     spirv_cache("build")
-    backend = _open_backend()
+    backend = open_vulkan_or_skip()
     try:
         pipelines = backend.pipelines
         wanted = [(op_def("fill"), None), (op_def("copy"), None), (op_def("fill"), None)]
