@@ -308,7 +308,8 @@ class DataParallelActor:
         if batch.split == "train":
             if rows == 0:
                 self.applied = batch.after()
-            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, rows, lr)
+            finished = time.monotonic()
+            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, rows, lr, finished)
         return self._eval.add(batch, loss, correct, rows)
 
     # -- outside the run -------------------------------------------------------------------------

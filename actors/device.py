@@ -47,7 +47,7 @@ from trio.lowlevel import ParkingLot, enable_ki_protection
 
 from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
-from actors.meter import Meter
+from actors.meter import MAX_CHUNK, Meter
 from flow.optim import device_learning_rate
 from flow.spec_model import CrossEntropy
 
@@ -335,7 +335,8 @@ class DeviceActor:
             return Prediction(batch.seq, batch.tag, batch.last, self.engine.outputs(job.slot, batch.rows))
         loss, correct = (math.nan, 0.0) if empty else self.engine.loss_and_correct(job.slot)
         if batch.split == "train":
-            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, batch.rows, job.lr)
+            rows, finished = batch.rows, time.monotonic()
+            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, rows, job.lr, finished)
         return self._eval.add(batch, loss, correct, 0 if empty else batch.rows)
 
     async def _snapshot(self, barrier: _Barrier) -> None:
@@ -356,11 +357,15 @@ class DeviceActor:
         handoff.done.set()
 
     async def _complete(self, pending: trio.MemoryReceiveChannel) -> None:
+        meter = self.meter
         async with pending:
             while True:
                 try:  # a job already waiting is taken without a schedule point
                     job = pending.receive_nowait()
                 except trio.WouldBlock:
+                    # Nothing more in flight: the reports staged so far leave now. While steps are
+                    # in flight they wait for the next ones (up to MAX_CHUNK): one hop for several.
+                    await meter.flush()
                     try:
                         job = await pending.receive()
                     except trio.EndOfChannel:
@@ -368,18 +373,20 @@ class DeviceActor:
                 except trio.EndOfChannel:
                     return
                 if isinstance(job, _InFlight):
-                    with self.meter.busy():  # waiting for the device counts: the device is working
+                    with meter.busy():  # waiting for the device counts: the device is working
                         if job.ticket is not None:
                             await self._wait(job.ticket)
                         message = self._report(job)  # reads the slot's results before it is reused
                         if job.ticket is not None:
                             self._release(job.slot)
                     if message is not None:
-                        await self.meter.send(message)
+                        await meter.stage(message)
+                        if meter.staged >= MAX_CHUNK:
+                            await meter.flush()
                 elif isinstance(job, _Barrier):
                     await self._snapshot(job)
                 elif job.message is not None:
-                    await self.meter.send(job.message)
+                    await meter.send(job.message)
 
     async def run(self) -> None:
         """Run until the inbox ends and every submitted step is reported; then close the outboxes."""

@@ -21,6 +21,10 @@ Given the device's :class:`actors.device.InputSlots` with views (no transform be
 and the device, a source with ``read_into``, device memory the host can map), the loader takes a
 free slot for each batch and reads the batch straight into it: no array of its own, and no copy
 into the device afterwards.
+Ready batches leave at once while the channel downstream has room; while it is full (the device
+is the slower side) the loader goes on reading ahead and sends up to ``MAX_CHUNK`` batches as one
+:class:`actors.messages.Chunk`, so chunks grow only when the host is ahead and cost no latency.
+It never holds ready batches while it waits for a read or a slot.
 A run resumes from a :class:`Cursor`: the sampler is stateless given (seed, epoch), so the loader
 simply starts there.
 """
@@ -37,7 +41,7 @@ import trio
 
 from actors.inline import InlineOrThread, InlinePolicy
 from actors.messages import Batch, CheckpointMark, Cursor
-from actors.meter import Meter
+from actors.meter import MAX_CHUNK, Meter
 from actors.statistics import ActorStatistics
 from flow.data_plan import StepSchedule
 from loaders import Sampler, SamplerState
@@ -271,9 +275,15 @@ class Loader:
         return pending
 
     async def _send(self, pending: _Pending) -> None:
-        if pending.done is not None:
+        """Stage ``pending``'s batch (waiting for its read first) and send what is staged if the
+        channel downstream has room, or the chunk is full."""
+        meter = self.meter
+        if pending.done is not None and not pending.done.is_set():
+            await meter.flush()  # never hold ready batches while a read goes on
             await pending.done.wait()
-        await self.meter.send(pending.item)
+        await meter.stage(pending.item)
+        if meter.staged >= MAX_CHUNK or meter.room():
+            await meter.flush()
 
     async def _slot(self, window: deque[_Pending]) -> int:
         """A free device slot for the next read (-1 when batches are not read in place)."""
@@ -283,10 +293,11 @@ class Loader:
             return self.slots.take_nowait()
         except trio.WouldBlock:
             pass
-        # Every slot is held, by batches on their way to the device or by reads in the window:
-        # send the window's first, or the device could never give a slot back.
+        # Every slot is held, by batches on their way to the device, staged, or by reads in the
+        # window: send them all, or the device could never give a slot back.
         while window:
             await self._send(window.popleft())
+        await self.meter.flush()
         with self.meter.blocked():
             return await self.slots.take()
 
@@ -307,6 +318,7 @@ class Loader:
                     await self._send(window.popleft())
             while window:
                 await self._send(window.popleft())
+            await self.meter.flush()
 
     def statistics(self) -> ActorStatistics:
         """The meter's counters, with the reads that went to worker threads.

@@ -7,6 +7,11 @@ emits the whole schedule (training batches, evaluation batches, checkpoint marks
 keeps that order, so the device needs no reordering and a checkpoint mark is consistent by
 construction.
 
+Several messages may travel as one channel item, a :class:`Chunk`: a channel hop and the trio
+turns around it cost more on a slow host than a fast GPU's step, so an actor that has several
+messages ready at once sends them together (see actors.meter). Receivers never see a chunk: the
+meter hands its messages out one by one.
+
 A batch the loader filled in place (``Batch.slot`` >= 0) holds views of a device input slot: its
 arrays are valid until the device has run that step, after which the slot is filled again.
 """
@@ -104,6 +109,8 @@ class StepDone:
         correct: correctly classified rows (0 for regression).
         rows: rows in the batch.
         lr: the learning rate the update used.
+        finished: ``time.monotonic()`` when the device actor saw the step done (0: unknown). Steps
+            travel in chunks, so the sink takes the time from here, not from their arrival.
     """
 
     step: int
@@ -113,6 +120,7 @@ class StepDone:
     correct: float
     rows: int
     lr: float
+    finished: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,17 @@ class Prediction:
     tag: int
     last: bool
     outputs: np.ndarray
+
+
+class Chunk(tuple):
+    """Several messages, in stream order, sent as one channel item (never empty, never nested)."""
+
+    __slots__ = ()
+
+
+def unpack(item: object) -> tuple:
+    """The messages of one channel item: a chunk's, or the item alone."""
+    return item if type(item) is Chunk else (item,)
 
 
 Message = Batch | CheckpointMark | StepDone | EvalDone | InputStatistics | Snapshot | Prediction

@@ -8,17 +8,32 @@ space downstream) and the channel fill are measured in one place, the same way f
 :class:`Hooks` lets tests and tools watch or perturb items as actors move them (fail at the n-th
 item, sleep to be a slow consumer, gate a loader one batch at a time, sample channel depths); a
 Meter without hooks pays nothing for them.
+
+Messages move in chunks (:class:`actors.messages.Chunk`) where several are ready at once: the meter
+unpacks a chunk it receives and hands its messages out one by one (``holding`` counts those left),
+and an actor stages what it sends (:meth:`Meter.stage`) and sends the staged messages as one
+channel item (:meth:`Meter.flush`). :meth:`Meter.pass_on` keeps a chunk whole through a relay, and
+anything staged leaves before the actor waits for input, so a chunk never waits on an idle actor.
+Counts, hooks and order stay per message; only channel capacities count chunks (at most
+``MAX_CHUNK`` messages each).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
 
+from actors.messages import Chunk
 from actors.statistics import ActorStatistics
+
+# The most messages one channel item carries. Past ~8 steps per hop the event loop's cost per step
+# hardly falls (measured: 4-8 steps a message bring it to 24-28 µs), while a bigger chunk holds more
+# batches (and their slots) ahead of the device and delays their reports.
+MAX_CHUNK = 8
 
 
 class Hooks:
@@ -146,6 +161,8 @@ class Meter:
         self._blocked = 0.0
         self._inbox_peak = 0
         self._outbox_peak = 0
+        self._local: deque[Any] = deque()  # the current chunk's messages not yet handed out
+        self._staged: list[Any] = []  # messages to send together at the next flush
         # Channels without their own peak counter (older trio, stand-ins in tests) are sampled.
         self._sample_inbox = inbox is not None and _peak(inbox) is None
         self._sample_outboxes = any(_peak(outbox) is None for outbox in self.outboxes)
@@ -155,6 +172,19 @@ class Meter:
         return self
 
     async def __anext__(self) -> Any:
+        if self._local:
+            item = self._local.popleft()
+        else:
+            item = await self._receive()
+            if type(item) is Chunk:
+                self._local.extend(item)
+                item = self._local.popleft()
+        self._in += 1
+        if self.hooks is not None:
+            await self.hooks.received(self.name, item)
+        return item
+
+    async def _receive(self) -> Any:
         inbox = self.inbox
         if inbox is None:
             raise StopAsyncIteration
@@ -163,15 +193,18 @@ class Meter:
             if used > self._inbox_peak:
                 self._inbox_peak = used
         try:
-            item = inbox.receive_nowait()
+            return inbox.receive_nowait()
         except trio.WouldBlock:
-            item = await self._receive_waiting(inbox)
+            if self._staged:  # nothing more in hand: what is ready leaves before the wait
+                await self.flush()
+            return await self._receive_waiting(inbox)
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
-        self._in += 1
-        if self.hooks is not None:
-            await self.hooks.received(self.name, item)
-        return item
+
+    @property
+    def holding(self) -> int:
+        """Messages of the chunk being received that the actor has not taken yet."""
+        return len(self._local)
 
     async def _receive_waiting(self, inbox: trio.MemoryReceiveChannel) -> Any:
         clock = self._clock
@@ -185,17 +218,45 @@ class Meter:
 
     # -- sending ---------------------------------------------------------------------------------
     async def send(self, item: Any) -> None:
-        """Send ``item`` to every outbox, waiting for space (the time counts as blocked).
-
-        An actor with an inbox yields to the scheduler when its inbox runs dry, so its sends skip
-        trio's extra schedule point when there is room (``send_nowait``); a source actor always
-        yields.
+        """Send ``item`` to every outbox now, after (and with) whatever is staged.
 
         Args:
             item: the message.
         """
+        await self.stage(item)
+        await self.flush()
+
+    async def stage(self, item: Any) -> None:
+        """Queue ``item`` for the next :meth:`flush` (the caller flushes at ``MAX_CHUNK``)."""
         if self.hooks is not None:
             await self.hooks.sending(self.name, item)
+        self._staged.append(item)
+
+    @property
+    def staged(self) -> int:
+        """Messages staged and not yet sent."""
+        return len(self._staged)
+
+    async def pass_on(self, item: Any) -> None:
+        """Send ``item`` with the rest of the chunk it came in: staged while the chunk still holds
+        messages (up to ``MAX_CHUNK``), so a relay sends a chunk on as one item."""
+        await self.stage(item)
+        if not self._local or len(self._staged) >= MAX_CHUNK:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Send the staged messages to every outbox as one channel item, waiting for space (the
+        time counts as blocked).
+
+        An actor with an inbox yields to the scheduler when its inbox runs dry, so its sends skip
+        trio's extra schedule point when there is room (``send_nowait``); a source actor always
+        yields.
+        """
+        staged = self._staged
+        if not staged:
+            return
+        self._staged = []
+        item = staged[0] if len(staged) == 1 else Chunk(staged)
         if self.inbox is not None:
             for outbox in self.outboxes:
                 try:
@@ -210,9 +271,18 @@ class Meter:
                 used = _used(outbox)
                 if used > self._outbox_peak:
                     self._outbox_peak = used
-        self._out += 1
+        self._out += len(staged)
         if self.hooks is not None:
-            await self.hooks.sent(self.name, item)
+            for message in staged:
+                await self.hooks.sent(self.name, message)
+
+    def room(self) -> bool:
+        """Whether every outbox has space for an item now (a send would not wait)."""
+        for outbox in self.outboxes:
+            stats = getattr(outbox, "statistics", None)
+            if stats is not None and stats().current_buffer_used >= stats().max_buffer_size:
+                return False
+        return True
 
     async def _send_waiting(self, outbox: trio.MemorySendChannel, item: Any) -> None:
         clock = self._clock
@@ -247,6 +317,7 @@ class Meter:
         # closing here would make the neighbours fail too (BrokenResourceError upstream, a false
         # end of stream downstream) and blur which actor really failed.
         if exc_type is None:
+            await self.flush()
             self.close()
 
     def statistics(self) -> ActorStatistics:

@@ -96,7 +96,7 @@ class OptimiserActor:
                         self.expected += 1
                         self.updates += 1
                         self.lr = item.lr
-                await self.meter.send(item)
+                await self.meter.pass_on(item)
 
     def statistics(self) -> OptimiserStatistics:
         base = self.meter.statistics()

@@ -141,7 +141,7 @@ class Preprocess:
                             shown = replace(item, x=self.host_rows(item.indices))
                         stats = input_statistics(shown)
                     await self.meter.send(stats)
-                await self.meter.send(item)
+                await self.meter.pass_on(item)
 
     def statistics(self) -> ActorStatistics:
         """The meter's counters, with the batches transformed in a worker thread.

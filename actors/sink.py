@@ -9,8 +9,10 @@ Metrics are JSON lines, one per event: ``{"event": "step", "step", "epoch", "los
 a fast GPU. Bad items the source skipped (``on_error="skip"``) ride on the same lines as
 ``"skipped": {"count", "examples"}`` once there are any, and the run ends with one ``{"event":
 "skipped", "step", "count", "examples"}`` line, so a user finds them without reading the log.
-The file is opened for appending and written line by line, so a resumed run continues it and a
-killed run loses at most the line being written. Each process's lines follow the ``{"event":
+The file is opened for appending and written a channel item at a time (a step or a chunk of
+steps, see actors.meter), so a resumed run continues it and a killed run loses at most one chunk's
+lines. A step's seconds come from when the device saw it done (``StepDone.finished``), not from
+when its chunk arrived. Each process's lines follow the ``{"event":
 "run", "run", "step", "resumed", "pid", "time"}`` record that claiming the file wrote
 (actors.outputs), so one run's lines never run on into another's.
 
@@ -264,7 +266,7 @@ class Sink:
             self._chance_verdict(self._chance.add(item), item.step)
         if self._metrics is None and not self.progress.enabled:
             return  # nothing listens: the result needs only the last step
-        now = time.monotonic()
+        now = item.finished or time.monotonic()
         self.samples_per_second = self.rate.add(now, item.rows)
         last = item.step + 1 >= self.total_steps
         if self._metrics is not None:
@@ -308,7 +310,7 @@ class Sink:
 
     def _open_metrics(self) -> IO[str]:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        return open(self.metrics_path, "a", buffering=1)  # line-buffered: a kill loses one line
+        return open(self.metrics_path, "a")  # flushed after each channel item (see run)
 
     async def run(self) -> None:
         """Record everything until the inbox ends."""
@@ -326,8 +328,10 @@ class Sink:
                             self._step(item)
                         else:
                             await self._handle(item)
+                    if self._metrics is not None and not self.meter.holding:
+                        self._metrics.flush()  # one write per chunk, not per line
                     if self.meter.outboxes:
-                        await self.meter.send(item)
+                        await self.meter.pass_on(item)
             if self._chance is not None:  # the last epoch ends with the stream
                 self._chance_verdict(self._chance.finish(), self.last_step.step if self.last_step else None)
             # After the stream's end every read is done, evaluations included: the final count.

@@ -29,7 +29,7 @@ import trio
 from actors import checkpoint as checkpoints
 from actors.backend import Backend
 from actors.health import NonFiniteLoss
-from actors.messages import Batch, Prediction
+from actors.messages import Batch, Prediction, unpack
 from actors.meter import Hooks
 from actors.progress import Progress
 from actors.statistics import ActorStatistics
@@ -164,12 +164,13 @@ class PipelineHandle:
         if self._runtime.results is None:
             raise RuntimeError("results() needs open_pipeline(..., mode='predict')")
         parts: list[np.ndarray] = []
-        async for item in self._runtime.results:
-            if isinstance(item, Prediction):
-                parts.append(item.outputs)
-                if item.last:
-                    out, parts = np.concatenate(parts), []
-                    yield out
+        async for received in self._runtime.results:
+            for item in unpack(received):  # predictions ready together come as one chunk
+                if isinstance(item, Prediction):
+                    parts.append(item.outputs)
+                    if item.last:
+                        out, parts = np.concatenate(parts), []
+                        yield out
 
     async def predict(self, x: np.ndarray) -> np.ndarray:
         """Feed one input and wait for its predictions (no other feeds may be in flight).

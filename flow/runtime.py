@@ -247,7 +247,7 @@ class _Relay:
     async def run(self) -> None:
         async with self.meter:
             async for item in self.meter:
-                await self.meter.send(item)
+                await self.meter.pass_on(item)
 
     def statistics(self) -> ActorStatistics:
         return self.meter.statistics()

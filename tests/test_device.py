@@ -17,7 +17,7 @@ from specs import image_spec
 from actors.cpu_backend import CpuBackend
 from actors.device import DeviceActor, InputSlots
 from actors.engine import Engine
-from actors.messages import Batch, CheckpointMark, Cursor
+from actors.messages import Batch, CheckpointMark, Cursor, unpack
 from actors.meter import Meter
 from flow.planning import plan
 from flow.runner import run
@@ -53,7 +53,7 @@ async def test_the_device_actor_reports_in_order_and_sums_evaluations(autojump_c
             await inbox_send.send(batch(3, slice(32, 37), 3, "val"))
             await inbox_send.send(batch(4, slice(37, 40), 3, "val", last=True))
             await inbox_send.send(CheckpointMark(Cursor(3, 0, 3)))
-    messages = [m async for m in reports]
+    messages = [m async for item in reports for m in unpack(item)]
 
     first, empty, third, evaluation, snapshot = messages
     assert (first.step, empty.step, third.step) == (0, 1, 2) and empty.rows == 0 and np.isnan(empty.loss)

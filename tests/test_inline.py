@@ -15,6 +15,7 @@ from specs import synthetic_spec
 
 from actors.inline import MAX_PROBE_GAP, WINDOW, CostWindow, InlineOrThread, InlinePolicy
 from actors.loader import Loader, Read
+from actors.messages import unpack
 from actors.meter import Meter
 from flow.runner import run
 from flow.spec import Devices
@@ -163,7 +164,7 @@ async def test_the_loader_pins_an_in_memory_source_inline_and_counts_reads_in_th
     send, receive = trio.open_memory_channel(100)
     loader = Loader(Meter("loader", None, [send]), source, stream, workers=2)
     await loader.run()
-    assert [batch.seq async for batch in receive] == list(range(30))
+    assert [batch.seq async for item in receive for batch in unpack(item)] == list(range(30))
     stats = loader.statistics()
     assert stats.items_out == 30
     if in_memory:

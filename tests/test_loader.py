@@ -14,7 +14,7 @@ from fake_sources import CostlySource
 
 from actors.device import InputSlots
 from actors.loader import Loader, Read, after_step, jobs, next_cursor
-from actors.messages import CheckpointMark, Cursor
+from actors.messages import CheckpointMark, Cursor, unpack
 from actors.meter import Meter
 from flow.data_plan import StepSchedule, total_steps
 from loaders import Sampler
@@ -60,7 +60,8 @@ async def test_the_loader_reads_cheap_batches_inline_and_costly_ones_in_threads(
     stream = (Read(seq, "train", seq, 0, seq, np.arange(4)) for seq in range(100))
     send, receive = trio.open_memory_channel(100)
     await Loader(Meter("loader", None, [send]), source, stream, workers=3).run()
-    assert [batch.seq async for batch in receive] == list(range(100))  # in order either way
+    seqs = [batch.seq async for item in receive for batch in unpack(item)]
+    assert seqs == list(range(100))  # in order either way
     assert source.on_loop[0] is False  # not measured yet: a thread
     assert all(source.on_loop[-20:]) if cost == 0.0 else not any(source.on_loop)
 
@@ -88,7 +89,7 @@ async def test_a_batch_with_no_sample_left_gives_its_slot_back():
     stream = (Read(seq, "train", seq, 0, seq, np.arange(seq, seq + 3)) for seq in range(3))
     send, receive = trio.open_memory_channel(10)
     await Loader(Meter("loader", None, [send]), Skipping(), stream, inline=True, slots=slots).run()
-    first, empty, third = [batch async for batch in receive]
+    first, empty, third = [batch async for item in receive for batch in unpack(item)]
     assert (first.slot, empty.slot, third.slot) == (0, -1, 1)
     assert empty.rows == 0 and first.rows == third.rows == 3
     assert third.x[:, 0].tolist() == [2.0, 3.0, 4.0] and np.shares_memory(third.x, views[1][0])

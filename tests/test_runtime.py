@@ -24,7 +24,7 @@ from specs import digits_spec, image_spec, synthetic_spec
 from actors import checkpoint as checkpoints
 from actors.cpu_backend import CpuBackend, cpu_facts
 from actors.messages import Batch, StepDone
-from actors.meter import Hooks
+from actors.meter import MAX_CHUNK, Hooks
 from flow import pipeline_plan
 from flow.runner import open_pipeline, run
 from flow.runtime import ActorError
@@ -134,10 +134,11 @@ async def test_a_slow_sink_blocks_the_loader_and_memory_stays_bounded(autojump_c
     assert probe.capacity == caps
     assert all(probe.peak[edge] <= caps[edge] for edge in caps)
     assert probe.peak[("loader", "preprocess")] == 3 and probe.blocked[("loader", "preprocess")]
-    # Items between the loader and the sink: the channels on the way, one item inside each actor,
-    # and the device's slots. Never more, however long the run.
+    # Items between the loader and the sink: the channels on the way (capacities count chunks of
+    # at most MAX_CHUNK batches), a chunk being taken and one being staged inside each of the
+    # three actors, and the device's slots. Never more, however long the run.
     path = caps[("loader", "preprocess")] + caps[("preprocess", "device")] + caps[("device", "sink")]
-    assert max(bound.ahead) <= path + 3 + 2
+    assert max(bound.ahead) <= (path + 2 * 3) * MAX_CHUNK + 2
     # The end drains everything: each item the loader sent, and the InputStatistics the preprocess
     # node sends ahead of the first training batch.
     assert stats["sink"].items_in == stats["loader"].items_out + 1
