@@ -1,0 +1,118 @@
+"""Several messages per channel item (actors.messages.Chunk): the loader sends ready batches one
+by one while the channel downstream has room and chunks them only while it is full; a relay
+passes a chunk on whole; the device reports steps finished together as one item; counts, hooks
+and order stay per message, and a chunk never waits on an idle actor."""
+
+from __future__ import annotations
+
+import numpy as np
+import trio
+
+from actors.loader import Loader, Read
+from actors.messages import Chunk, unpack
+from actors.meter import MAX_CHUNK, Hooks, Meter
+from flow.runner import run
+from flow.testing import FakeDevice, Slow
+
+
+class Seen(Hooks):
+    def __init__(self) -> None:
+        self.taken: list[object] = []
+        self.given: list[object] = []
+
+    async def received(self, actor, item) -> None:
+        self.taken.append(item)
+
+    async def sent(self, actor, item) -> None:
+        self.given.append(item)
+
+
+async def test_a_relay_passes_a_chunk_on_whole_and_counts_each_message():
+    into, inbox = trio.open_memory_channel(4)
+    outbox, out = trio.open_memory_channel(4)
+    seen = Seen()
+    relay = Meter("relay", inbox, [outbox], seen)
+    await into.send(Chunk(("a", "b", "c")))
+    await into.send("d")
+    await into.aclose()
+    async with relay:
+        async for item in relay:
+            await relay.pass_on(item.upper())
+    items = [item async for item in out]
+    assert items == [Chunk(("A", "B", "C")), "D"] and type(items[0]) is Chunk
+    assert seen.taken == ["a", "b", "c", "d"] and seen.given == ["A", "B", "C", "D"]
+    stats = relay.statistics()
+    assert (stats.items_in, stats.items_out) == (4, 4)
+
+
+async def test_staged_messages_leave_before_the_actor_waits_for_input():
+    into, inbox = trio.open_memory_channel(4)
+    outbox, out = trio.open_memory_channel(4)
+    meter = Meter("actor", inbox, [outbox])
+    await into.send(Chunk((1, 2)))
+    async with trio.open_nursery() as nursery:
+
+        async def actor() -> None:
+            async with meter:
+                async for item in meter:
+                    await meter.stage(item * 10)  # never flushed by the actor itself
+
+        nursery.start_soon(actor)
+        with trio.fail_after(1):
+            assert unpack(await out.receive()) == (10, 20)  # sent while the actor waits for more
+        await into.aclose()
+
+
+def _indices_loader(outbox: trio.MemorySendChannel, steps: int) -> Loader:
+    stream = (Read(seq, "train", seq, 0, seq, np.arange(seq, seq + 2)) for seq in range(steps))
+    return Loader(Meter("loader", None, [outbox]), None, stream, on_device=True)
+
+
+async def test_the_loader_chunks_only_while_the_consumer_is_behind(autojump_clock):
+    for slow in (False, True):
+        # Room for one batch when behind; room to spare when keeping up.
+        outbox, received = trio.open_memory_channel(1 if slow else MAX_CHUNK)
+        items: list[object] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_indices_loader(outbox, 100).run)
+            async for item in received:
+                items.append(item)
+                if slow:
+                    await trio.sleep(1.0)
+        seqs = [batch.seq for item in items for batch in unpack(item)]
+        assert seqs == list(range(100))
+        sizes = [len(unpack(item)) for item in items]
+        assert max(sizes) <= MAX_CHUNK
+        if slow:  # behind: after the first few, every item but the last carries a full chunk
+            assert sizes.count(MAX_CHUNK) >= 100 // MAX_CHUNK - 2
+        else:  # keeping up: one batch per item, no latency added
+            assert sizes == [1] * 100, str(sizes)
+
+
+def test_a_run_behind_a_slow_device_moves_chunks_and_reports_every_step(tmp_path, monkeypatch):
+    from specs import synthetic_spec  # the tests' own spec builders
+
+    flushed: dict[str, list[int]] = {}
+    flush = Meter.flush
+
+    async def counted(meter: Meter) -> None:
+        if meter.staged:
+            flushed.setdefault(meter.name, []).append(meter.staged)
+        await flush(meter)
+
+    monkeypatch.setattr(Meter, "flush", counted)
+
+    class Steps(Hooks):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        async def received(self, actor, item) -> None:
+            if actor == "sink" and hasattr(item, "lr"):
+                self.steps.append(item.step)
+
+    steps = Steps()
+    slow_device = Slow("device", 0.003)
+    result = run(synthetic_spec(tmp_path, epochs=4), backend=FakeDevice(), hooks=[steps, slow_device])
+    assert steps.steps == list(range(result.steps)) and result.steps == 52  # every step, once, in order
+    assert max(flushed["loader"]) > 1  # the loader ran ahead of the slow device in chunks
+    assert sum(flushed["loader"]) == result.statistics["loader"].items_out
