@@ -39,6 +39,23 @@ The implementations, each trained from scratch once per repetition, in one proce
   Without CUDA, torch runs on the CPU (``torch_cpu_*`` names) and the graph variant is "not available".
   torch computes in fp32 with TF32 off (``common.import_torch``); cuDNN keeps its defaults.
 
+The image-folder variant of the MLP job (``folder``): the same training images written once as
+grey PNG files, ``<tmp>/png/<label>/<index>.png`` (the time to write them is printed, not a figure),
+and the same MLP trained from them:
+
+- ``vkflow_folder``: ``flow.run`` on ``flow.spec.ImageFolder`` (its default ``cache="auto"``): the
+  folder's decoded-pixel cache is removed before each repetition and made again by opening the
+  folder, timed as ``decode_s`` (every PNG decoded in the source's two threads and written to the
+  user cache); the run then opens that cache and keeps the pixels on the device, as for IDX. So
+  ``wall_s`` is a run on a folder decoded before (the second run onwards), ``decode_s`` what the
+  first run adds, ``first_epoch_s`` and ``epoch_s`` the first and the steady epochs.
+- ``vkflow_folder_streamed``: the same with ``Data.placement="host"``: batches are gathered from
+  the cache on the host and read into the device's input slots.
+- ``torch_eager_folder``: a ``DataLoader`` (batch 256, shuffle, ``pin_memory`` with CUDA, two worker
+  processes as vkflow has two decode threads, kept between epochs) over
+  ``torchvision.datasets.ImageFolder`` with ``Grayscale(1)`` and ``ToTensor()`` (a minimal Pillow
+  ``Dataset`` where torchvision is missing): every epoch decodes every PNG again.
+
 Figures, each the median and range (min, max) over ``--reps`` timed runs, after ``--warmup``
 untimed runs per implementation (their wall time is reported as ``cold_s``: shader compilation,
 cuBLAS/cuDNN start-up):
@@ -60,8 +77,9 @@ cuBLAS/cuDNN start-up):
 
 Options: ``--quick`` (generated 2048 train / 512 test images, narrower models (MLP 784-256-256-10,
 CNN 4/8 channels and 16 units), 2 epochs so a steady epoch exists, 1 repetition, no warm-up: a smoke
-run on lavapipe), ``--reps N`` (default 5), ``--warmup N`` (default 1), ``--epochs N`` (both models),
-``--only mlp,cnn``, ``--data auto|generated|DIR`` (auto: the Debian folder when all four files are
+run on lavapipe), ``--reps N`` (default 5), ``--warmup N`` (default 1), ``--epochs N`` (every job),
+``--only mlp,cnn,folder`` (``folder``: the image-folder MLP job, with the epochs of ``mlp``),
+``--data auto|generated|DIR`` (auto: the Debian folder when all four files are
 there, else generated; a DIR with ``--quick`` is cut to the quick sizes), ``--out FILE`` (append the
 JSON lines), ``--device`` (the Vulkan device: index, name substring or auto). Progress goes to stderr.
 
@@ -78,7 +96,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +115,7 @@ FASHION_FILES = {
     "test_images": "t10k-images-idx3-ubyte.gz",
     "test_labels": "t10k-labels-idx1-ubyte.gz",
 }
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn", "folder")  # folder: the MLP job read from PNG files
 METRICS = ("wall_s", "epoch_s", "samples_per_s", "accuracy")
 BATCH = 256
 LR = 0.05
@@ -256,6 +275,25 @@ def open_data(choice: str, sizes: Sizes, quick: bool, folder: Path) -> DataSet:
     return cut(found, folder, sizes.train, sizes.test) if quick else found
 
 
+def write_png_folder(data: DataSet, folder: Path) -> Path:
+    """The training images as grey PNG files, ``folder/<label>/<index>.png`` (lossless: the pixels
+    read back are the IDX file's), written in threads (Pillow's encoder releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image
+
+    images, labels = read_idx(data.train_images), read_idx(data.train_labels)
+    for label in np.unique(labels).tolist():
+        (folder / str(label)).mkdir(parents=True, exist_ok=True)
+
+    def write(index: int) -> None:
+        Image.fromarray(np.asarray(images[index])).save(folder / str(labels[index]) / f"{index:05d}.png")
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, range(len(labels))))
+    return folder
+
+
 # -- models ----------------------------------------------------------------------------------------
 
 
@@ -320,6 +358,7 @@ class Outcome:
     accuracy: float
     loss: float
     eval_s: float
+    decode_s: float = math.nan  # the image-folder job: opening the folder without its cache
 
     def steady(self) -> float:
         """Mean seconds of epochs 2..E; NaN with one epoch."""
@@ -348,10 +387,12 @@ def vk_once(
     seed: int,
     folder: Path,
     placement: str = "auto",
+    png_root: Path | None = None,
 ) -> Outcome:
     import flow
-    from flow.spec import IDX, SGD, CrossEntropy, Data, Init, Model, RunSettings, Spec, Split
+    from flow.spec import IDX, SGD, CrossEntropy, Data, ImageFolder, Init, Model, RunSettings, Spec, Split
 
+    source = IDX(data.train_images, data.train_labels) if png_root is None else ImageFolder(str(png_root))
     stamp = time.perf_counter_ns()
     metrics = folder / f"metrics-{model}-{stamp}.jsonl"
     spec = Spec(
@@ -363,7 +404,7 @@ def vk_once(
         ),
         optimiser=SGD(LR, momentum=MOMENTUM),
         data=Data(
-            IDX(data.train_images, data.train_labels),
+            source,
             batch_size=BATCH,
             seed=seed,
             split=Split(train=1.0),
@@ -386,16 +427,50 @@ def vk_once(
     return Outcome(wall, epochs_from_metrics(metrics), accuracy, float(result.loss), eval_s)
 
 
+def decode_folder(png_root: Path) -> float:
+    """Seconds to open ``png_root`` as a run does with no cache of it: every image decoded and the
+    cache written (the cache is removed first)."""
+    from flow.spec import ImageFolder
+    from loaders import open_source
+
+    with open_source(ImageFolder(str(png_root))) as source:
+        made = source.cache_file
+    if made is not None:
+        made.unlink()
+        made.with_suffix(".json").unlink()
+    start = time.perf_counter()
+    with open_source(ImageFolder(str(png_root))) as source:
+        seconds = time.perf_counter() - start
+        if source.cache_reused or source.cache_file is None:
+            raise RuntimeError(f"{png_root}: the image cache was not made again")
+    return seconds
+
+
+def vk_folder_once(backend, sizes: Sizes, data: DataSet, epochs: int, seed: int, folder: Path,
+                   placement: str, png_root: Path) -> Outcome:  # fmt: skip
+    """The MLP job on the PNG folder: the cache made again (timed), then the run (see the docstring)."""
+    decode_s = decode_folder(png_root)
+    outcome = vk_once(backend, "mlp", sizes, data, epochs, seed, folder, placement, png_root)
+    return replace(outcome, decode_s=decode_s)
+
+
 def torch_impl(torch, variant: str) -> str:
     base = "torch" if torch.cuda.is_available() else "torch_cpu"
     return f"{base}_{variant}"
 
 
 def torch_once(
-    torch, variant: str, model: str, sizes: Sizes, data: DataSet, epochs: int, seed: int
+    torch,
+    variant: str,
+    model: str,
+    sizes: Sizes,
+    data: DataSet,
+    epochs: int,
+    seed: int,
+    png_root: Path | None = None,
 ) -> Outcome:
-    """One run of ``variant`` ("eager_loader", "eager_resident" or "graph_resident"); see the module
-    docstring."""
+    """One run of ``variant`` ("eager_loader", "eager_resident", "graph_resident" or, on
+    ``png_root``, "eager_folder"); see the module docstring."""
     functional = torch.nn.functional
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -406,8 +481,6 @@ def torch_once(
 
     sync()
     start = time.perf_counter()
-    images = np.array(read_idx(data.train_images))  # a writable copy, as torch wants
-    labels = np.array(read_idx(data.train_labels)).astype(np.int64)
     torch.manual_seed(seed)
     net = torch_net(torch, model, sizes).to(device)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
@@ -420,16 +493,19 @@ def torch_once(
         opt.step()
         last_loss[0] = loss
 
-    if variant == "eager_loader":
-        x_all = torch.from_numpy(images).unsqueeze(1).float().div_(255.0)
-        dataset = torch.utils.data.TensorDataset(x_all, torch.from_numpy(labels))
-        loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, pin_memory=cuda)
+    if variant in ("eager_loader", "eager_folder"):
+        if variant == "eager_loader":
+            loader = idx_loader(torch, data, cuda)
+        else:
+            loader = folder_loader(torch, png_root, cuda)
 
         def epoch() -> None:
             for x, y in loader:
                 step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
 
     else:
+        images = np.array(read_idx(data.train_images))  # a writable copy, as torch wants
+        labels = np.array(read_idx(data.train_labels)).astype(np.int64)
         x_all = torch.from_numpy(images).to(device).unsqueeze(1).float().div_(255.0)
         y_all = torch.from_numpy(labels).to(device)
         if variant == "eager_resident":
@@ -450,6 +526,60 @@ def torch_once(
         predicted = torch.cat([net(chunk).argmax(dim=1) for chunk in test_x.split(2000)]).cpu().numpy()
     eval_s = time.perf_counter() - begun
     return Outcome(wall, tuple(times), float(np.mean(predicted == test_y)), loss, eval_s)
+
+
+def idx_loader(torch, data: DataSet, cuda: bool):
+    """A DataLoader over a TensorDataset of the training images as floats (no worker processes)."""
+    images = np.array(read_idx(data.train_images))  # a writable copy, as torch wants
+    labels = np.array(read_idx(data.train_labels)).astype(np.int64)
+    x_all = torch.from_numpy(images).unsqueeze(1).float().div_(255.0)
+    dataset = torch.utils.data.TensorDataset(x_all, torch.from_numpy(labels))
+    return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, pin_memory=cuda)
+
+
+def grey_png(path: str):
+    """A PNG as a Pillow image in mode L (module level, so DataLoader worker processes can take it)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return img.convert("L")
+
+
+def folder_loader(torch, root: Path, cuda: bool):
+    """A DataLoader over the class folders under ``root``, decoding every PNG each epoch:
+    torchvision's ImageFolder where torchvision is there, else a minimal Dataset of the same files."""
+    try:
+        from torchvision import datasets, transforms
+
+        to_tensor = transforms.ToTensor()
+        dataset = datasets.ImageFolder(str(root), transform=to_tensor, loader=grey_png)
+    except ImportError:
+        dataset = PngFolder(root)
+    return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, pin_memory=cuda,
+                                       num_workers=2, persistent_workers=True)  # fmt: skip
+
+
+class PngFolder:
+    """``root/<class>/*.png`` as (float tensor (1, H, W) in [0, 1], class id), classes sorted by
+    name, like torchvision's ImageFolder with ToTensor."""
+
+    def __init__(self, root: Path) -> None:
+        classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+        self.items = [
+            (str(path), label)
+            for label, name in enumerate(classes)
+            for path in sorted((root / name).glob("*.png"))
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        import torch
+
+        path, label = self.items[index]
+        pixels = np.array(grey_png(path), dtype=np.uint8)  # a writable copy, as torch wants
+        return torch.from_numpy(pixels).unsqueeze(0).float().div_(255.0), label
 
 
 def resident_epoch(torch, step: Callable, x_all, y_all) -> Callable[[], None]:
@@ -621,6 +751,7 @@ def report(
                 "cold_s": [round(run.wall_s, 4) for run in cold],
                 "first_epoch_s": common.median([run.epoch_s[0] for run in runs]),
                 "outside_epochs_s": common.median([run.wall_s - sum(run.epoch_s) for run in runs]),
+                **decode_figure(runs),
             },
         ),
         ("epoch_s", steady, {"epochs_timed": max(epochs - 1, 0)}),
@@ -650,6 +781,14 @@ def report(
         rep.figure(BENCH, impl, device, **labels, metric=metric, **figure, **extra)
         medians[metric] = figure["median"]
     return medians
+
+
+def decode_figure(runs: list[Outcome]) -> dict:
+    """``decode_s`` (median and each run's) where the runs decoded an image folder first."""
+    values = [run.decode_s for run in runs]
+    if all(math.isnan(v) for v in values):
+        return {}
+    return {"decode_s": common.median(values), "decode_values": [round(v, 4) for v in values]}
 
 
 def warm_then_timed(
@@ -769,6 +908,60 @@ def bench_model(
                 rep.ratio(BENCH, f"{name}/{impl}", figures[metric], found[metric], model=model, metric=metric)
 
 
+def bench_folder(
+    args,
+    rep: Reporter,
+    sizes: Sizes,
+    data: DataSet,
+    backend,
+    vk_device: str,
+    torch,
+    torch_device: str,
+    folder: Path,
+) -> None:
+    """The MLP job on the training images as PNG files (see the module docstring)."""
+    epochs = args.epochs or sizes.epochs["mlp"]
+    shape = shape_of("mlp", sizes)
+    began = time.perf_counter()
+    png_root = write_png_folder(data, folder / "png")
+    section(
+        f"mlp {shape} on {data.kind} as {data.train} PNG files ({png_root}, written in "
+        f"{time.perf_counter() - began:.1f} s), batch {BATCH}, {epochs} epochs, {args.reps} reps"
+    )
+    vk: dict[str, dict] = {}
+    for impl, placement in (("vkflow_folder", "auto"), ("vkflow_folder_streamed", "host")):
+        if backend is None:
+            rep.missing(BENCH, impl, "not available", vk_device, model="mlp", shape=shape)
+            continue
+
+        def once(seed: int, placement: str = placement) -> Outcome:
+            return vk_folder_once(backend, sizes, data, epochs, seed, folder, placement, png_root)
+
+        found = measure(rep, args, "mlp", impl, vk_device, once, data.train, epochs, shape)
+        if found is not None:
+            vk[impl] = found
+    impl = "torch_eager_folder" if torch is None else torch_impl(torch, "eager_folder")
+    if torch is None:
+        rep.missing(BENCH, impl, "not available", "torch is not installed", model="mlp", shape=shape)
+        return
+    found = measure(
+        rep,
+        args,
+        "mlp",
+        impl,
+        torch_device,
+        lambda seed: torch_once(torch, "eager_folder", "mlp", sizes, data, epochs, seed, png_root),
+        data.train,
+        epochs,
+        shape,
+    )
+    if found is None:
+        return
+    for name, figures in vk.items():
+        for metric in ("epoch_s", "wall_s"):
+            rep.ratio(BENCH, f"{name}/{impl}", figures[metric], found[metric], model="mlp", metric=metric)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -779,7 +972,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--epochs", type=int, default=None, help="epochs for every model (default mlp 10, cnn 2)"
     )
-    parser.add_argument("--only", default=",".join(MODELS), help="models to run: mlp,cnn (default both)")
+    parser.add_argument(
+        "--only", default=",".join(MODELS), help="jobs to run: mlp,cnn,folder (default all three)"
+    )
     parser.add_argument(
         "--data", default="auto", help="auto (default), generated, or a folder of the four files"
     )
@@ -789,7 +984,7 @@ def parse_args() -> argparse.Namespace:
     args.models = [m.strip().lower() for m in args.only.split(",") if m.strip()]
     unknown = set(args.models) - set(MODELS)
     if unknown or not args.models:
-        parser.error(f"--only takes mlp and/or cnn; got {args.only!r}")
+        parser.error(f"--only takes mlp, cnn and/or folder; got {args.only!r}")
     sizes = QUICK if args.quick else FULL
     args.reps = sizes.reps if args.reps is None else args.reps
     args.warmup = sizes.warmup if args.warmup is None else args.warmup
@@ -834,7 +1029,9 @@ def main() -> None:
         rep = RealWorldReporter(args.out, data)
         try:
             for model in args.models:
-                bench_model(args, rep, model, sizes, data, backend, vk_device, torch, torch_device, folder)
+                job = bench_folder if model == "folder" else partial(bench_model, model=model)
+                job(args, rep, sizes=sizes, data=data, backend=backend, vk_device=vk_device, torch=torch,
+                    torch_device=torch_device, folder=folder)  # fmt: skip
         finally:
             common.finish(rep, backend, started)
 

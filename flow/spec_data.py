@@ -35,6 +35,10 @@ class ImageFolder(Record):
         workers: decoding threads, > 0 (default 2).
         on_error: a file that cannot be decoded: "raise" (default) stops the run; "skip" leaves
             it out with a warning and counts it.
+        cache: "auto" (default): the folder is decoded once, when opened, into a cache of 8-bit
+            pixels in the user cache (kept while no file changes; up to 2 GiB of pixels), read
+            afterwards like IDX, and kept on the device where ``data.placement`` allows.
+            "off": every epoch decodes the files.
     """
 
     root: str
@@ -45,6 +49,7 @@ class ImageFolder(Record):
     labels_csv: str | None = None
     workers: int = 2
     on_error: OnError = "raise"
+    cache: Literal["auto", "off"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -297,11 +302,11 @@ class Data(Record):
         augment: transforms applied after ``preprocess`` to training batches only (default none).
         placement: where the samples live during training. "auto" (default): on the device when
             the source can hand over its whole data as stored (IDX, raw binary, Arrays, Synthetic
-            classification), every transform is a Scale or Normalize (they are fused into the
-            step's first launch), there is no augmentation, the loss is CrossEntropy and it fits the
-            device's memory budget beside the model; else streamed from the host. "device":
-            require it (a plan error says why not). "host": always stream. ``flow plan`` shows
-            the choice.
+            classification, an ImageFolder with its cache and no bad file), every transform is a
+            Scale or Normalize (they are fused into the step's first launch), there is no
+            augmentation, the loss is CrossEntropy and it fits the device's memory budget beside
+            the model; else streamed from the host. "device": require it (a plan error says why
+            not). "host": always stream. ``flow plan`` shows the choice.
     """
 
     source: Source

@@ -46,6 +46,7 @@ def open_source(spec: Any) -> Source:
             labels_csv=_opt(spec, "labels_csv", None),
             workers=_opt(spec, "workers", 2),
             on_error=_opt(spec, "on_error", "raise"),
+            cache=_opt(spec, "cache", "auto"),
         )
     if kind == "CSV":
         return CSVSource(

@@ -11,15 +11,20 @@ the bytes (plain ``os`` calls, sized from the manifest), let Pillow decode them 
 :mod:`loaders.decode` for plain JPEGs and PNGs), copy the 8-bit pixels into the batch's uint8
 staging array; then it converts the whole run to float32 in one vectorised numpy pass (which
 releases the GIL), instead of one small float array per image.
+
+With ``cache="auto"`` (the spec's default) the folder is decoded once, at open, into a uint8 cache
+(:mod:`loaders.image_cache`); reads are then a gather and one cast, as IDX's, and ``stored()``
+hands the pixels to a device.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,10 +42,19 @@ from loaders.decode import (
     read_file,
 )
 from loaders.errors import ErrorPolicy, LoaderError, logger
-from loaders.source import SourceStatistics, StatsRecorder, check_indices, readonly
+from loaders.image_cache import CacheEntry, cache_entry, load_cache, write_cache
+from loaders.source import SourceStatistics, StatsRecorder, StoredData, check_indices, readonly
 
 # A batch is cut into about this many runs per decode worker (see ImageFolderSource.read).
 _RUNS_PER_WORKER = 8
+# What an 8-bit pixel is multiplied by, decoded or from the cache: the same float32 bits either way.
+_SCALE = np.float32(1.0 / 255.0)
+# The default limit on a folder's decoded pixels for cache="auto"; a cache up to _IN_RAM_BYTES is
+# read into RAM (reads are then a gather from memory, see loaders.source), a larger one is mapped.
+CACHE_BYTES = 2 * 2**30
+_IN_RAM_BYTES = 256 * 2**20
+# The cache is decoded in chunks of about this many bytes of pixels (bounding the staging memory).
+_CHUNK_BYTES = 64 * 2**20
 
 
 def _norm_size(size: int | Sequence[int] | None) -> tuple[int, int] | None:
@@ -114,26 +128,32 @@ class _Batch:
         "transpose",
     )
 
-    def __init__(self, source: ImageFolderSource, idx: np.ndarray, out: np.ndarray, run: int) -> None:
+    def __init__(
+        self,
+        source: ImageFolderSource,
+        idx: np.ndarray,
+        out: np.ndarray | None,
+        run: int,
+        pixels: np.ndarray | None = None,
+    ) -> None:
         spec, shape = source._decode, source.sample_shape
         h, w = (shape[1], shape[2]) if spec.layout == "CHW" else (shape[0], shape[1])
         c = CHANNELS[spec.mode]
         self.size = int(idx.size)
         self.ids: list[int] = idx.tolist()
         self.sizes: list[int] = source._sizes[idx].tolist()
-        self.out = out
+        self.out = out  # None: 8-bit pixels only, into ``pixels`` (the decoded-pixel cache)
         self.run, self.next, self.lock = run, 0, threading.Lock()
         self.ok = np.zeros(self.size, dtype=bool)
         self.deep: list[tuple[int, np.ndarray]] = []  # >8-bit images, float32 already
         self.per = h * w * c
         # Pillow gives pixels as (H, W, C) bytes; (C, H, W) output with C > 1 needs a transpose,
         # done as a uint8 copy into ``planar`` so that the float cast runs on contiguous memory.
-        self.staging = np.empty((self.size, h, w, c), dtype=np.uint8)
-        self.flat = memoryview(self.staging.reshape(-1))  # bytes go in by slice assignment
         self.transpose = spec.layout == "CHW" and c > 1
-        self.planar = (
-            np.empty(out.shape, dtype=np.uint8) if self.transpose else self.staging.reshape(out.shape)
-        )
+        self.planar = np.empty((self.size, *shape), np.uint8) if pixels is None else pixels
+        hwc = (self.size, h, w, c)
+        self.staging = np.empty(hwc, dtype=np.uint8) if self.transpose else self.planar.reshape(hwc)
+        self.flat = memoryview(self.staging.reshape(-1))  # bytes go in by slice assignment
 
     def take(self) -> tuple[int, int] | None:
         """The next run of positions ``(lo, hi)`` to decode, or None when all are taken."""
@@ -148,7 +168,8 @@ class _Batch:
         """Convert positions ``[lo, hi)`` to float32 in [0, 1] (numpy releases the GIL)."""
         if self.transpose:
             np.copyto(self.planar[lo:hi], self.staging[lo:hi].transpose(0, 3, 1, 2))
-        np.multiply(self.planar[lo:hi], np.float32(1.0 / 255.0), out=self.out[lo:hi], casting="unsafe")
+        if self.out is not None:
+            np.multiply(self.planar[lo:hi], _SCALE, out=self.out[lo:hi], casting="unsafe")
 
 
 class ImageFolderSource:
@@ -166,6 +187,15 @@ class ImageFolderSource:
             are class names, sorted into ids.
         workers: decode threads; 0 or 1 decodes in the calling thread.
         on_error: "raise" or "skip" (see :mod:`loaders.errors`).
+        cache: "auto": keep the decoded 8-bit pixels in the user cache (:mod:`loaders.image_cache`),
+            decoding the folder now if no valid cache is there and they fit ``cache_bytes``. "off"
+            (default here; the spec's default is "auto"): every read decodes.
+        cache_bytes: the most bytes of pixels "auto" caches.
+
+    Attributes:
+        in_memory: the cache is open and read into RAM (see loaders.source).
+        cache_reused: an existing cache was opened (nothing was decoded at open).
+        cache_file: the cache's array file while it is open, else None.
     """
 
     def __init__(
@@ -177,7 +207,11 @@ class ImageFolderSource:
         labels_csv: str | os.PathLike | None = None,
         workers: int = 2,
         on_error: str = "raise",
+        cache: str = "off",
+        cache_bytes: int = CACHE_BYTES,
     ) -> None:
+        if cache not in ("auto", "off"):
+            raise ValueError(f"cache must be 'auto' or 'off', got {cache!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if layout not in LAYOUTS:
@@ -215,6 +249,13 @@ class ImageFolderSource:
         hw = _norm_size(size) or self._probe_first_size()
         self._decode = DecodeSpec(mode, _norm_size(size), layout)
         self.sample_shape: tuple[int, ...] = self._decode.shape(hw)
+        self._pixels: np.ndarray | None = None  # the decoded-pixel cache, when open
+        self._bad: dict[int, str] = {}  # the bad items it recorded: index -> why
+        self._bad_mask = np.zeros(0, bool)
+        self.in_memory = self.cache_reused = False
+        self.cache_file: Path | None = None
+        if cache == "auto":
+            self._open_cache(labels_csv, cache_bytes)
 
     def _by_class_dirs(self, listed: Sequence[str]) -> tuple[list[str], np.ndarray, list[str]]:
         nested = [f for f in listed if "/" in f]
@@ -351,25 +392,10 @@ class ImageFolderSource:
         """
         idx = check_indices(indices, len(self), str(self.root))
         out = np.empty((idx.size, *self.sample_shape), dtype=np.float32)
-        errors: dict[int, LoaderError] = {}
-        if self.workers <= 1 or idx.size <= 1:
-            batch = _Batch(self, idx, out, run=max(1, idx.size))
-            errors = self._fill_runs(batch)
-        else:
-            with self._pool_lock:  # two threads reading at once must not start two pools
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="vkflow-decode")
-                pool = self._pool
-            # One task per worker, each taking short contiguous runs of the batch until none are
-            # left: few futures, and no worker idles while another still has a run of slow images
-            # (a PNG decodes several times slower than a JPEG of the same size).
-            run = max(1, idx.size // (self.workers * _RUNS_PER_WORKER))
-            batch = _Batch(self, idx, out, run)
-            futures = [
-                pool.submit(self._fill_runs, batch) for _ in range(min(self.workers, -(-idx.size // run)))
-            ]
-            for fut in futures:
-                errors.update(fut.result())
+        if self._pixels is not None:
+            rows, skipped = self._from_cache(idx, out, labels := np.empty(idx.size, np.int32))
+            return out[:rows], labels[:rows], skipped
+        batch, errors = self._decode_batch(idx, out)
         for pos, pixels in batch.deep:
             out[pos] = pixels
         for pos in sorted(errors):
@@ -379,3 +405,120 @@ class ImageFolderSource:
             out, idx = out[batch.ok], idx[batch.ok]
         self._stats.add(samples=int(idx.size))
         return out, self.labels[idx], skipped
+
+    def _decode_batch(
+        self, idx: np.ndarray, out: np.ndarray | None, pixels: np.ndarray | None = None
+    ) -> tuple[_Batch, dict[int, LoaderError]]:
+        """Decode ``idx`` into ``out`` (float32) or only into ``pixels`` (uint8); bad items by position."""
+        if self.workers <= 1 or idx.size <= 1:
+            batch = _Batch(self, idx, out, max(1, idx.size), pixels)
+            return batch, self._fill_runs(batch)
+        with self._pool_lock:  # two threads reading at once must not start two pools
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="vkflow-decode")
+            pool = self._pool
+        # One task per worker, each taking short contiguous runs of the batch until none are
+        # left: few futures, and no worker idles while another still has a run of slow images
+        # (a PNG decodes several times slower than a JPEG of the same size).
+        run = max(1, idx.size // (self.workers * _RUNS_PER_WORKER))
+        batch = _Batch(self, idx, out, run, pixels)
+        futures = [pool.submit(self._fill_runs, batch) for _ in range(min(self.workers, -(-idx.size // run)))]
+        errors: dict[int, LoaderError] = {}
+        for fut in futures:
+            errors.update(fut.result())
+        return batch, errors
+
+    # --- the decoded-pixel cache (loaders.image_cache) ------------------------------------------
+
+    def _open_cache(self, labels_csv: str | os.PathLike | None, limit: int) -> None:
+        """Map this folder's decoded-pixel cache, decoding the folder into a new one first when there
+        is none and its pixels fit ``limit`` bytes; without a cache, reads decode."""
+        spec = self._decode
+        csv_name = None if labels_csv is None else str(labels_csv)
+        settings = {"root": str(self.root), "csv": csv_name, "decode": [spec.mode, spec.size, spec.layout]}
+        files = ((name, self._path(i)) for i, name in enumerate(self.files))
+        entry = cache_entry(settings, files, (len(self), *self.sample_shape))
+        found = load_cache(entry)
+        self.cache_reused = found is not None
+        if found is None and math.prod(entry.shape) > limit:
+            logger.info("%s: pixels over the image cache's %d bytes: not cached", self.root, limit)
+        elif found is None:
+            found = self._build_cache(entry)
+        if found is not None:
+            pixels, self._bad = found
+            # Small enough: read whole into RAM, where a read is a gather (loaders.source).
+            self.in_memory = pixels.nbytes <= _IN_RAM_BYTES
+            self._pixels = readonly(np.array(pixels) if self.in_memory else pixels)
+            self._bad_mask = np.zeros(len(self), bool)
+            self._bad_mask[list(self._bad)] = True
+            self.cache_file = entry.path(".npy")
+
+    def _build_cache(self, entry: CacheEntry) -> tuple[np.ndarray, dict[int, str]] | None:
+        began = time.perf_counter()
+        logger.info("%s: decoding %d images once into the image cache", self.root, len(self))
+        found = write_cache(entry, self._decode_all)
+        if found is not None:
+            logger.info("%s: image cache written in %.1f s", self.root, time.perf_counter() - began)
+        return found
+
+    def _decode_all(self, pixels: np.ndarray) -> dict[int, str] | None:
+        """Decode every image into ``pixels`` (in chunks, in the decode threads): the bad items met
+        (index -> why), or None where the cache must not be written."""
+        errors: dict[int, LoaderError] = {}
+        chunk = max(1, _CHUNK_BYTES // math.prod(self.sample_shape))
+        for lo in range(0, len(self), chunk):
+            idx = np.arange(lo, min(lo + chunk, len(self)))
+            batch, found = self._decode_batch(idx, None, pixels[lo : lo + idx.size])
+            if batch.deep:
+                logger.info("%s holds images of more than 8 bits: not cached", self.root)
+                return None
+            errors.update({lo + pos: error for pos, error in found.items()})
+        if any(error.why.startswith("cannot read file") for error in errors.values()):
+            # Perhaps passing (permissions, a network disk): not recorded as bad for good.
+            logger.info("%s: files that cannot be read now: the image cache is not written", self.root)
+            return None
+        return {i: errors[i].why for i in sorted(errors)}
+
+    def _from_cache(self, idx: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[int, int]:
+        """Samples ``idx`` from the cache into ``x[:rows]`` and ``y[:rows]``: the bad items recorded
+        in it go through ``on_error`` as when decoding; the rest is a gather and one cast."""
+        t0 = time.perf_counter()
+        skipped = 0
+        if self._bad:
+            bad = self._bad_mask[idx]
+            for i in idx[bad].tolist():
+                self._policy.handle(LoaderError(self._path(i), self._bad[i]))
+            skipped, idx = int(bad.sum()), idx[~bad]
+        rows = int(idx.size)
+        raw = self._pixels[idx]
+        np.multiply(raw, _SCALE, out=x[:rows], casting="unsafe")  # as _Batch.to_float: the same bits
+        y[:rows] = self.labels[idx]
+        self._stats.add(samples=rows, bytes_read=raw.nbytes, seconds=time.perf_counter() - t0)
+        return rows, skipped
+
+    @property
+    def read_into(self) -> Callable[[Sequence[int], np.ndarray, np.ndarray], tuple[int, int]] | None:
+        """``read_into(indices, x, y) -> (rows, skipped)`` where the cache is open: the same values
+        as ``read`` written into the caller's arrays, kept rows first (e.g. a device's mapped input
+        slot). None without a cache (a decode has nothing to gain from it)."""
+        return None if self._pixels is None else self._read_into
+
+    def _read_into(self, indices: Sequence[int], x: np.ndarray, y: np.ndarray) -> tuple[int, int]:
+        idx = check_indices(indices, len(self), str(self.root))
+        if idx.size > min(x.shape[0], y.shape[0]) or tuple(x.shape[1:]) != self.sample_shape:
+            shapes = f"{self.sample_shape} do not fit arrays {tuple(x.shape)} and {tuple(y.shape)}"
+            raise ValueError(f"{self.root}: {idx.size} samples of shape {shapes}")
+        return self._from_cache(idx, x, y)
+
+    @property
+    def stored_dtype(self) -> str | None:
+        """ "uint8" where :meth:`stored` gives the data: the cache is open and holds no bad item."""
+        return "uint8" if self._pixels is not None and not self._bad else None
+
+    def stored(self) -> StoredData | None:
+        """Every sample's 8-bit pixels from the cache, to keep on a device (loaders.source.StoredData:
+        ``read`` gives ``float32(x) * float32(1/255)``); None where :attr:`stored_dtype` is None (bad
+        items go through ``read`` and ``on_error``)."""
+        return (
+            None if self.stored_dtype is None else StoredData(self._pixels, np.asarray(self.labels), 1 / 255)
+        )
