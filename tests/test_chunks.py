@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import trio
+from fake_sources import CostlySource
 
 from actors.loader import Loader, Read
 from actors.messages import Chunk, unpack
@@ -63,30 +64,38 @@ async def test_staged_messages_leave_before_the_actor_waits_for_input():
         await into.aclose()
 
 
-def _indices_loader(outbox: trio.MemorySendChannel, steps: int) -> Loader:
+def _loader(outbox: trio.MemorySendChannel, steps: int, on_device: bool) -> Loader:
     stream = (Read(seq, "train", seq, 0, seq, np.arange(seq, seq + 2)) for seq in range(steps))
-    return Loader(Meter("loader", None, [outbox]), None, stream, on_device=True)
+    meter = Meter("loader", None, [outbox])
+    if on_device:  # indices into a dataset on the device: nothing to read
+        return Loader(meter, None, stream, on_device=True)
+    return Loader(meter, CostlySource(0.0, in_memory=True), stream)  # a gather from RAM, inline
 
 
-async def test_the_loader_chunks_only_while_the_consumer_is_behind(autojump_clock):
+async def _chunk_sizes(steps: int, on_device: bool, slow: bool) -> list[int]:
+    # Room for one item when the consumer is behind; room to spare when it keeps up.
+    outbox, received = trio.open_memory_channel(1 if slow else MAX_CHUNK)
+    items: list[object] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_loader(outbox, steps, on_device).run)
+        async for item in received:
+            items.append(item)
+            if slow:
+                await trio.sleep(1.0)
+    assert [batch.seq for item in items for batch in unpack(item)] == list(range(steps))
+    return [len(unpack(item)) for item in items]
+
+
+async def test_the_loader_chunks_batches_read_on_the_host_only_while_the_consumer_is_behind(autojump_clock):
+    assert await _chunk_sizes(100, on_device=False, slow=False) == [1] * 100  # no latency added
+    behind = await _chunk_sizes(100, on_device=False, slow=True)
+    assert max(behind) == MAX_CHUNK and behind.count(MAX_CHUNK) >= 100 // MAX_CHUNK - 2
+
+
+async def test_indices_of_a_dataset_on_the_device_always_leave_in_full_chunks(autojump_clock):
     for slow in (False, True):
-        # Room for one batch when behind; room to spare when keeping up.
-        outbox, received = trio.open_memory_channel(1 if slow else MAX_CHUNK)
-        items: list[object] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_indices_loader(outbox, 100).run)
-            async for item in received:
-                items.append(item)
-                if slow:
-                    await trio.sleep(1.0)
-        seqs = [batch.seq for item in items for batch in unpack(item)]
-        assert seqs == list(range(100))
-        sizes = [len(unpack(item)) for item in items]
-        assert max(sizes) <= MAX_CHUNK
-        if slow:  # behind: after the first few, every item but the last carries a full chunk
-            assert sizes.count(MAX_CHUNK) >= 100 // MAX_CHUNK - 2
-        else:  # keeping up: one batch per item, no latency added
-            assert sizes == [1] * 100, str(sizes)
+        sizes = await _chunk_sizes(100, on_device=True, slow=slow)
+        assert sizes == [MAX_CHUNK] * (100 // MAX_CHUNK) + [100 % MAX_CHUNK]
 
 
 def test_a_run_behind_a_slow_device_moves_chunks_and_reports_every_step(tmp_path, monkeypatch):
