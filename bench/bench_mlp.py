@@ -8,14 +8,14 @@ What is measured (letters follow the performance issue):
       from host memory into its slot's host-visible io tensors, writes the step values, submits the
       slot's pre-recorded program, and waits for the oldest step only when all K slots are busy
       (then reads its loss). One line per K tried; ``best`` marks the fastest, which the ratios use.
-    - ``vkflow_actors``: ``flow.run`` (loader, preprocess, device, optimiser and sink actors) on a
-      shuffled Synthetic source of a real data set's size (60000 rows of 784) at K = 2, 3 and 4,
-      reusing the backend; ``best`` marks the fastest. Each run trains one whole epoch untimed,
-      then 5 timed epochs; the rate comes from the step times of its metrics file. The figure is
-      the median of at least 5 runs, with its range and spread (``samples_per_s_min``/``_max``,
-      ``spread_pct``), the event loop's CPU time a step (``loop_cpu_us_per_step``; every thread's:
-      ``process_cpu_us_per_step``) and the loader's reads that went to worker threads
-      (``thread_items``, of the ``loader_items`` it sent). See ``measure_actors``.
+    - ``vkflow_actors``: ``flow.run`` (loader, preprocess, device, optimiser and sink actors) on a shuffled
+      Synthetic source of a real data set's size (60000 rows of 784) at K = 2, 3 and 4, each run in a fresh
+      process, as a user runs it; ``best`` marks the fastest. Each run trains one whole epoch untimed, then 5
+      timed epochs; the rate comes from the step times of its metrics file. The figure is the median of at
+      least 5 runs, with its range and spread (``samples_per_s_min``/``_max``, ``spread_pct``), the event
+      loop's CPU time a step (``loop_cpu_us_per_step``; every thread's: ``process_cpu_us_per_step``) and the
+      loader's reads that went to worker threads (``thread_items``, of the ``loader_items`` it sent). See
+      ``measure_actors``.
       ``vkflow_actors_streamed``: the same at the best K with Data placement "host" (every batch
       read by the loader, not kept on the device). Without ``flow.run`` a line says "not
       available".
@@ -352,8 +352,61 @@ def run_actors(backend, spec, warm_steps: int) -> ActorRun:
     )
 
 
+def run_actors_in_process(
+    device: str,
+    quick: bool,
+    opt: str,
+    in_flight: int,
+    samples: int,
+    epochs: int,
+    placement: str,
+    metrics: str,
+    warm_steps: int,
+) -> ActorRun:
+    """``run_actors`` in a child process (``bench_mlp.py --actor-run``) that opens the device, runs
+    once and exits; its figures come back as one JSON line, the run's result as a small dict."""
+    import subprocess
+    import sys
+
+    job = dict(device=device, quick=quick, opt=opt, in_flight=in_flight, samples=samples, epochs=epochs,
+               placement=placement, metrics=metrics, warm_steps=warm_steps)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, __file__, "--actor-run", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"actor run failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return ActorRun(**json.loads(lines[-1]))
+
+
+def actor_run_child(job_json: str) -> None:
+    """The child of ``run_actors_in_process``: one run, its ActorRun printed as JSON."""
+    from dataclasses import fields
+
+    job = json.loads(job_json)
+    backend, why = open_vulkan(job["device"])
+    if backend is None:
+        raise SystemExit(f"no Vulkan device: {why}")
+    sizes = QUICK if job["quick"] else FULL
+    spec = actor_spec(
+        sizes, job["opt"], job["in_flight"], job["samples"], job["epochs"], job["placement"], job["metrics"]
+    )
+    run = run_actors(backend, spec, job["warm_steps"])
+    result = run.result
+    busy = {
+        name: round(stats.busy_seconds / max(result.steps, 1) * 1e6, 1)
+        for name, stats in result.statistics.items()
+    }
+    figures = {f.name: getattr(run, f.name) for f in fields(run) if f.name != "result"}
+    print(json.dumps(figures | {"result": {"loss": result.loss, "busy_us_per_step": busy}}))
+    backend.close()
+
+
 def measure_actors(
-    backend, sizes: Sizes, opt: str, in_flight: int, reps: int, placement: str = "auto"
+    device: str, sizes: Sizes, opt: str, in_flight: int, reps: int, placement: str = "auto"
 ) -> dict:
     """Steady-state samples/s of ``flow.run`` (loader, preprocess, device, optimiser and sink actors)
     on a Synthetic source of ``sizes.actor_samples`` rows (60000 x 784 in full: a real data set's
@@ -380,24 +433,19 @@ def measure_actors(
         def metrics(name: str) -> str:
             return str(Path(folder) / f"metrics-{name}-{time.perf_counter_ns()}.jsonl")
 
-        warm = actor_spec(sizes, opt, in_flight, batch * 16, 2, placement, metrics("warm"))
-        run_actors(backend, warm, 16)
+        # Each run in a process of its own, as a user runs flow.run: on the H100 a second engine
+        # in one process ran every kernel ~4.6x slower for its first few hundred steps (GPU
+        # timestamps; RESULTS.md, session 6), which a whole-epoch warm-up did not always cover.
+        quick = sizes == QUICK
         runs = [
-            run_actors(
-                backend,
-                actor_spec(sizes, opt, in_flight, samples, epochs, placement, metrics("run")),
-                per_epoch,
+            run_actors_in_process(
+                device, quick, opt, in_flight, samples, epochs, placement, metrics("run"), per_epoch
             )
             for _ in range(reps)
         ]
     rates = [batch / r.seconds_per_step if r.seconds_per_step > 0 else float("nan") for r in runs]
     figure = spread(rates)
-    result = runs[-1].result
-    # Which actor the steps wait on: busy time per step of each, from the last run (whole run).
-    busy = {
-        name: round(stats.busy_seconds / max(result.steps, 1) * 1e6, 1)
-        for name, stats in result.statistics.items()
-    }
+    result = runs[-1].result  # the last run's loss and busy time per step of each actor (whole run)
     return {
         "samples_per_s": figure["median"],
         "samples_per_s_min": figure["min"],
@@ -418,8 +466,8 @@ def measure_actors(
         "loop_cpu_us_values": [round(r.loop_cpu_s_per_step * 1e6, 1) for r in runs],
         "loader_items": runs[-1].loader_items,
         "setup_s": median([r.setup_s for r in runs]),
-        "loss": result.loss,
-        "busy_us_per_step": busy,
+        "loss": result["loss"],
+        "busy_us_per_step": result["busy_us_per_step"],
     }
 
 
@@ -591,7 +639,7 @@ def part_a(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, to
             ks = [k for k in sizes.in_flight if k > 1] or list(sizes.in_flight)
 
             def actors(k: int, opt: str = opt) -> dict:
-                return measure_actors(backend, sizes, opt, k, args.reps)
+                return measure_actors(args.device, sizes, opt, k, args.reps)
 
             actors_best = swept(rep, bench, "vkflow_actors", vk_device, ks, actors, opt=opt, shape=shape)
             if actors_best is not None:
@@ -606,7 +654,9 @@ def part_a(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, to
                 streamed = rep.guarded(
                     bench,
                     "vkflow_actors_streamed",
-                    lambda k=k, opt=opt: measure_actors(backend, sizes, opt, k, args.reps, placement="host"),
+                    lambda k=k, opt=opt: measure_actors(
+                        args.device, sizes, opt, k, args.reps, placement="host"
+                    ),
                     opt=opt,
                     shape=shape,
                     in_flight=k,
@@ -851,4 +901,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--actor-run":
+        actor_run_child(sys.argv[2])
+    else:
+        main()
