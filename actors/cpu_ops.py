@@ -351,6 +351,12 @@ def conv2d_gemm_backward_weight(arrays: list[np.ndarray], p: Params) -> None:
         partial[z] = grad[z * chunk : (z + 1) * chunk].T @ cols[z * chunk : (z + 1) * chunk]
 
 
+def conv_splitk_sum(arrays: list[np.ndarray], p: Params) -> None:
+    w, dw = arrays
+    total, splits = int(p["total"]), int(p["splits"])
+    dw[:total] = w[: splits * total].reshape(splits, total).sum(axis=0)
+
+
 def channel_sum(arrays: list[np.ndarray], p: Params) -> None:
     dy, db = arrays
     n, k, hw = int(p["N"]), int(p["K"]), int(p["HW"])
@@ -529,6 +535,69 @@ def layernorm_backward_data(arrays: list[np.ndarray], p: Params) -> None:
     dx[n * r * d : rows * r * d] = 0  # padding samples' rows: the layers before never learn from them
 
 
+def _pcg(v: np.ndarray) -> np.ndarray:
+    """dropout.comp's pcg() on a uint32 array (numpy wraps uint32 arithmetic as GLSL does)."""
+    state = v * np.uint32(747796405) + np.uint32(2891336453)
+    word = ((state >> ((state >> np.uint32(28)) + np.uint32(4))) ^ state) * np.uint32(277803737)
+    return (word >> np.uint32(22)) ^ word
+
+
+def dropout_keep(n: int, seed: int, step: int, threshold: int) -> np.ndarray:
+    """Which of the first ``n`` elements dropout.comp keeps at training step ``step`` (its t).
+
+    Args:
+        n: elements.
+        seed: the launch's seed (flow.autodiff mixes the run's seed with the layer's index).
+        step: the 1-based step, stepvals[3].
+        threshold: ceil(p * 2**32); a hash below it drops its element.
+
+    Returns:
+        bool [n], True where the element is kept.
+    """
+    key = _pcg(_pcg(np.array([seed], np.uint32)) ^ np.uint32(step))
+    return _pcg(_pcg(np.arange(n, dtype=np.uint32)) ^ key) >= np.uint32(threshold)
+
+
+def dropout(arrays: list[np.ndarray], p: Params) -> None:
+    x, stepvals, y = arrays
+    n = int(p["n"])
+    keep = dropout_keep(n, int(p["seed"]), int(stepvals[3]), int(p["threshold"]))
+    y[:n] = x[:n] * np.where(keep, y.dtype.type(p["scale"]), y.dtype.type(0))
+
+
+def _table_rows(ids: np.ndarray, p: Params, stepvals: np.ndarray) -> np.ndarray:
+    """The table row of each of an Embedding's N * S ids. A real sample's id must be an integer
+    in [0, V); a padding row's is clamped into range, as embedding_row.glsl does with every id."""
+    n, s, v = int(p["N"]), int(p["S"]), int(p["V"])
+    values = ids[: n * s]
+    real = values[: _real_rows(stepvals, n) * s]
+    bad = np.flatnonzero(~((real >= 0) & (real < v) & (real == np.floor(real))))
+    if bad.size:
+        at = int(bad[0])
+        raise ValueError(
+            f"Embedding: token id {float(real[at])!r} (sample {at // s}, position {at % s}) is not an "
+            f"integer in [0, {v}): ids index the table of num_embeddings={v} rows"
+        )
+    return np.clip(np.nan_to_num(values), 0, v - 1).astype(np.int64)
+
+
+def embedding(arrays: list[np.ndarray], p: Params) -> None:
+    ids, w, stepvals, y = arrays
+    v, d = int(p["V"]), int(p["D"])
+    rows = _table_rows(ids, p, stepvals)
+    y[: rows.size * d] = w[: v * d].reshape(v, d)[rows].reshape(-1)
+
+
+def embedding_backward(arrays: list[np.ndarray], p: Params) -> None:
+    ids, dy, stepvals, dw = arrays
+    v, d = int(p["V"]), int(p["D"])
+    rows = _table_rows(ids, p, stepvals)[: _real_rows(stepvals, int(p["N"])) * int(p["S"])]
+    grad = np.zeros((v, d), dw.dtype)
+    # Unbuffered: a repeated id adds each of its rows, in order, as the shader's loop does.
+    np.add.at(grad, rows, dy[: rows.size * d].reshape(-1, d))
+    dw[: v * d] = grad.reshape(-1)
+
+
 def sgd(arrays: list[np.ndarray], p: Params) -> None:
     param, grad, momentum_buf, stepvals = arrays
     n = int(p["n"])
@@ -627,6 +696,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "conv2d_gemm": conv2d,
     "conv2d_gemm_backward_data": conv2d_backward_data,
     "conv2d_gemm_backward_weight": conv2d_gemm_backward_weight,
+    "conv_splitk_sum": conv_splitk_sum,
     "channel_sum": channel_sum,
     "maxpool2d": maxpool2d,
     "maxpool2d_backward": maxpool2d_backward,
@@ -640,6 +710,9 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "layernorm": layernorm,
     "layernorm_backward_reduce": layernorm_backward_reduce,
     "layernorm_backward_data": layernorm_backward_data,
+    "dropout": dropout,
+    "embedding": embedding,
+    "embedding_backward": embedding_backward,
     "sgd": sgd,
     "adam": adam,
     "fill": fill,

@@ -8,7 +8,7 @@ dY). FLOPs: 2 x N x K x OH x OW x C x R x S for each direction.
 
 vkflow ``vkflow_gemm``: the ops flow.autodiff lowers Conv2d to (conv2d_gemm,
 conv2d_gemm_backward_data, and conv2d_gemm_backward_weight split over its positions as autodiff
-splits it, then splitk_epilogue), with the registry's tiles. One program repeats the convolution
+splits it, then conv_splitk_sum), with the registry's tiles. One program repeats the convolution
 with barriers between launches (as in a training step), recorded once with a timestamp pool; one
 convolution's time is the median over repetitions of the sum of its launches' timestamp
 differences. Each op is first checked against the float64 CPU oracle on the same layer at batch 2.
@@ -97,9 +97,7 @@ class VkConv:
             return [launch("conv2d_gemm_backward_weight", ("X", "Y", "dW"), **p)]
         return [
             launch("conv2d_gemm_backward_weight", ("X", "Y", "WS"), **p, k_splits=self.splits),
-            launch(
-                "splitk_epilogue", ("WS", "WS", "dW"), M=self.wm, N=self.wn, splits=self.splits, alpha=1.0
-            ),
+            launch("conv_splitk_sum", ("WS", "dW"), total=self.wm * self.wn, splits=self.splits),
         ]
 
     def program(self, direction: str, impl: str, repeats: int):

@@ -25,6 +25,8 @@ from flow.spec_model import (
     BatchNorm,
     Conv2d,
     CrossEntropy,
+    Dropout,
+    Embedding,
     Flatten,
     GlobalAvgPool,
     LayerNorm,
@@ -64,19 +66,21 @@ def k_splits(m: int, n: int, k: int) -> int:
 
 
 # A convolution's weight gradient: slices of its (n, oh, ow) positions are summed by separate
-# workgroups when the K x C*R*S output has few tiles. Enough workgroups to fill a big GPU twice
-# over, each slice at least CONV_SPLIT_MIN_K positions long (shorter ones spend more on the
-# epilogue's extra pass than they gain), and at most CONV_MAX_SPLITS (the workspace is
-# splits x K x C*R*S floats).
-CONV_SPLIT_TARGET_GROUPS = 256
-CONV_SPLIT_MIN_K = 512
-CONV_MAX_SPLITS = 128
+# workgroups when the K x C*R*S output has few tiles. Enough workgroups to keep a big GPU's
+# multiprocessors several deep (bench/sweep_conv.py on an H100: conv2's 64 x 288 output over
+# 50176 positions took 210 us in 15 slices, 95 us in 128 (90 of them the GEMM, 6 conv_splitk_sum);
+# conv1's 32 x 9 over 200704 took 44 us in 256 slices, 34 in 512), each slice at least
+# CONV_SPLIT_MIN_K positions long, and at most CONV_MAX_SPLITS (conv_splitk_sum's pass over the
+# slices, and the workspace of splits x K x C*R*S floats, grow with them).
+CONV_SPLIT_TARGET_GROUPS = 2304
+CONV_SPLIT_MIN_K = 256
+CONV_MAX_SPLITS = 512
 
 
 def conv_weight_splits(m: int, n: int, k: int) -> int:
     """How many slices to split a convolution's weight-gradient GEMM into (see the constants
     above): a Fashion-MNIST CNN's first layer, 32 x 9 outputs summed over 256 x 28 x 28 positions,
-    has a single 32 x 32 tile and gets 128 slices.
+    has a single 32 x 32 tile and gets 512 slices; its second, 64 x 288 over 256 x 14 x 14, 128.
 
     Args:
         m, n, k: the GEMM's shape (output channels, C*R*S, N*OH*OW).
@@ -168,7 +172,18 @@ class _Builder:
             stats = g.add(f"norm_stats[{stage.index}]", (b, 2 * params["R"]))
             g.emit(launch("layernorm", (h, f"{prefix}.weight", f"{prefix}.bias", out, stats), **params))
             saved["stats"] = stats
-        elif isinstance(layer, Flatten):
+        elif isinstance(layer, Dropout) and layer.p > 0:
+            # Eval and predict copy rather than alias the input: work memory is placed once, from
+            # the train program's lifetimes, so every program must read and write the same
+            # tensors (a view would let the next layer's output take its input's memory).
+            params = self._dropout_params(stage, layer)
+            step = launch("dropout", (h, "stepvals", out), **params) if self.training else None
+            g.emit(step or launch("copy", (h, out), n=params["n"]))
+        elif isinstance(layer, Embedding):
+            weight = f"layers[{stage.index}].weight"
+            g.emit(launch("embedding", (h, weight, "stepvals", out), **self._embedding_params(stage, layer)))
+        elif isinstance(layer, Flatten | Dropout):
+            # A reshape, or a dropout of p = 0 (the identity): a view in every program, no launch.
             base = g.tensors[h].view_of or h
             g.tensors[out] = TensorDecl(out, (b, *stage.out_shape), "float32", "work", view_of=base)
         elif stage.activation is not None:
@@ -275,8 +290,8 @@ class _Builder:
         positions when its small output (K x C*R*S) has too few tiles to fill a GPU.
 
         Returns:
-            (launch, finish): ``finish`` adds the slices into ``dw``; it must run in a later group.
-            None when the GEMM is not split.
+            (launch, finish): ``finish`` (conv_splitk_sum) adds the slices into ``dw``; it must
+            run in a later group. None when the GEMM is not split.
         """
         m, n, k = conv_gemm_shape("weight", params)
         splits = conv_weight_splits(m, n, k)
@@ -284,7 +299,7 @@ class _Builder:
             return launch("conv2d_gemm_backward_weight", (x, dz, dw), **params), None
         workspace = self.g.add(f"splitk:{dw}", (splits, m, n))
         main = launch("conv2d_gemm_backward_weight", (x, dz, workspace), k_splits=splits, **params)
-        finish = launch("splitk_epilogue", (workspace, workspace, dw), M=m, N=n, splits=splits, alpha=1.0)
+        finish = launch("conv_splitk_sum", (workspace, dw), total=m * n, splits=splits)
         return main, finish
 
     def _pool_params(self, stage: Stage, layer: MaxPool2d | AvgPool2d) -> dict[str, int]:
@@ -303,6 +318,19 @@ class _Builder:
     def _layer_norm_params(self, stage: Stage, layer: LayerNorm) -> dict[str, int | float]:
         """A LayerNorm input as [N * R, D]: D its last dimension, R = 1 for flat features."""
         return dict(N=self.b, R=math.prod(stage.in_shape[:-1]), D=stage.in_shape[-1], eps=float(layer.eps))
+
+    def _dropout_params(self, stage: Stage, layer: Dropout) -> dict[str, int | float]:
+        """dropout.comp's constants: the run's seed (Init.seed, folded to 32 bits) mixed with the
+        layer's index, so that two Dropout layers draw different masks; the step comes at run time."""
+        seed = self.model.init.seed
+        mixed = (seed ^ (seed >> 32) ^ (0x9E3779B9 * (stage.index + 1))) & 0xFFFFFFFF
+        threshold = min(math.ceil(layer.p * 2.0**32), 2**32 - 1)  # uniform >= p as uint32 >= it
+        n = self.b * math.prod(stage.out_shape)
+        return dict(n=n, seed=mixed, threshold=threshold, scale=1 / (1 - layer.p))
+
+    def _embedding_params(self, stage: Stage, layer: Embedding) -> dict[str, int]:
+        """An Embedding's ids as [N, S] (S = every id of a sample) and its table as [V, D]."""
+        return dict(N=self.b, S=math.prod(stage.in_shape), V=layer.num_embeddings, D=layer.dim)
 
     def _batch_norm_forward(self, stage: Stage, layer: BatchNorm, h: str, out: str) -> str:
         """Per-channel statistics (the batch's while training, moving the running ones; else the
@@ -385,7 +413,7 @@ class _Builder:
             (
                 p
                 for p, s in enumerate(self.stages)
-                if isinstance(unwrap(s.layer)[0], Linear | Conv2d | BatchNorm | LayerNorm)
+                if isinstance(unwrap(s.layer)[0], Linear | Conv2d | BatchNorm | LayerNorm | Embedding)
             ),
             None,
         )
@@ -494,9 +522,18 @@ class _Builder:
                 if in_grad
                 else None,
             )
-        elif isinstance(layer, Flatten):
+        elif isinstance(layer, Embedding):
+            # The table's gradient alone: ids have none, and an Embedding is always the first layer.
+            weight_grad = f"grad:layers[{stage.index}].weight"
+            params = self._embedding_params(stage, layer)
+            g.emit(launch("embedding_backward", (h, grad, "stepvals", weight_grad), **params))
+        elif isinstance(layer, Dropout) and layer.p > 0:
             if in_grad:
-                # The gradient of a reshape is the reshaped gradient: a view, no launch.
+                # The same mask, recomputed from its hash (cheaper than storing it), on the gradient.
+                g.emit(launch("dropout", (grad, "stepvals", in_grad), **self._dropout_params(stage, layer)))
+        elif isinstance(layer, Flatten | Dropout):
+            if in_grad:
+                # The gradient of a reshape (or of an identity) is the gradient: a view, no launch.
                 base = g.tensors[grad].view_of or grad
                 g.tensors[in_grad] = TensorDecl(in_grad, g.tensors[h].shape, "float32", "work", view_of=base)
         elif stage.activation is not None:

@@ -18,6 +18,7 @@ from flow.spec_model import (
     BatchNorm1d,
     BatchNorm2d,
     Conv2d,
+    Embedding,
     LayerNorm,
     LeakyReLU,
     Linear,
@@ -61,6 +62,7 @@ class ParamDecl:
     is_bias: bool
     constant: float | None = None  # starts at this value instead of a random draw (BatchNorm's 1s)
     trainable: bool = True
+    std: float | None = None  # drawn from N(0, std^2) whatever the scheme (Embedding's N(0, 1))
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def parameters(model: Model) -> list[ParamDecl]:
 
     Linear weights are stored [in, out] (so the forward GEMM needs no transpose); conv weights
     [out_channels, in_channels, kh, kw]; BatchNorm's scale (``weight``) and shift (``bias``)
-    [channels], as PyTorch names them.
+    [channels], as PyTorch names them; an Embedding's table [num_embeddings, dim].
     """
     params: list[ParamDecl] = []
     kept: list[ParamDecl] = []
@@ -193,6 +195,9 @@ def parameters(model: Model) -> list[ParamDecl]:
             params.append(ParamDecl(f"{prefix}.bias", (c,), c, c, True))
             kept.append(ParamDecl(f"{prefix}.running_mean", (c,), c, c, False, constant=0.0, trainable=False))
             kept.append(ParamDecl(f"{prefix}.running_var", (c,), c, c, False, constant=1.0, trainable=False))
+        elif isinstance(layer, Embedding):
+            v, d = layer.num_embeddings, layer.dim
+            params.append(ParamDecl(f"layers[{stage.index}].weight", (v, d), v, d, False, std=1.0))
         elif isinstance(layer, LayerNorm):
             d, prefix = stage.in_shape[-1], f"layers[{stage.index}]"
             params.append(ParamDecl(f"{prefix}.weight", (d,), d, d, False, constant=1.0))

@@ -626,6 +626,8 @@ def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.
             values[p.name] = np.full(p.shape, p.constant, np.float32)
         elif p.is_bias:
             values[p.name] = np.zeros(p.shape, np.float32)
+        elif p.std is not None:  # an Embedding's table: N(0, 1) as in PyTorch, whatever the scheme
+            values[p.name] = (rng.standard_normal(p.shape) * p.std).astype(np.float32)
         elif scheme == "xavier":
             limit = math.sqrt(6.0 / (p.fan_in + p.fan_out))
             values[p.name] = rng.uniform(-limit, limit, p.shape).astype(np.float32)

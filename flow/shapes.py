@@ -14,6 +14,7 @@ from flow.spec_model import (
     BatchNorm1d,
     BatchNorm2d,
     Conv2d,
+    Embedding,
     Flatten,
     GlobalAvgPool,
     Layer,
@@ -78,7 +79,17 @@ def output_shape(layer: Layer, shape: Shape) -> Shape | str:
         return f"LayerNorm needs a (features,) or (channels, length) input, got {shape}; add a Flatten"
     if isinstance(layer, Flatten):
         return (math.prod(shape),)
-    return shape  # activations and batch normalisation keep the shape
+    if isinstance(layer, Embedding):
+        return (*shape, layer.dim)
+    return shape  # activations, dropout and normalisation keep the shape
+
+
+# Token ids reach an Embedding only as the model's input: a layer before it would compute floats,
+# not ids, and the ids' gradient does not exist.
+_NOT_FIRST = (
+    "Embedding must be the first layer: it looks up integer token ids, which only the model's input "
+    "holds (a layer before it gives floats, and ids have no gradient to pass back)"
+)
 
 
 def trace(input_shape: Shape, layers: tuple[Layer, ...]) -> tuple[list[Shape], tuple[int, str] | None]:
@@ -94,7 +105,7 @@ def trace(input_shape: Shape, layers: tuple[Layer, ...]) -> tuple[list[Shape], t
     shapes: list[Shape] = []
     shape = tuple(input_shape)
     for i, layer in enumerate(layers):
-        out = output_shape(layer, shape)
+        out = output_shape(layer, shape) if i == 0 or not isinstance(layer, Embedding) else _NOT_FIRST
         if isinstance(out, str):
             return shapes, (i, out)
         shapes.append(out)
@@ -138,6 +149,8 @@ def layer_parameters(layer: Layer, input_shape: Shape) -> int:
         return weights + (layer.channels if layer.bias else 0)
     if isinstance(layer, BatchNorm1d | BatchNorm2d):
         return 2 * input_shape[0]  # scale and shift per channel; the running statistics are not trained
+    if isinstance(layer, Embedding):
+        return layer.num_embeddings * layer.dim
     if isinstance(layer, LayerNorm):
         return 2 * input_shape[-1]  # scale and shift per position of the normalised (last) dimension
     return 0

@@ -57,6 +57,8 @@ from flow.spec_model import (
     BatchNorm2d,
     Conv2d,
     CrossEntropy,
+    Dropout,
+    Embedding,
     Flatten,
     GlobalAvgPool,
     Init,
@@ -341,7 +343,7 @@ class Spec(Record):
 
 RECORDS: tuple[type, ...] = (
     Linear, Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool, BatchNorm1d, BatchNorm2d, LayerNorm,
-    Flatten, ReLU, LeakyReLU, Sigmoid, Tanh, GELU, Softmax,
+    Dropout, Embedding, Flatten, ReLU, LeakyReLU, Sigmoid, Tanh, GELU, Softmax,
     CrossEntropy, MSE, Init, Model,
     Constant, StepLR, Cosine, SGD, Adam, AdamW,
     ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays,

@@ -147,6 +147,41 @@ class LayerNorm(Record):
 
 
 @dataclass(frozen=True)
+class Dropout(Record):
+    """PyTorch's ``Dropout(p)``: while training, each element is zeroed with probability p and the
+    kept ones scaled by ``1 / (1 - p)``; evaluation and prediction pass the input through unchanged
+    (a copy; p = 0 is no launch at all). The mask is a counter-based hash of (``Init.seed``, the
+    layer's index, the training step, the element's flat index in the batch), the same on every
+    backend to the bit: each step draws a new mask, and a resumed run draws the masks an
+    uninterrupted one would. Under data parallelism each device hashes its own shard's indices.
+
+    Attributes:
+        p: the probability of zeroing an element, in [0, 1) (default 0.5); 0 is the identity.
+    """
+
+    p: float = 0.5
+
+
+@dataclass(frozen=True)
+class Embedding(Record):
+    """PyTorch's ``Embedding(num_embeddings, dim)``: a learned table of ``num_embeddings`` rows of
+    ``dim``, looked up by integer token ids; an input of any shape S gives (*S, dim). The ids come
+    in the model's float32 input (exact integers up to 2**24, hence the limit on the table), so an
+    Embedding must be the first layer and its input must not be normalised or scaled. Rows start
+    N(0, 1), as in PyTorch. Ids are not differentiable: nothing before the layer learns. An id
+    outside [0, num_embeddings) is an error on the CPU backend; a GPU clamps it into range (it
+    never reads outside the table) rather than stop the device.
+
+    Attributes:
+        num_embeddings: rows of the table (the vocabulary size), in [1, 2**24].
+        dim: values per row, > 0.
+    """
+
+    num_embeddings: int
+    dim: int
+
+
+@dataclass(frozen=True)
 class Flatten(Record):
     """Reshapes each sample to one dimension (C * H * W values, row-major), as Linear needs."""
 
@@ -192,8 +227,10 @@ class Softmax(Record):
 
 Layer = (
     Linear | Conv2d | MaxPool2d | AvgPool2d | GlobalAvgPool | BatchNorm1d | BatchNorm2d | LayerNorm
-    | Flatten | ReLU | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
+    | Dropout | Embedding | Flatten | ReLU | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
 )  # fmt: skip
+# The largest table an Embedding may have: float32 holds every integer id below it exactly.
+MAX_EMBEDDINGS = 1 << 24
 # The layers that normalise by batch statistics and keep running ones.
 BatchNorm = BatchNorm1d | BatchNorm2d
 

@@ -41,11 +41,14 @@ from flow.spec_data import (
     Synthetic,
 )
 from flow.spec_model import (
+    MAX_EMBEDDINGS,
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
     Conv2d,
     CrossEntropy,
+    Dropout,
+    Embedding,
     Init,
     LayerNorm,
     Linear,
@@ -148,6 +151,21 @@ def _batch_norm(r: Rule) -> None:
 
 def _layer_norm(r: Rule) -> None:
     r.need("eps", _positive, "must be > 0")
+
+
+def _dropout(r: Rule) -> None:
+    # p = 1 would zero everything and scale by 1 / 0; PyTorch allows it, but it cannot learn.
+    r.need("p", lambda p: 0 <= p < 1, "must be in [0, 1)")
+
+
+def _embedding(r: Rule) -> None:
+    r.need("dim", _positive, "must be > 0")
+    r.need("num_embeddings", _positive, "must be > 0")
+    r.need(
+        "num_embeddings",
+        lambda v: v <= MAX_EMBEDDINGS,
+        f"must be at most 2**24 = {MAX_EMBEDDINGS} (ids come as float32, exact only up to 2**24)",
+    )
 
 
 def _init(r: Rule) -> None:
@@ -449,6 +467,8 @@ RULES: dict[type, Callable[[Rule], None]] = {
     BatchNorm1d: _batch_norm,
     BatchNorm2d: _batch_norm,
     LayerNorm: _layer_norm,
+    Dropout: _dropout,
+    Embedding: _embedding,
     Init: _init,
     Model: _model,
     Constant: _warmup,

@@ -25,6 +25,7 @@ from shaders.tiles import (
     ceil_div,
     conv_gemm_shape,
     tune_conv,
+    tune_conv_splitk_sum,
     tune_gemm,
     tune_gemm_coopmat,
     tune_gemm_coopmat_f16,
@@ -189,6 +190,8 @@ _POOL_PUSH = (
 _NORM_PUSH = (("N", "u"), ("C", "u"), ("HW", "u"))
 # A LayerNorm input viewed as [N * R, D]: R rows of D per sample (R = 1 for flat features).
 _LAYER_NORM_PUSH = (("N", "u"), ("R", "u"), ("D", "u"), ("eps", "f"))
+# An Embedding: N samples of S ids each, a table of V rows of D.
+_EMBEDDING_PUSH = (("N", "u"), ("S", "u"), ("V", "u"), ("D", "u"))
 
 
 def _conv_out_groups(params, local, spec) -> Groups:
@@ -225,7 +228,7 @@ def _conv_gemm(name: str, kind: str, bindings: tuple[str, ...]) -> OpDef:
         _conv_gemm_groups(kind),
         spec=(("BM", 64), ("BN", 64), ("BK", 16), ("TM", 4), ("TN", 4), ("ACT", 0)),
         local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]), 1, 1),
-        tune=lambda params, facts, table=None: tune_conv(kind, params, facts),
+        tune=lambda params, facts, table=None: tune_conv(kind, params, facts, table),
     )
 
 
@@ -391,6 +394,18 @@ _OPS: tuple[OpDef, ...] = (
     _conv_gemm("conv2d_gemm", "forward", ("X", "Wt", "bias", "Y")),
     _conv_gemm("conv2d_gemm_backward_data", "data", ("dY", "Wt", "dX")),
     _conv_gemm("conv2d_gemm_backward_weight", "weight", ("X", "dY", "dW")),
+    # dW = the sum of conv2d_gemm_backward_weight's k_splits slices of partial sums, several
+    # threads per output (see the shader; tune_conv_splitk_sum sizes the workgroups).
+    OpDef(
+        "conv_splitk_sum",
+        "conv_splitk_sum.comp",
+        ("W", "dW"),
+        (("total", "u"), ("splits", "u")),
+        lambda params, local, spec: (ceil_div(int(params["total"]), spec["OUTS"]), 1, 1),
+        spec=(("OUTS", 32), ("LANES", 8)),
+        local_from_spec=lambda s: (s["OUTS"], s["LANES"], 1),
+        tune=lambda params, facts, table=None: tune_conv_splitk_sum(params),
+    ),
     # db[k] = sum over n and spatial of dY[n, k, :] (dY viewed as [N, K, HW]).
     OpDef(
         "channel_sum",
@@ -470,6 +485,32 @@ _OPS: tuple[OpDef, ...] = (
         ("dY", "X", "stats", "gamma", "stepvals", "dX"),
         _LAYER_NORM_PUSH,
         lambda p, local, spec: capped_groups(int(p["N"]) * int(p["R"]), 1),
+    ),
+    # Y = X * mask * scale, the mask a hash of (seed, step stepvals[3], element): dropout's forward
+    # and, on the output's gradient, its backward.
+    OpDef(
+        "dropout",
+        "dropout.comp",
+        ("X", "stepvals", "Y"),
+        (("n", "u"), ("seed", "u"), ("threshold", "u"), ("scale", "f")),
+        _linear_groups("n"),
+    ),
+    # Y[i, :] = W[ids[i], :] for the N * S ids (float32, clamped into [0, V)) of a batch.
+    OpDef(
+        "embedding",
+        "embedding.comp",
+        ("ids", "W", "stepvals", "Y"),
+        _EMBEDDING_PUSH,
+        lambda p, local, spec: capped_groups(int(p["N"]) * int(p["S"]) * int(p["D"]), local[0]),
+    ),
+    # dW[v, :] = sum of dY[i, :] over the real rows' ids i naming v; one workgroup per table row.
+    OpDef(
+        "embedding_backward",
+        "embedding_backward.comp",
+        ("ids", "dY", "stepvals", "dW"),
+        _EMBEDDING_PUSH,
+        lambda p, local, spec: capped_groups(int(p["V"]), 1),
+        local_size=(64, 1, 1),
     ),
     # In-place optimisers over a flat parameter range; step values [lr, 1-b1^t, 1-b2^t, t] per slot.
     OpDef(
@@ -577,6 +618,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "conv2d_gemm": ("Y",),
     "conv2d_gemm_backward_data": ("dX",),
     "conv2d_gemm_backward_weight": ("dW",),
+    "conv_splitk_sum": ("dW",),
     "channel_sum": ("db",),
     "maxpool2d": ("Y", "idx"),
     "maxpool2d_backward": ("dX",),
@@ -590,6 +632,9 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "layernorm": ("Y", "stats"),
     "layernorm_backward_reduce": ("dgamma", "dbeta"),
     "layernorm_backward_data": ("dX",),
+    "dropout": ("Y",),
+    "embedding": ("Y",),
+    "embedding_backward": ("dW",),
     "sgd": ("P", "M"),
     "adam": ("P", "M", "V"),
     "fill": ("X",),

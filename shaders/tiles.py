@@ -268,15 +268,22 @@ COOPMAT_F16_SPEC = tuple((name, _COOPMAT_F16_DEFAULT.get(name, value)) for name,
 # The implicit-GEMM convolutions' tiles (gemm.comp's layout: (BM/TM) * (BN/TN) threads, TN a
 # multiple of 4, TM 1, 2, 4 or 8). Several shapes because a convolution's GEMM is often narrow
 # (N = 32 or 64 output channels) and long (M = batch x pixels): a tile wider than N wastes its
-# columns, so tune_conv picks the tile with the least padded work among those that fill the GPU.
-# Every one fits lavapipe's 32 KiB of shared memory and 256 invocations.
+# columns, and a BK deeper than a short reduction (a first layer's C*R*S = 9) wastes its depth, so
+# tune_conv picks the tile with the least padded work among those that fill the GPU, the earlier on
+# a tie. The order is bench/sweep_conv.py's on an H100 (batch 256, the CNN's layers): 64-row tiles
+# beat 128-row ones (more workgroups resident per multiprocessor), and with 32 columns a shallow
+# BK 8 was best (conv2's data gradient: 64x32x8 116 us, 64x32x32 149 us, 128x32x32 252 us; its
+# forward: 64x64x16 103 us, 128x64x32 121 us). Every one fits lavapipe's 32 KiB of shared memory
+# and 256 invocations.
 CONV_TILES: tuple[dict[str, int], ...] = (
+    {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4},
+    {"BM": 64, "BN": 32, "BK": 8, "TM": 4, "TN": 4},
+    {"BM": 64, "BN": 32, "BK": 32, "TM": 4, "TN": 4},
     {"BM": 64, "BN": 128, "BK": 32, "TM": 4, "TN": 8},
     {"BM": 128, "BN": 64, "BK": 32, "TM": 8, "TN": 4},
     {"BM": 128, "BN": 32, "BK": 32, "TM": 8, "TN": 4},
-    {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4},
-    {"BM": 64, "BN": 32, "BK": 32, "TM": 4, "TN": 4},
     {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4},
+    {"BM": 32, "BN": 16, "BK": 32, "TM": 2, "TN": 4},
 )
 # Limits assumed where the device is unknown (lavapipe's, the smallest we run on).
 CONV_ASSUMED_SHARED_BYTES = 32 * 1024
@@ -312,33 +319,60 @@ def conv_fits(tiles: dict[str, int], shared_bytes: int, max_threads: int) -> boo
     return threads <= max_threads and gemm_shared_bytes(tiles["BM"], tiles["BN"], tiles["BK"]) <= shared_bytes
 
 
-def tune_conv(kind: str, params: dict[str, float], facts: DeviceFacts | None) -> dict[str, int]:
-    """Specialise an implicit-GEMM convolution for one launch: of the CONV_TILES that fit the device
-        (no facts: lavapipe's limits), those whose workgroups (tiles times k_splits) fill a big GPU,
-        the one with the least padded output; when none fills, the one with the most workgroups (then
-    the least padding). ACT:
-        the launch's act (the forward compiles only the epilogue in use).
+def conv_key(kind: str, m: int, n: int, k: int) -> str:
+    """A convolution's entry in a device's tuning table (beside gemm_tuning.shape_key's GEMMs)."""
+    return f"conv-{kind}:{m}x{n}x{k}"
 
-        Args:
-            kind: ``forward``, ``data`` or ``weight`` (see conv_gemm_shape).
-            params: the launch's parameters.
-            facts: the device, or None.
 
-        Returns:
-            Specialisation constants BM, BN, BK, TM, TN and ACT.
+def tune_conv(
+    kind: str, params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
+) -> dict[str, int]:
+    """Specialise an implicit-GEMM convolution for one launch. Tiles: the device's tuning table
+    when it lists this convolution (conv_key; bench/sweep_conv.py measures them); else, of the
+    CONV_TILES that fit the device (no facts: lavapipe's limits), those whose workgroups (tiles
+    times k_splits) fill a big GPU, the one with the least padded work (M x N x K rounded up to
+    the tile), the earlier on a tie; when none fills, the one with the most workgroups (then the
+    least padding). ACT: the launch's act (the forward compiles only the epilogue in use).
+
+    Args:
+        kind: ``forward``, ``data`` or ``weight`` (see conv_gemm_shape).
+        params: the launch's parameters.
+        facts: the device, or None.
+        table: the device's tuning table, or None.
+
+    Returns:
+        Specialisation constants BM, BN, BK, TM, TN and ACT.
     """
-    m, n, _k = conv_gemm_shape(kind, params)
+    m, n, k = conv_gemm_shape(kind, params)
     splits = max(1, int(params.get("k_splits", 1)))
     shared = facts.shared_memory_bytes if facts is not None else CONV_ASSUMED_SHARED_BYTES
     threads = facts.max_workgroup_invocations if facts is not None else CONV_ASSUMED_THREADS
     fitting = [t for t in CONV_TILES if conv_fits(t, shared, threads)] or [CONV_TILES[-1]]
+    tuned = (table or {}).get(conv_key(kind, m, n, k)) if facts is not None and facts.kind != "cpu" else None
+    if tuned and conv_fits(tuned, shared, threads):
+        fitting = [{key: tuned[key] for key in ("BM", "BN", "BK", "TM", "TN")}]
 
     def rank(tiles: dict[str, int]) -> tuple[int, int, int]:
         count = ceil_div(m, tiles["BM"]) * ceil_div(n, tiles["BN"])
-        padded = count * tiles["BM"] * tiles["BN"]
+        padded = count * tiles["BM"] * tiles["BN"] * ceil_div(k, tiles["BK"]) * tiles["BK"]
         if count * splits >= GEMM_MIN_WORKGROUPS:
             return (0, padded, 0)
         return (1, -count, padded)
 
     choice = min(fitting, key=rank)
     return {**choice, "ACT": int(params.get("act", 0))}
+
+
+def tune_conv_splitk_sum(params: dict[str, float]) -> dict[str, int]:
+    """conv_splitk_sum's workgroup: 256 threads, OUTS outputs x LANES slices. A small output (a
+    first layer's 32 x 9) takes 32 lanes per output, so its few workgroups still have many loads
+    in flight; a larger one 8 lanes and 32 outputs (coalesced 128-byte rows).
+
+    Args:
+        params: the launch's parameters (total: the number of outputs).
+
+    Returns:
+        Specialisation constants OUTS and LANES.
+    """
+    small = int(params["total"]) <= 4096
+    return {"OUTS": 8 if small else 32, "LANES": 32 if small else 8}

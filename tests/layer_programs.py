@@ -8,7 +8,7 @@ import numpy as np
 from actors.backend import run_program
 from flow.planning import init_parameters
 from flow.shapes import infer_shapes
-from flow.spec import MSE, SGD, Data, Model, Spec, Synthetic
+from flow.spec import MSE, SGD, Data, Embedding, Model, Spec, Synthetic
 
 
 def layer_spec(model: Model, batch: int, optimiser=None) -> Spec:
@@ -21,8 +21,11 @@ def layer_spec(model: Model, batch: int, optimiser=None) -> Spec:
 
 
 def layer_batch(model: Model, rows: int, rng: np.random.Generator):
-    """(x, y) of ``rows`` rows: inputs offset and scaled away from N(0, 1), class ids or targets."""
+    """(x, y) of ``rows`` rows: inputs offset and scaled away from N(0, 1) (token ids for a model
+    that starts with an Embedding), class ids or targets."""
     x = rng.standard_normal((rows, *model.input_shape)) * 2.0 + 0.5
+    if model.layers and isinstance(model.layers[0], Embedding):
+        x = rng.integers(0, model.layers[0].num_embeddings, x.shape).astype(np.float64)
     if isinstance(model.loss, MSE):
         return x, rng.standard_normal((rows, *infer_shapes(model)[-1]))
     return x, rng.integers(0, 4, rows).astype(np.int32)
@@ -36,19 +39,32 @@ def nudged_parameters(device, rng) -> dict[str, np.ndarray]:
     }
 
 
-def run_train_program(device, backend, params, x, y, real: int | None = None):
-    """One train program with lr 0 (the update leaves the weights alone): the loss, the gradients
-    of the trainable parameters and the values of the others (running statistics) it leaves."""
+def run_train_program(device, backend, params, x, y, real: int | None = None, step: int = 1):
+    """One train program with lr 0 (the update leaves the weights alone) as training step ``step``
+    (1-based, what Dropout's masks hash): the loss, the gradients of the trainable parameters and
+    the values of the others (running statistics) it leaves."""
     for name, value in params.items():
         backend.write(name, value)
     backend.write("x", x)
     backend.write("y", y)
     real = x.shape[0] if real is None else real
-    backend.write("stepvals", np.array([0.0, 1.0, 1.0, 1.0, real, real], np.float32))
+    backend.write("stepvals", np.array([0.0, 1.0, 1.0, step, real, real], np.float32))
     run_program(backend, device.program("train"))
     grads = {p.name: backend.read(f"grad:{p.name}") for p in device.parameters if p.trainable}
     kept = {p.name: backend.read(p.name) for p in device.parameters if not p.trainable}
     return float(backend.read("loss")[0]), grads, kept
+
+
+def run_eval_program(device, backend, params, x, y, step: int = 1) -> float:
+    """One eval program at training step ``step`` (which it must ignore): the loss."""
+    for name, value in params.items():
+        backend.write(name, value)
+    backend.write("x", x)
+    backend.write("y", y)
+    rows = x.shape[0]
+    backend.write("stepvals", np.array([0.0, 1.0, 1.0, step, rows, rows], np.float32))
+    run_program(backend, device.program("eval"))
+    return float(backend.read("loss")[0])
 
 
 def check_gradients_by_differences(model: Model, rng: np.random.Generator, probes: int = 4) -> None:

@@ -41,3 +41,33 @@ def derivative_from_output(s: np.ndarray, name: str, slope: float = 0.01) -> np.
     derivative[np.isnan(s)] = np.nan
     return derivative
 
+
+_U32 = 0xFFFFFFFF
+
+
+def pcg_hash(value: int) -> int:
+    """The PCG hash of Jarzynski and Olano (2020) of a uint32, in Python's unbounded integers
+    (masked to 32 bits by hand), so it checks numpy's wrapping uint32 arithmetic independently."""
+    state = (value * 747796405 + 2891336453) & _U32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _U32
+    return (word >> 22) ^ word
+
+
+def dropout_keep(n: int, seed: int, step: int, p: float) -> np.ndarray:
+    """Dropout's mask by its definition: element i is kept when its uniform draw in [0, 1), the
+    hash of (seed, step, i) over 2**32, is >= p."""
+    key = pcg_hash(pcg_hash(seed) ^ step)
+    return np.array([pcg_hash(pcg_hash(i) ^ key) / 2.0**32 >= p for i in range(n)], dtype=bool)
+
+
+def embedding(ids: np.ndarray, table: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An embedding lookup of integer ``ids`` (any shape) in ``table`` [V, D] and the table's
+    gradient for ``dy`` [*ids.shape, D], in float64: each id's dy row added to its table row, one
+    at a time, so a repeated id adds every one of its rows."""
+    table = np.asarray(table, dtype=np.float64)
+    flat = np.asarray(ids).reshape(-1).astype(np.int64)
+    grads = np.asarray(dy, dtype=np.float64).reshape(flat.size, table.shape[1])
+    dtable = np.zeros_like(table)
+    for position, row in enumerate(flat):
+        dtable[row] += grads[position]
+    return table[flat].reshape(*np.shape(ids), table.shape[1]), dtable

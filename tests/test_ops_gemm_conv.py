@@ -10,6 +10,7 @@ Sizes stay small: lavapipe runs at a few GFLOP/s.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -20,8 +21,9 @@ from conftest import assert_nans_match, relative_error
 from actors.backend import run_program
 from actors.cpu_backend import CpuBackend, cpu_facts
 from actors.single_op import run_op, single_op_layout
+from flow.autodiff import conv_weight_splits
 from flow.planning import init_parameters, plan
-from flow.program import Program, launch
+from flow.program import STEP_VALUES, Program, launch
 from flow.spec import SGD, Conv2d, CrossEntropy, Data, Flatten, Linear, MaxPool2d, Model, Spec, Synthetic
 from shaders import gemm_tuning
 from shaders.registry import ACTIVATIONS, op
@@ -33,6 +35,7 @@ from shaders.tiles import (
     GEMM_TILES,
     conv_fits,
     conv_gemm_shape,
+    conv_key,
     gemm_fits,
     gemm_shared_bytes,
     tune_conv,
@@ -508,10 +511,72 @@ def test_conv2d_gemm_backward_weight_split_k_then_epilogue(backend, rng, case, s
     assert relative_error(out, want) <= TOL
 
 
+@pytest.mark.parametrize("total", [1, 37, 4096, 4097, 5 * 97])
+@pytest.mark.parametrize("splits", [1, 3, 8, 33, 256])
+def test_conv_splitk_sum_adds_the_slices(backend, rng, total, splits):
+    """conv_splitk_sum over odd output counts (a partial last workgroup; both workgroup shapes, on
+    either side of 4096 outputs) and slice counts below, at and above its lanes: dW is the slices'
+    sum, and the same inputs give the same bits again (a fixed order of additions)."""
+    partial = normal(rng, splits, total)
+    bindings = {"W": partial, "dW": normal(rng, total)}  # garbage to be overwritten
+    got = run_op(backend, "conv_splitk_sum", bindings, total=total, splits=splits)["dW"]
+    assert relative_error(got, as64(partial).sum(axis=0)) <= TOL
+    again = run_op(backend, "conv_splitk_sum", bindings, total=total, splits=splits)["dW"]
+    assert np.array_equal(got, again)
+
+
 CONV_GEMM_OPS = ["conv2d_gemm", "conv2d_gemm_backward_data", "conv2d_gemm_backward_weight"]
+# The fallback tiles and those the shipped tuning tables name for convolutions (e.g. BK 8).
+SHIPPED_CONV_TILES = [
+    {key: tiles[key] for key in ("BM", "BN", "BK", "TM", "TN")}
+    for path in sorted(gemm_tuning.SHIPPED.glob("*.json"))
+    for name, tiles in json.loads(path.read_text())["gemm"].items()
+    if name.startswith("conv-")
+]
+ALL_CONV_TILES = list({tuple(t.items()): t for t in [*CONV_TILES, *SHIPPED_CONV_TILES]}.values())
 
 
-@pytest.mark.parametrize("tile", CONV_TILES, ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
+def tile_id(tile: dict[str, int]) -> str:
+    return "-".join(f"{k}{v}" for k, v in tile.items())
+
+
+@pytest.mark.parametrize("splits", [1, 3, 7])
+@pytest.mark.parametrize("tile", ALL_CONV_TILES, ids=tile_id)
+def test_conv_gemm_backward_weight_split_k_every_tile(vulkan_backend, rng, tile, splits):
+    """The weight gradient with each tile, whole (splits 1) and split over 286 positions, which
+    no slice count here divides (and with 7 slices of a deep tile, some slices are empty): the
+    slices' raw partial sums add up to the oracle's dW."""
+    facts = vulkan_backend.facts
+    if not conv_fits(tile, facts.shared_memory_bytes, facts.max_workgroup_invocations):
+        pytest.skip(f"{facts.name}: the tile does not fit")
+    n, c, h, w, k, r, stride, pad, _act = CONV_CASES[7]
+    params = conv_params(n, c, h, w, k, r, stride, pad)
+    x, dy = normal(rng, n, c, h, w), normal(rng, n, k, params["OH"], params["OW"])
+    arrays = {"X": x, "dY": dy, "dW": normal(rng, splits, k, c * r * r)}  # garbage to be overwritten
+    vulkan_backend.open_layout(single_op_layout(arrays))
+    for key, array in arrays.items():
+        vulkan_backend.write(key, array)
+    step = launch("conv2d_gemm_backward_weight", tuple(arrays), **params, k_splits=splits)
+    overrides = {step.op: dict(tile)}
+    program = Program(name="conv_split_tile", steps=(step,))
+    vulkan_backend.wait(vulkan_backend.submit(vulkan_backend.record(program, spec_overrides=overrides)))
+    got = vulkan_backend.read("dW").reshape(splits, k, -1).astype(np.float64).sum(axis=0)
+    want = conv_backward_weight_oracle(x, dy, (k, c, r, r), stride, pad).reshape(k, -1)
+    assert relative_error(got, want) <= TOL
+
+
+def test_conv_weight_splits_fill_a_gpu_within_bounds():
+    """The CNN's weight gradients are split deep enough to keep an H100 busy (its first layer's
+    32 x 9 output 512 ways, its second's 64 x 288 128 ways); short reductions keep slices of at
+    least 256 positions, and an output with plenty of tiles is not split."""
+    assert conv_weight_splits(32, 9, 256 * 28 * 28) == 512
+    assert conv_weight_splits(64, 288, 256 * 14 * 14) == 128
+    assert conv_weight_splits(5, 9, 8 * 12 * 12) == 4
+    assert conv_weight_splits(32, 9, 255) == 1
+    assert conv_weight_splits(1024, 4608, 1 << 20) == 1
+
+
+@pytest.mark.parametrize("tile", ALL_CONV_TILES, ids=tile_id)
 @pytest.mark.parametrize("name", CONV_GEMM_OPS)
 @pytest.mark.parametrize("case", [CONV_CASES[2], CONV_CASES[8]], ids=[CONV_IDS[2], CONV_IDS[8]])
 def test_conv_gemm_every_tile(vulkan_backend, rng, tile, name, case):
@@ -552,17 +617,34 @@ def test_tune_conv_prefers_little_padding_and_enough_workgroups():
     first = conv_params(256, 1, 28, 28, 32, 3, 1, 1, act=ACTIVATIONS["relu"])
     forward = tune_conv("forward", first, gpu)
     assert forward["BN"] == 32 and forward["ACT"] == ACTIVATIONS["relu"]
+    assert forward["BK"] <= 16  # C*R*S = 9: a 32-deep tile would be mostly padding
     weight = tune_conv("weight", {**first, "k_splits": 64}, gpu)
-    assert (weight["BM"], weight["BN"]) == (32, 32)
+    assert (weight["BM"], weight["BN"]) == (32, 16)
     assert conv_gemm_shape("weight", first) == (32, 9, 256 * 28 * 28)
     assert conv_gemm_shape("data", first) == (256 * 28 * 28, 1, 32 * 9)
     for kind in ("forward", "data", "weight"):
         assert conv_fits(tune_conv(kind, first, None), 32 * 1024, 256)
 
 
+def test_tune_conv_takes_the_device_table_where_it_fits():
+    """A table entry for the exact convolution wins on a GPU; a CPU driver, another shape or an
+    entry the device cannot run falls back to CONV_TILES."""
+    second = conv_params(256, 32, 14, 14, 64, 3, 1, 1, k_splits=128)
+    entry = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4}  # not what CONV_TILES would give
+    table = {conv_key("weight", *conv_gemm_shape("weight", second)): entry}
+    plain = tune_conv("weight", second, a_gpu())
+    assert {key: plain[key] for key in entry} != entry
+    chosen = tune_conv("weight", second, a_gpu(), table)
+    assert {key: chosen[key] for key in entry} == entry
+    assert tune_conv("weight", second, cpu_facts(), table) == tune_conv("weight", second, cpu_facts())
+    assert tune_conv("forward", second, a_gpu(), table) == tune_conv("forward", second, a_gpu())
+    too_big = {key: {**entry, "BM": 1024, "TM": 1} for key in table}
+    assert tune_conv("weight", second, a_gpu(), too_big) == plain
+
+
 def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_backend, rng):
     """A CNN whose first weight gradient sums over 8 x 12 x 12 positions: autodiff splits it
-    (conv2d_gemm_backward_weight with k_splits, then splitk_epilogue), and one training step's
+    (conv2d_gemm_backward_weight with k_splits, then conv_splitk_sum), and one training step's
     gradients on Vulkan match the float64 CPU backend's."""
     model = Model(
         input_shape=(1, 12, 12),
@@ -576,6 +658,7 @@ def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_ba
         loss=CrossEntropy(),
     )
     batch = 8
+    assert len(STEP_VALUES) == 6
     spec = Spec(
         model=model,
         optimiser=SGD(lr=0.1),  # stepvals carry lr 0: the update leaves weights alone
@@ -590,7 +673,7 @@ def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_ba
         for s in program.launches
         if s.op == "conv2d_gemm_backward_weight" and s.param_dict.get("k_splits", 1) > 1
     ]
-    assert split and "splitk_epilogue" in ops
+    assert split and "conv_splitk_sum" in ops
     params = init_parameters(device, "xavier", int(rng.integers(1 << 30)))
     x = normal(rng, batch, *model.input_shape)
     y = rng.integers(0, 3, batch).astype(np.int32)
@@ -601,7 +684,8 @@ def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_ba
             backend.write(name, value)
         backend.write("x", x)
         backend.write("y", y)
-        backend.write("stepvals", np.array([0.0, 1.0, 1.0, 1.0, batch], np.float32))
+        # Every field (the loss divisor too): memory a previous test left must not leak in.
+        backend.write("stepvals", np.array([0.0, 1.0, 1.0, 1.0, batch, batch], np.float32))
         run_program(backend, program)
         grads.append({p.name: backend.read(f"grad:{p.name}") for p in device.parameters})
     for name, want in grads[0].items():

@@ -1,0 +1,39 @@
+// An Embedding table's gradient: dW[v, d] = the sum of dY[i, d] over the ids i of the batch's real
+// samples (the first n = stepvals[4]) that name row v; rows no id names get 0. A scatter-add
+// written as a gather, so it needs no float atomics and is deterministic: one workgroup per table
+// row (grid-stride), each thread owning columns d and walking every id in order (all threads read
+// the same id, a broadcast), adding dY only where the id matches. Ids are clamped as the forward's.
+#version 450
+#extension GL_GOOGLE_include_directive : require
+
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer IdsBuf { float ids[]; };
+layout(std430, set = 0, binding = 1) readonly buffer DYBuf { float dY[]; };
+layout(std430, set = 0, binding = 2) readonly buffer StepBuf { float stepvals[]; };
+layout(std430, set = 0, binding = 3) writeonly buffer DWBuf { float dW[]; };
+
+layout(push_constant) uniform Push {
+    uint N;
+    uint S;
+    uint V;
+    uint D;
+} pc;
+
+#include "batch_rows.glsl"
+#include "embedding_row.glsl"
+
+void main() {
+    const uint real = valid_rows(stepvals[4], pc.N) * pc.S;
+    for (uint v = gl_WorkGroupID.x; v < pc.V; v += gl_NumWorkGroups.x) {
+        for (uint d = gl_LocalInvocationID.x; d < pc.D; d += gl_WorkGroupSize.x) {
+            float sum = 0.0;
+            for (uint i = 0u; i < real; ++i) {
+                if (table_row(ids[i], pc.V) == v) {
+                    sum += dY[i * pc.D + d];
+                }
+            }
+            dW[v * pc.D + d] = sum;
+        }
+    }
+}
