@@ -24,8 +24,7 @@ into the device afterwards.
 Ready batches leave at once while the channel downstream has room; while it is full (the device
 is the slower side) the loader goes on reading ahead and sends up to ``MAX_CHUNK`` batches as one
 :class:`actors.messages.Chunk`, so chunks grow only when the host is ahead and cost no latency.
-Indices into a dataset on the device cost next to nothing to read, so they always leave in full
-chunks. The loader never holds ready batches while it waits for a read or a slot.
+It never holds ready batches while it waits for a read or a slot.
 A run resumes from a :class:`Cursor`: the sampler is stateless given (seed, epoch), so the loader
 simply starts there.
 """
@@ -219,11 +218,6 @@ class Loader:
             self.read, InlinePolicy(forced=forced), trio.CapacityLimiter(self.workers)
         )
         self.slots = slots if slots is not None and slots.in_place else None
-        # Batches of a dataset on the device are indices, read in microseconds: they always leave
-        # in full chunks. Sent one by one while the device keeps up, each would cost every actor
-        # downstream a hop, and the host's cost per step, not the GPU's, would set the pace
-        # (measured on an H100 host: runs fell into that mode and stayed there).
-        self.full_chunks = on_device
 
     def read(self, job: Read, slot: int = -1) -> Batch:
         """Read one batch (blocking).
@@ -288,7 +282,7 @@ class Loader:
             await meter.flush()  # never hold ready batches while a read goes on
             await pending.done.wait()
         await meter.stage(pending.item)
-        if meter.staged >= MAX_CHUNK or (not self.full_chunks and meter.room()):
+        if meter.staged >= MAX_CHUNK or meter.room():
             await meter.flush()
 
     async def _slot(self, window: deque[_Pending]) -> int:
