@@ -28,6 +28,9 @@ CrossEntropy, a running sum.
 Checkpoints are written where the device's snapshots arrive: at the loader's scheduled marks
 (every ``checkpoint_every`` steps) and at the end. Writing (encode, fsync, rename) runs in a worker
 thread under the sink's own limiter, so the event loop keeps moving.
+
+Callbacks (flow.callbacks) run after each item is handled. When one asks to stop, the sink writes
+``{"event": "stopped", "step", "reason"}`` and the runtime stops the run as an interrupt does.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -137,6 +140,8 @@ class Sink:
             threads).
         skipped: returns the source's distinct skipped items and where the first few are; None
             when there is no source (predicting).
+        callbacks: flow.callbacks.Callback objects to run after each item; None or empty for none.
+        stop: asks the runtime to stop the run (step, reason), when a callback asks for it.
     """
 
     def __init__(
@@ -154,6 +159,8 @@ class Sink:
         run: str | None = None,
         inline: bool = False,
         skipped: Callable[[], tuple[int, tuple[str, ...]]] | None = None,
+        callbacks: Sequence[Any] | None = None,
+        stop: Callable[[int, str], None] | None = None,
     ) -> None:
         self.meter = meter
         self.spec = spec
@@ -168,6 +175,9 @@ class Sink:
         self.run_id = run or checkpoints.new_run_id()
         self.inline = inline
         self.skipped = skipped
+        self.callbacks = tuple(callbacks) if callbacks else None  # None: the hot path tests only this
+        self.stop = stop
+        self.failed_callback: str | None = None  # "Class.method" of a callback that raised
         self.limiter = trio.CapacityLimiter(1)
         self.rate = Rate()
         self.started = time.monotonic()
@@ -264,7 +274,7 @@ class Sink:
             self._nonfinite(item)
         if self._chance is not None:
             self._chance_verdict(self._chance.add(item), item.step)
-        if self._metrics is None and not self.progress.enabled:
+        if self._metrics is None and not self.progress.enabled and self.callbacks is None:
             return  # nothing listens: the result needs only the last step
         now = item.finished or time.monotonic()
         self.samples_per_second = self.rate.add(now, item.rows)
@@ -308,6 +318,33 @@ class Sink:
                     }
                 )
 
+    async def _notify(self, item: Any) -> None:
+        """Run the callbacks on the item just handled; stop the run when one of them asks."""
+        if isinstance(item, StepDone):
+            elapsed = (item.finished or time.monotonic()) - self.started
+            record = step_record(item, self.samples_per_second, elapsed)
+            method, arguments, done = "on_step", (record,), item.step + 1  # done: steps done
+        elif isinstance(item, EvalDone):
+            record = eval_record(item, time.monotonic() - self.started)
+            method, arguments, done = "on_eval", (record,), item.step
+        elif isinstance(item, Snapshot) and self.checkpoint_dir is not None:
+            done = item.cursor.step
+            method, arguments = "on_checkpoint", (str(self.checkpoint), done)
+        else:
+            return
+        for callback in self.callbacks:
+            try:
+                getattr(callback, method)(*arguments)
+            except Exception:
+                self.failed_callback = f"{type(callback).__name__}.{method}"  # the runtime names it
+                raise
+        # Every callback sees the item that stops the run, as Keras' do the epoch that stops it.
+        reason = next((c.stop_reason for c in self.callbacks if c.stop_reason is not None), None)
+        if reason is not None and self.stop is not None:
+            self._write({"event": "stopped", "step": done, "reason": reason})
+            self.stop(done, reason)
+            await trio.sleep_forever()  # the runtime cancels every actor, this one included
+
     def _open_metrics(self) -> IO[str]:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         return open(self.metrics_path, "a")  # flushed after each channel item (see run)
@@ -328,6 +365,8 @@ class Sink:
                             self._step(item)
                         else:
                             await self._handle(item)
+                    if self.callbacks is not None:
+                        await self._notify(item)
                     if self._metrics is not None and not self.meter.holding:
                         self._metrics.flush()  # one write per chunk, not per line
                     if self.meter.outboxes:

@@ -37,6 +37,8 @@ def summary(result: RunResult) -> str:
         The lines, joined.
     """
     lines = [f"device: {result.device}", f"steps: {result.steps} (epochs {result.epochs})"]
+    if result.stopped_early is not None:
+        lines.append(f"stopped early after step {result.stopped_at}: {result.stopped_early}")
     if result.loss is not None:
         lines.append(f"final loss: {result.loss:.4f}")
     if result.checkpoint:

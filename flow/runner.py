@@ -11,7 +11,9 @@ one pipeline) in one trio nursery. When an actor raises, the nursery cancels eve
 the original error comes back as :class:`~flow.runtime.ActorError` naming the actor (the original
 is its ``__cause__``), except for a run that stops itself: a non-finite training loss raises
 :class:`actors.health.NonFiniteLoss` as it is. On KeyboardInterrupt the actors are cancelled, the
-device is drained and a checkpoint is written before the interrupt propagates.
+device is drained and a checkpoint is written before the interrupt propagates. A callback
+(flow.callbacks) that stops the run takes the same path, and the run returns its result, with
+``stopped_early`` saying why.
 
 Predictions without trio live in flow.inference, the ``run`` command in flow.run_command.
 """
@@ -33,6 +35,7 @@ from actors.messages import Batch, Prediction, unpack
 from actors.meter import Hooks
 from actors.progress import Progress
 from actors.statistics import ActorStatistics
+from flow.callbacks import Callback
 from flow.codec import load as load_spec
 from flow.inputs import as_inputs, batch_bounds, expected
 from flow.runtime import ActorError, Mode, RunResult, Runtime, error_leaves
@@ -203,6 +206,7 @@ async def open_pipeline(
     mode: Mode = "train",
     hooks: Sequence[Hooks] = (),
     progress: Progress | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> AsyncIterator[PipelineHandle]:
     """Run a pipeline inside a trio program.
 
@@ -221,18 +225,24 @@ async def open_pipeline(
         mode: "train" or "predict".
         hooks: observers of every item the actors move (see actors.meter.Hooks).
         progress: the progress line; default: drawn on stderr when it is a TTY.
+        callbacks: flow.callbacks.Callback objects run in the sink after each step, evaluation and
+            checkpoint (training only); one may stop the run early, with a checkpoint.
 
     Yields:
         The running pipeline.
 
     Raises:
-        ActorError: an actor failed (``__cause__`` is the original error).
+        ActorError: an actor failed (``__cause__`` is the original error), or a callback raised
+            (``callback`` names it).
         NonFiniteLoss: a training step's loss was NaN or infinite (``run.on_nonfinite="raise"``);
             it names the step.
         KeyboardInterrupt: after a checkpoint, when the spec has a checkpoint_dir.
     """
+    if callbacks and mode != "train":
+        raise ValueError("callbacks watch a training run; open_pipeline(mode='predict') takes none")
     spec, saved = _resolve(spec, resume)
-    runtime = Runtime(spec, mode, saved, backend, hooks, progress if progress is not None else Progress())
+    progress = progress if progress is not None else Progress()
+    runtime = Runtime(spec, mode, saved, backend, hooks, progress, callbacks)
     try:
         await runtime.open()
         try:
@@ -246,7 +256,11 @@ async def open_pipeline(
                         pass
         except BaseException as error:
             raise _translate(runtime, error) from _cause(runtime, error)
+        if runtime.stopped is not None:
+            await runtime.finish_stopped()
         handle.result = runtime.result() if mode == "train" else None
+        for callback in runtime.callbacks:
+            callback.on_end(handle.result)
     finally:
         runtime.close()
 
@@ -289,6 +303,7 @@ def run(
     *,
     hooks: Sequence[Hooks] = (),
     progress: Progress | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> RunResult:
     """Train a spec to the end (sync; runs trio inside).
 
@@ -298,19 +313,23 @@ def run(
         backend: a backend to use and keep open; None opens the one the spec selects.
         hooks: observers of every item the actors move.
         progress: the progress line; default: drawn on stderr when it is a TTY.
+        callbacks: flow.callbacks.Callback objects (``EarlyStopping(patience=3)``) run after each
+            step, evaluation and checkpoint; one may stop the run early, with a checkpoint.
 
     Returns:
-        The RunResult (final metrics, eval accuracy, steps, checkpoint path, weights).
+        The RunResult (final metrics, eval accuracy, steps, checkpoint path, weights;
+        ``stopped_early`` when a callback stopped the run).
 
     Raises:
-        ActorError: an actor failed.
+        ActorError: an actor failed, or a callback raised (``callback`` names it).
         NonFiniteLoss: a training step's loss was NaN or infinite (``run.on_nonfinite="raise"``);
             it names the step.
         KeyboardInterrupt: interrupted (a checkpoint is written first when the spec has a directory).
     """
 
     async def main() -> RunResult:
-        async with open_pipeline(spec, resume=resume, backend=backend, hooks=hooks, progress=progress) as p:
+        options = {"backend": backend, "hooks": hooks, "progress": progress, "callbacks": callbacks}
+        async with open_pipeline(spec, resume=resume, **options) as p:
             pass
         assert p.result is not None
         return p.result

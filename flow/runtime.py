@@ -8,7 +8,8 @@ plans, and only then opens the device and records every program before the first
 structured: at the end of the data every actor drains its inbox and closes its outboxes, so the end
 flows downstream (the loader's final mark makes the device snapshot, the sink writes the final
 checkpoint). An actor that raises is recorded as an :class:`ActorError` naming it; after a
-KeyboardInterrupt the device is drained and a checkpoint written (:meth:`Runtime.interrupted`).
+KeyboardInterrupt the device is drained and a checkpoint written (:meth:`Runtime.interrupted`); a
+callback that stops the run (flow.callbacks) takes the same path, and the run ends with a result.
 Sources and backends opened here are closed by :meth:`Runtime.close`, and the outputs' claims are
 released last. flow.runner runs a Runtime in a nursery and turns what ends it into one error.
 
@@ -46,7 +47,7 @@ from actors.data_parallel import DataParallelActor, measure_throughput
 from actors.device import DEVICE_DEADLINE_S, DeviceActor, InputSlots
 from actors.engine import Engine
 from actors.loader import Loader, jobs
-from actors.messages import Cursor, EvalDone, InputStatistics
+from actors.messages import Cursor, EvalDone, InputStatistics, Snapshot
 from actors.meter import HookList, Hooks, Meter
 from actors.optimiser import OptimiserActor
 from actors.outputs import Outputs, open_outputs
@@ -54,6 +55,7 @@ from actors.preprocess import Preprocess
 from actors.progress import Progress
 from actors.sink import Sink
 from actors.statistics import ActorStatistics
+from flow.callbacks import Callback
 from flow.data_plan import header_of
 from flow.device_facts import DeviceFacts
 from flow.optim import describe_optimiser
@@ -75,12 +77,15 @@ class ActorError(RuntimeError):
     Attributes:
         actor: the pipeline node's name.
         error: the original exception.
+        callback: the callback (flow.callbacks) that raised it, as "Class.method", or None.
     """
 
-    def __init__(self, actor: str, error: BaseException) -> None:
-        super().__init__(f"actor {actor!r} failed: {type(error).__name__}: {error}")
+    def __init__(self, actor: str, error: BaseException, callback: str | None = None) -> None:
+        where = f" in callback {callback}" if callback else ""
+        super().__init__(f"actor {actor!r} failed{where}: {type(error).__name__}: {error}")
         self.actor = actor
         self.error = error
+        self.callback = callback  # "Class.method" of the user callback that raised, if one did
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,6 +114,9 @@ class RunResult:
             preprocess node saw one), as the ``"inputs"`` metrics event records it.
         warnings: what looked wrong, in order (inputs constant or tiny, a loss at chance, a
             non-finite loss under ``on_nonfinite="continue"``), each also logged and in the file.
+        stopped_early: why a callback stopped the run (None: it was not). ``steps`` and
+            ``checkpoint`` are then the stop's checkpoint's (a few steps past the decision).
+        stopped_at: the training steps done when the callback asked to stop (None: not stopped).
     """
 
     steps: int
@@ -128,6 +136,8 @@ class RunResult:
     skipped_examples: tuple[str, ...] = ()
     inputs: InputStatistics | None = None
     warnings: tuple[str, ...] = ()
+    stopped_early: str | None = None
+    stopped_at: int | None = None
 
 
 # -- effects ---------------------------------------------------------------------------------------
@@ -264,6 +274,7 @@ class Runtime:
         backend: Backend | None,
         hooks: Sequence[Hooks],
         progress: Progress | None,
+        callbacks: Sequence[Callback] = (),
     ) -> None:
         self.spec = spec
         self.mode = mode
@@ -298,6 +309,11 @@ class Runtime:
         self.world = world_from_env(os.environ) if mode == "train" else World()
         self.ranks: Ranks | None = None
         self.done = False  # the run finished and its result was taken
+        self.callbacks = tuple(callbacks)
+        self.stopped: tuple[int, str] | None = None  # (steps done, reason) once a callback stops the run
+        self.stop_cursor: Cursor | None = None  # where the stop's snapshot stands
+        self.stop_checkpoint: Path | None = None
+        self.cancel_scope: trio.CancelScope | None = None
 
     @property
     def writes(self) -> bool:
@@ -344,6 +360,11 @@ class Runtime:
             facts = group if len(group) > 1 else group[0]
             maps_inputs = None  # as the plan assumes for the facts' kind
         self.plan = plan_on(spec, facts, self.world, header=header, mode=self.mode, maps_inputs=maps_inputs)
+        if self.callbacks:  # before the device: a callback that cannot work refuses the run here
+            splits = frozenset(s for s in ("val", "test") if self.plan.data.sampler(s) is not None)
+            for callback in self.callbacks:
+                callback.stop_reason = None  # a callback object may serve several runs
+                callback.on_start(spec, splits)
         if self.backend is None:
             for member in facts if isinstance(facts, tuple) else (facts,):
                 fraction = spec.devices.memory_fraction
@@ -487,6 +508,8 @@ class Runtime:
                 run=self.run_id,
                 inline=self.inline,
                 skipped=self.skipped if self.mode == "train" else None,
+                callbacks=self.callbacks,
+                stop=self.stop,
             )
             return self.sink
         return _Relay(meter)
@@ -498,6 +521,7 @@ class Runtime:
         return stats
 
     def start(self, nursery: trio.Nursery) -> None:
+        self.cancel_scope = nursery.cancel_scope
         for name, actor in self.actors.items():
             if actor is not None:
                 self.running += 1
@@ -512,7 +536,7 @@ class Runtime:
             real = _real_error(error)
             if real is None:
                 raise
-            failure = ActorError(name, real)
+            failure = ActorError(name, real, getattr(actor, "failed_callback", None))
             if self.failure is None:
                 self.failure = failure
             raise failure from real
@@ -520,12 +544,37 @@ class Runtime:
         if self.running == 0:
             self.finished.set()
 
+    def stop(self, step: int, reason: str) -> None:
+        """A callback asked the run to stop after ``step`` steps: cancel every actor, as an interrupt
+        does; the runner then takes the interrupt's checkpoint (:meth:`finish_stopped`)."""
+        self.stopped = (step, reason)
+        self.cancel_scope.cancel()
+
+    async def finish_stopped(self) -> None:
+        """After a callback's stop: drain the device, snapshot and checkpoint as :meth:`interrupted`
+        does (in a thread: it blocks), and tell the callbacks about the checkpoint."""
+        if self.device is None:
+            return
+        # Drained even without a checkpoint directory: the result's weights must be settled.
+        snapshot = await self._blocking(self.device.snapshot_now)
+        self.stop_cursor = snapshot.cursor
+        self.stop_checkpoint = await self._blocking(self._save_snapshot, snapshot)
+        if self.stop_checkpoint is not None:
+            for callback in self.callbacks:
+                callback.on_checkpoint(str(self.stop_checkpoint), self.stop_cursor.step)
+
     def interrupted(self) -> Path | None:
         """After a KeyboardInterrupt: drain the device and write a checkpoint (blocking)."""
         directory = self.spec.run.checkpoint_dir
         if self.mode != "train" or self.device is None or directory is None or not self.writes:
             return None
-        snapshot = self.device.snapshot_now()
+        return self._save_snapshot(self.device.snapshot_now())
+
+    def _save_snapshot(self, snapshot: Snapshot) -> Path | None:
+        """Write an interrupted run's snapshot as a checkpoint, where this process writes them."""
+        directory = self.spec.run.checkpoint_dir
+        if self.mode != "train" or directory is None or not self.writes:
+            return None
         describe = describe_optimiser(self.spec.optimiser, self.engine.plan.state_names)
         checkpoint = checkpoints.from_snapshot(self.spec, snapshot, describe, self.run_id)
         return checkpoints.save(directory, checkpoint, self.spec.run.keep_checkpoints)
@@ -534,13 +583,15 @@ class Runtime:
         sink = self.sink
         steps = self.start_cursor.step
         epochs = self.start_cursor.epoch
-        if sink is not None and sink.final is not None:
-            cursor = sink.final.cursor
+        # Stopped early: what the device had applied, as the stop's checkpoint holds.
+        cursor = sink.final.cursor if sink is not None and sink.final is not None else self.stop_cursor
+        if cursor is not None:
             steps = cursor.step
             epochs = cursor.epoch + (1 if cursor.position >= self.per_epoch else 0)
         elif sink is not None and sink.last_step is not None:
             steps, epochs = sink.last_step.step + 1, sink.last_step.epoch
         evals = tuple(sink.evals) if sink else ()
+        checkpoint = self.stop_checkpoint or (sink.checkpoint if sink else None)
         vals = [e for e in evals if e.split == "val"]
         accuracy = vals[-1].accuracy if vals and math.isfinite(vals[-1].accuracy) else None
         test = next((e for e in reversed(evals) if e.split == "test"), None)
@@ -552,7 +603,7 @@ class Runtime:
             loss=sink.last_step.loss if sink and sink.last_step else None,
             accuracy=accuracy,
             evals=evals,
-            checkpoint=str(sink.checkpoint) if sink and sink.checkpoint else None,
+            checkpoint=str(checkpoint) if checkpoint else None,
             metrics_file=self.spec.run.metrics_file,
             parameters=self.engine.parameters() if self.engine else {},
             device=" + ".join(b.facts.name for b in (self.backend, *self.members)) if self.backend else "",
@@ -564,6 +615,8 @@ class Runtime:
             skipped_examples=examples,
             inputs=sink.inputs if sink else None,
             warnings=tuple(sink.warnings) if sink else (),
+            stopped_early=self.stopped[1] if self.stopped else None,
+            stopped_at=self.stopped[0] if self.stopped else None,
         )
 
     def skipped(self) -> tuple[int, tuple[str, ...]]:

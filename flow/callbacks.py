@@ -1,0 +1,114 @@
+"""Callbacks: user code that watches a training run and may stop it, as Keras and Lightning users
+expect (``flow.run(spec, callbacks=[EarlyStopping(patience=3)])``).
+
+Their methods run in the sink actor, on the event loop, right after the sink has handled the item:
+in order, and they must be quick. Records are the metrics file's lines as plain dicts (what a user
+reads in metrics.jsonl): ``on_step`` gets ``{"event": "step", "step", "epoch", "loss", "accuracy",
+"lr", "samples_per_second", "elapsed"}``, ``on_eval`` ``{"event": "eval", "split" ("val" or
+"test"), "step", "epoch", "loss", "accuracy", "samples", "elapsed"}`` (a measure that does not
+exist is None). An exception in a callback stops the run with ``flow.ActorError`` naming the sink
+and the callback; its ``error`` is the callback's exception. :meth:`Callback.stop_run` stops the run
+as an interrupt does (cancelled actors, drained device, a checkpoint that ``resume`` continues).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+from flow.spec import CrossEntropy, Spec
+
+if TYPE_CHECKING:  # the runtime's record; imported for the annotation only (flow's tiers)
+    from flow.runtime import RunResult
+
+
+class Callback:
+    """The base of every callback: each method does nothing, so a callback overrides what it needs.
+    ``stop_reason`` is why it asked the run to stop (:meth:`stop_run`); each run clears it."""
+
+    stop_reason: str | None = None
+
+    def on_start(self, spec: Spec, splits: frozenset[str]) -> None:
+        """Once, before any device work; raise to refuse the run. ``splits``: the evaluated splits
+        that hold samples ("val", "test", both or neither)."""
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        """After every training step, in step order (the step's metrics line)."""
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        """After every evaluation round (its metrics line; ``record["split"]`` is "val" or "test")."""
+
+    def on_checkpoint(self, path: str, step: int) -> None:
+        """After a checkpoint is written (the stop's checkpoint included), with the steps it holds."""
+
+    def on_end(self, result: RunResult) -> None:
+        """Once, after the run ended normally or stopped early (not after an error)."""
+
+    def stop_run(self, reason: str) -> None:
+        """Ask the run to stop after the current item, with a checkpoint to resume from; ``reason``
+        is one line (the metrics file, RunResult.stopped_early and the CLI show it)."""
+        self.stop_reason = reason
+
+
+Monitor = Literal["val_loss", "val_accuracy"]
+
+
+class EarlyStopping(Callback):
+    """Stop the run when the validation loss (or accuracy) has not improved for ``patience``
+    evaluation rounds in a row, as Keras' EarlyStopping does. The count starts anew with each run,
+    a resumed one included.
+
+    Args:
+        monitor: "val_loss" or "val_accuracy" (classification only).
+        patience: rounds without improvement before stopping, >= 0 (0: the first such round stops).
+        min_delta: the least change that counts as an improvement, >= 0.
+        mode: "min", "max", or "auto" (min for the loss, max for the accuracy).
+    """
+
+    def __init__(
+        self, monitor: Monitor = "val_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto"
+    ) -> None:
+        if monitor not in ("val_loss", "val_accuracy"):
+            raise ValueError(f"EarlyStopping monitor must be 'val_loss' or 'val_accuracy', got {monitor!r}")
+        if not isinstance(patience, int) or patience < 0:
+            raise ValueError(f"EarlyStopping patience must be an int >= 0, got {patience!r}")
+        if not (math.isfinite(min_delta) and min_delta >= 0):
+            raise ValueError(f"EarlyStopping min_delta must be finite and >= 0, got {min_delta!r}")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"EarlyStopping mode must be 'auto', 'min' or 'max', got {mode!r}")
+        self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
+        self.mode = mode if mode != "auto" else ("max" if monitor == "val_accuracy" else "min")
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.waited = 0
+
+    def on_start(self, spec: Spec, splits: frozenset[str]) -> None:
+        # Refused here, before any device work: a monitor that never appears would never stop a run.
+        if "val" not in splits:
+            raise ValueError(
+                f"EarlyStopping(monitor={self.monitor!r}) watches the validation split, but this run "
+                f"has no validation samples (data.split.val is {spec.data.split.val}): give it > 0"
+            )
+        if self.monitor == "val_accuracy" and not isinstance(spec.model.loss, CrossEntropy):
+            raise ValueError("EarlyStopping(monitor='val_accuracy') needs a classifier (CrossEntropy)")
+        self.best, self.best_step, self.waited = None, None, 0
+
+    def improved(self, value: float) -> bool:
+        """Whether ``value`` beats the best so far by more than ``min_delta``."""
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        if record["split"] != "val":
+            return
+        value = record[self.monitor.removeprefix("val_")]  # None for a non-finite loss: no improvement
+        if value is not None and self.improved(value):
+            self.best, self.best_step, self.waited = value, record["step"], 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            best = "none" if self.best is None else f"{self.best:.6g} at step {self.best_step}"
+            self.stop_run(f"{self.monitor} did not improve for {self.waited} evaluation(s) (best {best})")
