@@ -1,11 +1,14 @@
-"""What tests of whole runs share: the check that a run leaves no vkflow thread behind, and the
-comparison of two runs' weights."""
+"""What tests of whole runs share: the check that a run leaves no vkflow thread behind, the
+comparison of two runs' weights, and a Ctrl-C at a chosen step."""
 
 from __future__ import annotations
 
 import threading
 
 import numpy as np
+
+from actors.messages import StepDone
+from actors.meter import Hooks
 
 
 def vkflow_threads(existing: frozenset[threading.Thread] = frozenset()) -> list[str]:
@@ -26,3 +29,14 @@ def assert_same_weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol
         else:
             scale = max(float(np.abs(b[name]).max()), 1e-12)
             assert float(np.abs(a[name] - b[name]).max()) / scale <= rtol, name
+
+
+class InterruptAt(Hooks):
+    """Raises KeyboardInterrupt in the sink when step ``step`` arrives, as Ctrl-C would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    async def received(self, actor, item) -> None:
+        if actor == "sink" and isinstance(item, StepDone) and item.step == self.step:
+            raise KeyboardInterrupt

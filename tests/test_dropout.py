@@ -23,14 +23,12 @@ from layer_programs import (
     run_train_program,
 )
 from oracles import dropout_keep as oracle_keep
-from run_checks import assert_same_weights
+from run_checks import InterruptAt, assert_same_weights
 
 import flow
 from actors import checkpoint as checkpoints
 from actors.cpu_backend import CpuBackend
 from actors.cpu_ops import dropout_keep
-from actors.messages import StepDone
-from actors.meter import Hooks
 from actors.single_op import run_op
 from flow.codec import dumps, encode, load, loads, save
 from flow.planning import plan
@@ -250,17 +248,6 @@ def test_spec_files_and_summary(tmp_path):
     lines = summarize(spec).splitlines()
     row = next(line for line in lines if "[1] Dropout(0.4)" in line)
     assert row.split()[-2:] == ["(13,)", "0"]
-
-
-class InterruptAt(Hooks):
-    """Raises KeyboardInterrupt in the sink when step ``step`` arrives, as Ctrl-C would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    async def received(self, actor, item) -> None:
-        if actor == "sink" and isinstance(item, StepDone) and item.step == self.step:
-            raise KeyboardInterrupt
 
 
 def dropout_run_spec(tmp_path) -> Spec:

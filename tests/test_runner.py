@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import trio
 from conftest import near_ties
-from run_checks import assert_same_weights, thread_snapshot, vkflow_threads
+from run_checks import InterruptAt, assert_same_weights, thread_snapshot, vkflow_threads
 from specs import digits_spec, image_spec
 
 import flow
@@ -164,17 +164,6 @@ class Recorder(Hooks):
     async def received(self, actor, item) -> None:
         if actor == "sink" and isinstance(item, StepDone):
             self.steps.append(item)
-
-
-class InterruptAt(Hooks):
-    """Raises KeyboardInterrupt in the sink when step ``step`` arrives, as Ctrl-C would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    async def received(self, actor, item) -> None:
-        if actor == "sink" and isinstance(item, StepDone) and item.step == self.step:
-            raise KeyboardInterrupt
 
 
 def test_digits_reach_the_target_on_vulkan(vulkan_backend, tmp_path):
