@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from flow.inputs import token_id_error
 from shaders.registry import ACTIVATIONS, BINARY, CASTS, REDUCE, UNARY_EXTRA
 
 Params = dict[str, float]
@@ -570,14 +571,9 @@ def _table_rows(ids: np.ndarray, p: Params, stepvals: np.ndarray) -> np.ndarray:
     in [0, V); a padding row's is clamped into range, as embedding_row.glsl does with every id."""
     n, s, v = int(p["N"]), int(p["S"]), int(p["V"])
     values = ids[: n * s]
-    real = values[: _real_rows(stepvals, n) * s]
-    bad = np.flatnonzero(~((real >= 0) & (real < v) & (real == np.floor(real))))
-    if bad.size:
-        at = int(bad[0])
-        raise ValueError(
-            f"Embedding: token id {float(real[at])!r} (sample {at // s}, position {at % s}) is not an "
-            f"integer in [0, {v}): ids index the table of num_embeddings={v} rows"
-        )
+    message = token_id_error(values[: _real_rows(stepvals, n) * s].reshape(-1, s), v)
+    if message is not None:
+        raise ValueError(message)
     return np.clip(np.nan_to_num(values), 0, v - 1).astype(np.int64)
 
 

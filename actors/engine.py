@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.backend import Backend
+from flow.inputs import token_id_error
 from flow.optim import check_compatible, step_values
 from flow.planning import DevicePlan, init_parameters
-from flow.spec_model import CrossEntropy
+from flow.spec_model import CrossEntropy, Embedding
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,14 @@ class Engine:
         self._staged = callable(getattr(backend, "staging_view", None)) and callable(
             getattr(backend, "upload", None)
         )
+        # An Embedding (always the first layer) takes token ids: every batch is checked on the
+        # host, since a GPU clamps a bad id into range and would train on the wrong row unheard.
+        first = device_plan.model.layers[0] if device_plan.model.layers else None
+        self.vocabulary = first.num_embeddings if isinstance(first, Embedding) else None
+
+    def _check_ids(self, x: np.ndarray, first: int = 0) -> None:
+        if self.vocabulary is not None and (message := token_id_error(x, self.vocabulary, first)):
+            raise ValueError(message)
 
     def _slot_views(self, slot: int) -> SlotViews | None:
         """Views of ``slot``'s io tensors, or None where the backend maps no memory. They stay valid
@@ -167,6 +176,7 @@ class Engine:
         gradients exactly 0 (stale rows could hold a NaN, and 0 * NaN is NaN)."""
         rows = int(x.shape[0])
         self._check_rows(rows)
+        self._check_ids(x)
         if rows < self.plan.batch_size:
             padded = np.zeros((self.plan.batch_size, *x.shape[1:]), np.float32)
             padded[:rows] = x
@@ -223,6 +233,13 @@ class Engine:
                 f"dataset of {x.dtype} {x.shape}; the plan keeps {resident.dtype} "
                 f"{(resident.samples, *resident.sample_shape)}"
             )
+        if self.vocabulary is not None:  # once, on the ids the model sees (the fused preprocessing applied)
+            scale, shift = np.asarray(resident.affine, np.float32).reshape(-1, 2).T
+            shape = [1] * x.ndim
+            shape[1] = len(scale)
+            scale, shift = scale.reshape(shape), shift.reshape(shape)
+            for start in range(0, len(x), 65536):  # in parts: a float copy of a big set costs memory
+                self._check_ids(x[start : start + 65536].astype(np.float32) * scale + shift, start)
         self.backend.write("data:x", x)
         self.backend.write("data:y", np.asarray(labels, np.int32))
         self.backend.write("data:affine", np.asarray(resident.affine, np.float32))
@@ -265,6 +282,9 @@ class Engine:
         after it by the backend), then the program; returns the program's ticket. The rows past
         ``rows`` are zeroed first, as :meth:`write_batch` pads."""
         self._check_rows(rows)
+        if self.vocabulary is not None:
+            staged = self._staged and self.backend.staging_view("x", slot)  # type: ignore[attr-defined]
+            self._check_ids((staged if self._staged else self._views[slot].x)[:rows])  # type: ignore[union-attr]
         if rows < self.plan.batch_size:
             if self._staged:
                 self.backend.staging_view("x", slot)[rows:] = 0  # type: ignore[attr-defined]

@@ -82,3 +82,28 @@ def batch_bounds(count: int, size: int) -> Iterator[tuple[int, int]]:
     """
     for start in range(0, count, size):
         yield start, min(start + size, count)
+
+
+def token_id_error(ids: np.ndarray, vocabulary: int, first: int = 0) -> str | None:
+    """Why ``ids`` (a batch, each sample's ids flattened in order) are not token ids of a table of
+    ``vocabulary`` rows, naming the first bad one; None when every one is an integer in
+    [0, vocabulary). One check for every backend: the CPU op refuses a bad id, and a GPU would
+    clamp it into range and train on the wrong row without a word.
+
+    Args:
+        ids: float ids [n, ...].
+        vocabulary: the Embedding's num_embeddings.
+        first: the number of the batch's first sample, for the message.
+
+    Returns:
+        The message, or None.
+    """
+    flat = np.asarray(ids).reshape(len(ids), -1)
+    bad = np.argwhere(~((flat >= 0) & (flat < vocabulary) & (flat == np.floor(flat))))
+    if not len(bad):
+        return None
+    row, position = (int(i) for i in bad[0])
+    return (
+        f"Embedding: token id {float(flat[row, position])!r} (sample {first + row}, position {position}) is "
+        f"not an integer in [0, {vocabulary}): ids index the table of num_embeddings={vocabulary} rows"
+    )

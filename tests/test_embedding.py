@@ -246,14 +246,26 @@ def test_embedded_pixel_ids_learn_the_digits(vulkan_backend):
     assert result.accuracy >= 0.85
 
 
-def test_a_run_with_an_id_past_the_table_says_so():
+@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("where", ["cpu", "vulkan"])
+def test_a_run_with_an_id_past_the_table_says_so(where, placement, request, tmp_path):
+    """A GPU would clamp the id and train on the wrong row: the host checks every batch (and a
+    dataset kept on the device once, before any step), on every backend alike."""
     x, y = digit_pixel_ids(4)
+    bad = int(np.flatnonzero(x.reshape(-1) == 3.0)[0])  # the first pixel at the top level
+    sample, position = divmod(bad, 64)
+    metrics = tmp_path / "metrics.jsonl"
     spec = Spec(
         model=Model(input_shape=(64,), layers=(Embedding(3, 2), Flatten(), Linear(10)), loss=CrossEntropy()),
         optimiser=Adam(lr=0.01),
-        data=Data(Arrays(x, y), batch_size=64),
+        data=Data(Arrays(x, y), batch_size=64, shuffle=False, placement=placement),
         devices=Devices("cpu"),
-        run=RunSettings(steps=2),
+        run=RunSettings(steps=40, metrics_file=str(metrics)),
     )
-    with pytest.raises(Exception, match=r"token id 3\.0 .* is not an integer in \[0, 3\)"):
-        flow.run(spec, backend=CpuBackend())
+    backend = request.getfixturevalue("vulkan_backend") if where == "vulkan" else CpuBackend()
+    words = rf"token id 3\.0 \(sample {sample}, position {position}\) is not an integer in \[0, 3\)"
+    with pytest.raises(Exception, match=words):
+        flow.run(spec, backend=backend)
+    steps = [line for line in metrics.read_text().splitlines() if '"step"' in line and '"loss"' in line]
+    assert steps == [] or placement == "host"  # kept on the device: refused before the first step
+    assert len(steps) <= sample // 64  # streamed: no step past the batch that holds the id
