@@ -168,9 +168,11 @@ class Embedding(Record):
     ``dim``, looked up by integer token ids; an input of any shape S gives (*S, dim). The ids come
     in the model's float32 input (exact integers up to 2**24, hence the limit on the table), so an
     Embedding must be the first layer and its input must not be normalised or scaled. Rows start
-    N(0, 1), as in PyTorch. Ids are not differentiable: nothing before the layer learns. An id
-    outside [0, num_embeddings) is an error on the CPU backend; a GPU clamps it into range (it
-    never reads outside the table) rather than stop the device.
+    N(0, 1), as in PyTorch. Ids are not differentiable: nothing before the layer learns. An id that
+    is not an integer in [0, num_embeddings) stops the run with an error naming its sample and
+    position, on every backend: the host checks each batch (a dataset kept on the device once,
+    before the first step). The shader also clamps ids into range, so it never reads outside the
+    table.
 
     Attributes:
         num_embeddings: rows of the table (the vocabulary size), in [1, 2**24].
