@@ -42,6 +42,15 @@ class Hooks:
     Subclass and override what you need (see flow.testing for ready-made ones). Hooks run inside
     the actor's task, so an exception raised here is that actor failing, and a sleep here is that
     actor being slow.
+
+    The items are the records of :mod:`actors.messages`, one at a time (a
+    :class:`~actors.messages.Chunk` never reaches a hook): between the loader and the device,
+    :class:`~actors.messages.Batch` (training, evaluation or prediction rows) and
+    :class:`~actors.messages.CheckpointMark`; out of the preprocess node, once a run, an
+    :class:`~actors.messages.InputStatistics` ahead of the first training batch; out of the device,
+    :class:`~actors.messages.StepDone` per training step, :class:`~actors.messages.EvalDone` per
+    evaluation round (validation, and the test split at the end), :class:`~actors.messages.Snapshot`
+    at each checkpoint mark, and :class:`~actors.messages.Prediction` when predicting.
     """
 
     def attach(self, channels: dict[tuple[str, str], tuple[Any, Any]]) -> None:
