@@ -112,22 +112,30 @@ def _capacity(channel: Any) -> int:
     return int(size) if size != float("inf") else -1
 
 
+# An actor's states, in the order that wins where two overlap (the device actor's feeder may wait
+# for input while its completer waits for the GPU: the actor is busy).
+BUSY, BLOCKED, IDLE = 0, 1, 2
+
+
 class _Timed:
-    """Adds the time spent inside a ``with`` block to one of a Meter's counters (a plain class:
-    a generator-based context manager costs three times as much, on every item)."""
+    """Puts a Meter in a state for the time inside a ``with`` block (a plain class: a
+    generator-based context manager costs three times as much, on every item)."""
 
-    __slots__ = ("meter", "counter", "start")
+    __slots__ = ("meter", "state")
 
-    def __init__(self, meter: Meter, counter: str) -> None:
+    def __init__(self, meter: Meter, state: int) -> None:
         self.meter = meter
-        self.counter = counter
+        self.state = state
 
     def __enter__(self) -> None:
-        self.start = self.meter._clock()
+        meter = self.meter
+        meter._accrue()
+        meter._active[self.state] += 1
 
     def __exit__(self, *exc: object) -> None:
         meter = self.meter
-        setattr(meter, self.counter, getattr(meter, self.counter) + meter._clock() - self.start)
+        meter._accrue()
+        meter._active[self.state] -= 1
 
 
 class Meter:
@@ -165,9 +173,9 @@ class Meter:
         self._clock = clock
         self._in = 0
         self._out = 0
-        self._busy = 0.0
-        self._idle = 0.0
-        self._blocked = 0.0
+        self._spent = [0.0, 0.0, 0.0]  # seconds busy, blocked, idle (see ActorStatistics)
+        self._active = [0, 0, 0]  # blocks in each state now (the actor's tasks may overlap)
+        self._mark: float | None = None  # the last change of state; None before the first, after close
         self._inbox_peak = 0
         self._outbox_peak = 0
         self._local: deque[Any] = deque()  # the current chunk's messages not yet handed out
@@ -216,14 +224,11 @@ class Meter:
         return len(self._local)
 
     async def _receive_waiting(self, inbox: trio.MemoryReceiveChannel) -> Any:
-        clock = self._clock
-        start = clock()
-        try:
-            return await inbox.receive()
-        except trio.EndOfChannel:
-            raise StopAsyncIteration from None
-        finally:
-            self._idle += clock() - start
+        with _Timed(self, IDLE):
+            try:
+                return await inbox.receive()
+            except trio.EndOfChannel:
+                raise StopAsyncIteration from None
 
     # -- sending ---------------------------------------------------------------------------------
     async def send(self, item: Any) -> None:
@@ -294,25 +299,35 @@ class Meter:
         return True
 
     async def _send_waiting(self, outbox: trio.MemorySendChannel, item: Any) -> None:
-        clock = self._clock
-        start = clock()
-        try:
+        with _Timed(self, BLOCKED):
             await outbox.send(item)
-        finally:
-            self._blocked += clock() - start
 
     def busy(self) -> _Timed:
         """Count the time inside the block (``with meter.busy():``) as work."""
-        return _Timed(self, "_busy")
+        return _Timed(self, BUSY)
 
     def blocked(self) -> _Timed:
         """Count the time inside the block as waiting for capacity downstream (e.g. a free device
         slot), like a send that waits for space."""
-        return _Timed(self, "_blocked")
+        return _Timed(self, BLOCKED)
+
+    def _accrue(self) -> None:
+        """Add the time since the last change of state to the state the actor was in: busy if any
+        of its tasks was, else blocked, else idle; in none (its own code between waits): busy."""
+        now = self._clock()
+        if self._mark is not None:
+            busy, blocked, idle = self._active
+            state = BUSY if busy or not (blocked or idle) else BLOCKED if blocked else IDLE
+            self._spent[state] += now - self._mark
+        self._mark = now
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the inbox and every outbox (no checkpoint: nothing else runs meanwhile)."""
+        """Close the inbox and every outbox (no checkpoint: nothing else runs meanwhile); the
+        actor's clock stops."""
+        if self._mark is not None:
+            self._accrue()
+            self._mark = None
         for outbox in self.outboxes:
             outbox.close()
         if self.inbox is not None:
@@ -335,6 +350,8 @@ class Meter:
         Returns:
             A frozen snapshot.
         """
+        if self._mark is not None:  # running: count up to now
+            self._accrue()
         inbox_peak = self._inbox_peak
         if self.inbox is not None and not self._sample_inbox:
             inbox_peak = max(inbox_peak, _peak(self.inbox) or 0)
@@ -343,9 +360,9 @@ class Meter:
             name=self.name,
             items_in=self._in,
             items_out=self._out,
-            busy_seconds=self._busy,
-            idle_seconds=self._idle,
-            blocked_seconds=self._blocked,
+            busy_seconds=self._spent[BUSY],
+            idle_seconds=self._spent[IDLE],
+            blocked_seconds=self._spent[BLOCKED],
             inbox_used=_used(self.inbox) if self.inbox is not None else 0,
             inbox_capacity=_capacity(self.inbox) if self.inbox is not None else 0,
             inbox_peak=inbox_peak,

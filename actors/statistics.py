@@ -20,9 +20,14 @@ class ActorStatistics:
         name: the pipeline node's name.
         items_in: items taken from the inbox.
         items_out: items sent (one per item, however many outboxes it went to).
-        busy_seconds: time spent working on items.
-        idle_seconds: time spent waiting for input.
-        blocked_seconds: time spent waiting for space downstream (backpressure).
+        busy_seconds: time working on items (for the device actor: while a step it submitted
+            runs on the device, too).
+        idle_seconds: time waiting for input, and nothing else.
+        blocked_seconds: time waiting for space downstream (backpressure), and not busy.
+            The three add up to the actor's time from its first item to its end (or to now while
+            it runs): where its tasks overlap (the device actor's feeder waits for input while its
+            completer waits for the GPU) busy wins over blocked, blocked over idle, and its own
+            code between waits counts as busy.
         inbox_used: items waiting in the inbox now.
         inbox_capacity: the inbox's capacity (0 for an actor without one).
         inbox_peak: the most items seen waiting in the inbox.

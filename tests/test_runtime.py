@@ -24,7 +24,7 @@ from specs import digits_spec, image_spec, synthetic_spec
 from actors import checkpoint as checkpoints
 from actors.cpu_backend import CpuBackend, cpu_facts
 from actors.messages import Batch, StepDone
-from actors.meter import MAX_CHUNK, Hooks
+from actors.meter import IDLE, MAX_CHUNK, Hooks, Meter, _Timed
 from flow import pipeline_plan
 from flow.runner import open_pipeline, run
 from flow.runtime import ActorError
@@ -263,3 +263,36 @@ def test_a_synthetic_run_on_vulkan_reads_in_place_and_matches_the_copied_run(vul
         [s.loss for s in in_place.steps], [s.loss for s in copied.steps], rtol=0, atol=0
     )
     assert abs(result.loss - on_cpu.loss) <= 1e-4 * max(1.0, abs(on_cpu.loss))
+
+
+def test_busy_idle_and_blocked_add_up_to_the_actors_time():
+    """Where an actor's tasks overlap, busy wins over blocked and blocked over idle; time in no
+    state (the actor's own code) is busy; the clock stops when the actor ends."""
+    now = [0.0]
+    meter = Meter("device", clock=lambda: now[0])
+    waiting_for_input = _Timed(meter, IDLE)  # what Meter does while its inbox is empty
+    gpu = meter.busy()
+    gpu.__enter__()  # t=0..3: the completer waits for the GPU...
+    now[0] = 1.0
+    with meter.blocked(), waiting_for_input:  # ...while the feeder waits (t=1..2): still busy
+        now[0] = 2.0
+    now[0] = 3.0
+    gpu.__exit__()
+    with meter.blocked():  # t=3..5: waiting for space downstream
+        now[0] = 5.0
+    with waiting_for_input:  # t=5..6: waiting for input alone
+        now[0] = 6.0
+    now[0] = 6.5  # the actor's own code: busy
+    meter.close()
+    now[0] = 9.0  # after its end: counts nowhere
+    stats = meter.statistics()
+    assert (stats.busy_seconds, stats.blocked_seconds, stats.idle_seconds) == (3.5, 2.0, 1.0)
+
+
+def test_a_runs_actors_account_for_their_time_once(tmp_path):
+    started = time.perf_counter()
+    result = run(synthetic_spec(tmp_path, epochs=2), backend=CpuBackend())
+    wall = time.perf_counter() - started
+    for name, stats in result.statistics.items():
+        total = stats.busy_seconds + stats.idle_seconds + stats.blocked_seconds
+        assert 0 < total <= wall, name  # the device's two tasks are no longer counted twice
