@@ -12,12 +12,14 @@ keys) and then validates what it could build: :func:`decode` returns only valid 
 raises one :class:`SpecError` listing everything found.
 """
 
+import hashlib
 import json
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
 import msgpack
+import numpy as np
 
 from flow.errors import Problem, SpecError, did_you_mean
 from flow.spec import SCHEMA_VERSION, Spec, file_key
@@ -61,16 +63,27 @@ def encode(spec: Spec) -> dict[str, Any]:
     return _encode(spec, Spec, "")
 
 
-def _encode(value: Any, annotation: Any, path: str) -> Any:
+def digest(spec: Spec) -> str:
+    """A SHA-256 of the spec's canonical encoding, in-memory arrays by their bytes (a ``repr``
+    elides the middle of a large array, so two different data sets could compare equal): what
+    the ranks of an MPI job compare to know they train the same run.
+
+    Returns:
+        64 hex digits.
+    """
+    return hashlib.sha256(msgpack.packb(_encode(spec, Spec, "", arrays=True))).hexdigest()
+
+
+def _encode(value: Any, annotation: Any, path: str, arrays: bool = False) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
         tree = {"kind": cls.__name__}
         for f in fields(value):
             key = file_key(cls, f.name)
-            tree[key] = _encode(getattr(value, f.name), f.type, f"{path}.{key}" if path else key)
+            tree[key] = _encode(getattr(value, f.name), f.type, f"{path}.{key}" if path else key, arrays)
         return dict(sorted(tree.items()))
     if isinstance(value, tuple):
-        return [_encode(item, _item(annotation, i), f"{path}[{i}]") for i, item in enumerate(value)]
+        return [_encode(item, _item(annotation, i), f"{path}[{i}]", arrays) for i, item in enumerate(value)]
     if isinstance(value, int) and not isinstance(value, bool) and _declared_float(annotation):
         return float(value)
     if isinstance(value, float):
@@ -78,6 +91,9 @@ def _encode(value: Any, annotation: Any, path: str) -> Any:
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, NDArray):
+        if arrays:  # for digest(): the array by its type, shape and bytes
+            data = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+            return {"array": str(value.dtype), "shape": list(value.shape), "sha256": data}
         raise SpecError([Problem(path, _IN_MEMORY)])
     raise SpecError([Problem(path, f"cannot encode a {type(value).__name__}: {value!r}")])
 
