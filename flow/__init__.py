@@ -39,6 +39,7 @@ _EXPORTS = {
     "Plan": "flow.planning",
     "plan": "flow.planning",
     "ActorError": "flow.runtime",
+    "CSVLogger": "flow.callbacks",
     "Callback": "flow.callbacks",
     "EarlyStopping": "flow.callbacks",
     "NonFiniteLoss": "flow.runner",
@@ -49,13 +50,13 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "ActorError", "Callback", "EarlyStopping", "FlowError", "NonFiniteLoss", "Plan", "PlanError", "Problem",
-    "RunResult", "SpecError", "check", "dumps", "load", "loads", "open_pipeline", "plan", "predict", "run",
-    "save", "summarize", "validate",
+    "ActorError", "CSVLogger", "Callback", "EarlyStopping", "FlowError", "NonFiniteLoss", "Plan", "PlanError",
+    "Problem", "RunResult", "SpecError", "check", "dumps", "load", "loads", "open_pipeline", "plan",
+    "predict", "run", "save", "summarize", "validate",
 ]  # fmt: skip
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from flow.callbacks import Callback, EarlyStopping
+    from flow.callbacks import Callback, CSVLogger, EarlyStopping
     from flow.codec import dumps, load, loads, save
     from flow.errors import FlowError, PlanError, Problem, SpecError
     from flow.inference import predict

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget", type=int, default=None, help="device memory budget in bytes (default: the device's)"
     )
     plan.set_defaults(handler=_plan)
-    run = commands.add_parser("run", help="train a spec file: run FILE [--resume DIR]")
+    run = commands.add_parser("run", help="train a spec file: run FILE [--resume DIR] [--quiet] ...")
     run.add_argument("rest", nargs=argparse.REMAINDER)
     run.set_defaults(handler=_run)
     bench = commands.add_parser("bench", help="benchmark against PyTorch (bench/bench_mlp.py)")

@@ -13,8 +13,12 @@ as an interrupt does (cancelled actors, drained device, a checkpoint that ``resu
 
 from __future__ import annotations
 
+import csv
+import io
 import math
-from typing import TYPE_CHECKING, Any, Literal
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from flow.spec import CrossEntropy, Spec
 
@@ -112,3 +116,63 @@ class EarlyStopping(Callback):
         if self.waited >= self.patience:
             best = "none" if self.best is None else f"{self.best:.6g} at step {self.best_step}"
             self.stop_run(f"{self.monitor} did not improve for {self.waited} evaluation(s) (best {best})")
+
+
+class CSVLogger(Callback):
+    """Write a CSV row per validation round, as Keras' CSVLogger writes one per epoch: a run
+    evaluates after each epoch by default, or every ``run.eval_every`` steps. Columns: ``epoch``
+    (0-based), ``step`` (steps done), ``loss`` and ``accuracy`` (the mean over the training steps
+    since the previous row), ``val_loss``, ``val_accuracy``, ``lr`` (the last step's), ``elapsed``
+    (seconds); a measure that does not exist is an empty cell. Each row is one flushed write, so a
+    killed run leaves a valid CSV of whole rows. The test split's round is not a row.
+
+    Args:
+        path: the CSV file; its folder must exist.
+        append: add rows under an existing file's header (a resumed run) instead of replacing it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], append: bool = False) -> None:
+        self.path, self.append = Path(path), append
+        self._file: TextIO | None = None
+        self._fields: list[str] | None = None  # the header, from the first row or the existing file
+        self._sums: dict[str, list[float]] = {}  # measure: [sum, count] over the steps since the last row
+        self._lr: float | None = None
+
+    def on_start(self, spec: Spec, splits: frozenset[str]) -> None:
+        if "val" not in splits:  # refused before any device work: the file would stay empty
+            raise ValueError(
+                f"CSVLogger({str(self.path)!r}) writes a row per validation round, but this run has no "
+                f"validation samples (data.split.val is {spec.data.split.val}): give it > 0"
+            )
+        self.on_end(None)  # the file of an earlier run that failed
+        self._fields, self._sums, self._lr = None, {"loss": [0.0, 0], "accuracy": [0.0, 0]}, None
+        if self.append and self.path.exists():
+            with self.path.open(newline="") as existing:
+                self._fields = next(csv.reader(existing), None)
+        self._file = self.path.open("a" if self.append else "w", newline="")
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        for key, total in self._sums.items():
+            if record[key] is not None:  # None: not finite, or no accuracy (regression)
+                total[0], total[1] = total[0] + record[key], total[1] + 1
+        self._lr = record["lr"]
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        if record["split"] != "val" or self._file is None:
+            return
+        means = {key: total / count if count else None for key, (total, count) in self._sums.items()}
+        row = {"epoch": record["epoch"], "step": record["step"], **means, "val_loss": record["loss"],
+               "val_accuracy": record["accuracy"], "lr": self._lr, "elapsed": record["elapsed"]}  # fmt: skip
+        self._sums = {"loss": [0.0, 0], "accuracy": [0.0, 0]}
+        lines = io.StringIO()
+        if self._fields is None:
+            self._fields = list(row)
+            csv.writer(lines).writerow(self._fields)
+        csv.writer(lines).writerow([row.get(field) for field in self._fields])  # None: an empty cell
+        self._file.write(lines.getvalue())  # whole rows in one write, then to the OS
+        self._file.flush()
+
+    def on_end(self, result: RunResult | None) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

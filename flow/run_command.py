@@ -1,10 +1,11 @@
-"""The ``python -m flow run FILE [--resume DIR] [--device SELECT]`` command and the summary it
-prints (the demo prints it too).
+"""The ``python -m flow run FILE [--resume DIR] [--device SELECT] [--quiet] [--early-stopping
+MONITOR:PATIENCE] [--csv PATH]`` command and the summary it prints (the demo prints it too).
 
 A mistake in what the user gave (the spec, its data, a checkpoint, a device that is not there)
 ends the command with one ``error: ...`` line per mistake on stderr and exit status 1, never a
-traceback: :func:`user_error` decides which errors those are. Anything else is a bug in vkflow,
-and its traceback is what a bug report needs, so it is left to propagate.
+traceback: :func:`user_error` decides which errors those are (a flag's bad value: one ``error:``
+line, exit status 2). Anything else is a bug in vkflow, and its traceback is what a bug report
+needs, so it is left to propagate.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import replace
 from actors.collective import RanksError
 from actors.device import DeviceHung
 from actors.health import NonFiniteLoss
+from actors.progress import Progress
+from flow.callbacks import Callback, CSVLogger, EarlyStopping
 from flow.codec import load as load_spec
 from flow.errors import FlowError
 from flow.parallel_plan import world_from_env
@@ -90,15 +93,33 @@ def user_error(error: BaseException, spec_file: str = "") -> list[str] | None:
     return None
 
 
+def callbacks_of(args: argparse.Namespace) -> list[Callback]:
+    """The callbacks of ``--early-stopping`` and ``--csv``; a ValueError names a flag's bad value."""
+    callbacks: list[Callback] = []
+    if (text := args.early_stopping) is not None:
+        monitor, colon, patience = text.partition(":")
+        if not (colon and patience.isdecimal()):
+            raise ValueError(f"--early-stopping takes MONITOR:PATIENCE (e.g. val_loss:3), got {text!r}")
+        try:
+            callbacks.append(EarlyStopping(monitor, int(patience)))  # type: ignore[arg-type]
+        except ValueError as error:
+            raise ValueError(f"--early-stopping: {error}") from None
+    if args.csv is not None and world_from_env(os.environ).rank == 0:  # one writer for an MPI job
+        callbacks.append(CSVLogger(args.csv, append=args.resume is not None))
+    return callbacks
+
+
 def main_run(argv: Sequence[str]) -> int:
-    """``python -m flow run FILE [--resume DIR] [--device SELECT]``.
+    """``python -m flow run FILE [--resume DIR] [--device SELECT] [--quiet] [--early-stopping
+    MONITOR:PATIENCE] [--csv PATH]``.
 
     Args:
         argv: the arguments after ``run``.
 
     Returns:
-        The exit status: 0 done, 1 a mistake in the input (one ``error:`` line each on stderr), 130
-        interrupted (after writing a checkpoint).
+        The exit status: 0 done (stopped early included), 1 a mistake in the input (one ``error:``
+        line each on stderr), 2 a flag's bad value (one ``error:`` line), 130 interrupted (after
+        writing a checkpoint).
 
     Raises:
         Exception: an error of vkflow's own (a bug), with its traceback.
@@ -111,14 +132,25 @@ def main_run(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--device", metavar="SELECT", help="override devices.select: cpu, auto, an index or a name"
     )
+    parser.add_argument("--quiet", action="store_true", help="no progress line: only the summary and errors")
+    stop = "stop when MONITOR (val_loss or val_accuracy) has not improved for PATIENCE evaluations"
+    parser.add_argument("--early-stopping", metavar="MONITOR:PATIENCE", help=stop)
+    parser.add_argument("--csv", metavar="PATH", help="a CSV row per validation round (--resume appends)")
     args = parser.parse_args(list(argv))
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        callbacks = callbacks_of(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    # --quiet: the warnings that matter are in the summary already (RunResult.warnings).
+    logging.basicConfig(level=logging.ERROR if args.quiet else logging.WARNING, format="%(message)s")
     try:
         spec = load_spec(args.file)
         if args.device is not None:
             select: int | str = int(args.device) if args.device.isdigit() else args.device
             spec = replace(spec, devices=replace(spec.devices, select=select))
-        result = run(spec, resume=args.resume)
+        progress = Progress(enabled=False) if args.quiet else None  # None: drawn on a TTY
+        result = run(spec, resume=args.resume, progress=progress, callbacks=callbacks)
     except KeyboardInterrupt as interrupt:
         notes = getattr(interrupt, "__notes__", [])
         print(
