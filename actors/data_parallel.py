@@ -115,15 +115,15 @@ def _read_into(backend: Backend, tensor: str, out: np.ndarray) -> None:
         np.copyto(out, backend.read(tensor))
 
 
-def measure_throughput(engines: Sequence[Engine], rows: int, repeats: int = 3) -> tuple[float, ...]:
+def measure_throughput(engines: Sequence[Engine], rows: Sequence[int], repeats: int = 3) -> tuple[float, ...]:
     """Each member's training throughput on its own (samples/s: the median of ``repeats`` timed
     train programs after one untimed), for shares that keep no member waiting on another. Blocking.
     The batch is random, the loss averaged over the rows; the program writes only gradients and
     the slot's results, which every step overwrites, so the weights are untouched.
 
     Args:
-        engines: every member's engine, programs recorded for at least ``rows`` rows.
-        rows: the rows to time (the global batch).
+        engines: every member's engine, programs recorded for at least its ``rows``.
+        rows: each member's rows to time (its programs' capacity: its share, or the global batch).
         repeats: timed runs per member.
 
     Returns:
@@ -131,19 +131,36 @@ def measure_throughput(engines: Sequence[Engine], rows: int, repeats: int = 3) -
     """
     speeds = []
     rng = np.random.default_rng(0)
-    for engine in engines:
+    for engine, count in zip(engines, rows, strict=True):
         plan = engine.plan
-        x = rng.standard_normal((rows, *plan.model.input_shape)).astype(np.float32)
-        y = np.zeros(engine.plan.layout.tensor("y").shape, engine.plan.layout.tensor("y").dtype)[:rows]
+        x = rng.standard_normal((count, *plan.model.input_shape)).astype(np.float32)
+        y = np.zeros(plan.layout.tensor("y").shape, plan.layout.tensor("y").dtype)[:count]
         engine.write_batch(SLOT, x, y)
         times = []
         for repeat in range(repeats + 1):
             started = time.perf_counter()
-            engine.backend.wait(engine.submit("train", SLOT, rows, 0))
+            engine.backend.wait(engine.submit("train", SLOT, count, 0))
             if repeat:
                 times.append(time.perf_counter() - started)
-        speeds.append(rows / float(np.median(times)))
+        speeds.append(count / float(np.median(times)))
     return tuple(speeds)
+
+
+def measure_all_reduce(engines: Sequence[Engine], repeats: int = 5) -> float:
+    """The host all-reduce's bytes/s over ``engines`` (the median of ``repeats`` timed
+    :func:`host_all_reduce` of the gradients into every member, as a step does, after one untimed
+    that makes the kept arrays), each member's gradients counted read and written once (the
+    leader's update moves as much: its weights). Blocking; it writes only gradients, which the next
+    train program overwrites."""
+    backends = [engine.backend for engine in engines]
+    scratch: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    times = []
+    for repeat in range(repeats + 1):
+        started = time.perf_counter()
+        host_all_reduce(backends, backends, scratch=scratch)
+        if repeat:
+            times.append(time.perf_counter() - started)
+    return 2 * len(engines) * scratch["grads:all"][0].nbytes / max(float(np.median(times)), 1e-9)
 
 
 class DataParallelActor:

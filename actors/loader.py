@@ -205,7 +205,9 @@ class Loader:
     ) -> None:
         self.meter = meter
         self.source = source
-        self.jobs = jobs
+        # A source read by blocks (loaders.blocks) learns from the stream which window comes next.
+        follow = getattr(source, "follow", None)
+        self.jobs = follow(jobs) if callable(follow) else jobs
         self.workers = max(1, int(workers))
         self.inline = inline
         self.on_device = on_device

@@ -93,7 +93,9 @@ def mlp_spec(select, samples: int, epochs: int, batch: int, metrics: Path) -> Sp
         optimiser=SGD(0.05, momentum=0.9),
         data=Data(Synthetic(samples=samples, features=(784,), classes=10, seed=1), batch_size=batch, seed=0,
                   split=Split(train=1.0, val=0.0), placement="host"),
-        devices=Devices(select),
+        # Every member kept: this measures data parallelism itself, which the planner would otherwise
+        # cut down to the members worth their all-reduce (flow.parallel_plan.choose_members).
+        devices=Devices(select, drop_slow=False),
         run=RunSettings(epochs=epochs, in_flight=2, metrics_file=str(metrics)),
     )  # fmt: skip
 

@@ -23,7 +23,14 @@ table, and one JSON line per figure, e.g. ``{"bench": "loader", "impl": "vkflow"
 torch is not a vkflow dependency. To compare, install it into the bench environment:
 ``pip install torch==2.13.0``. Without it, only vkflow's figures are printed.
 
-Run: ``python bench/bench_loaders.py [--sizes 64,256] [--images 3000] [--workers N] [--epochs 5]``
+A last figure needs no torch: one epoch over a memory-mapped IDX file of ``--idx-mib`` MiB (28x28
+uint8 samples) in batches of 64, read with the full shuffle (``IDXSource.read``: random reads all
+over the file) against the block order (``Data(shuffle="blocks")``: ``loaders.blocks.BlockSource``
+reading 32 MiB blocks a window ahead), each from a cold page cache where the OS lets a process drop
+a file's pages (``posix_fadvise``; else both read from the cache and the figure is the gather's).
+
+Run: ``python bench/bench_loaders.py [--sizes 64,256] [--images 3000] [--workers N] [--epochs 5]
+[--idx-mib 512]`` (``--sizes ''`` and ``--idx-mib 0`` skip a part).
 """
 
 from __future__ import annotations
@@ -44,7 +51,11 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loaders import ImageFolderSource, Sampler, SamplerState  # noqa: E402
+from actors.loader import Read, jobs  # noqa: E402
+from actors.messages import Cursor  # noqa: E402
+from flow.data_plan import StepSchedule  # noqa: E402
+from loaders import IDXSource, ImageFolderSource, Sampler, SamplerState, write_idx  # noqa: E402
+from loaders.blocks import BlockSource  # noqa: E402
 from loaders.decode import DecodeSpec, decode_image, read_file  # noqa: E402
 
 BATCH = 64
@@ -173,6 +184,47 @@ def rates(runners: dict[str, Iterator[Callable[[], int]]], epochs: int) -> dict[
     return out
 
 
+def idx_orders(mib: int) -> dict[str, float]:
+    """Samples a second through one epoch of a memory-mapped IDX file, full shuffle vs block order.
+
+    Args:
+        mib: the file's size in MiB.
+
+    Returns:
+        Samples a second by order ("full", "blocks").
+    """
+    n = mib * 2**20 // 784
+    got = {}
+    with tempfile.TemporaryDirectory(prefix="vkflow-bench-") as tmp:
+        images, labels = Path(tmp) / "images.idx", Path(tmp) / "labels.idx"
+        rng = np.random.default_rng(0)
+        for start in range(0, n, 65536):  # in pieces: the file may be larger than we want in RAM
+            chunk = rng.integers(0, 256, (min(65536, n - start), 28, 28), dtype=np.uint8)
+            with open(images, "ab" if start else "wb") as f:
+                if not start:
+                    f.write(bytes([0, 0, 8, 3]) + np.array([n, 28, 28], ">u4").tobytes())
+                f.write(chunk.tobytes())
+        write_idx(labels, rng.integers(0, 10, n, dtype=np.uint8))
+        for order in ("full", "blocks"):
+            with open(images, "rb") as f:  # drop the file's pages, so the epoch reads the disk
+                os.fsync(f.fileno())
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            block = (32 << 20) // 784 if order == "blocks" else None
+            sampler = Sampler(np.arange(n), BATCH, True, 0, False, block=block)
+            source = IDXSource(images, labels)
+            reader = BlockSource(source, sampler) if block else source
+            per_epoch = sampler.batches_per_epoch()
+            stream = jobs(Cursor(), StepSchedule(per_epoch, per_epoch), sampler, None)
+            reads = [job for job in stream if isinstance(job, Read)]
+            t0 = time.perf_counter()
+            for job in reader.follow(iter(reads)) if block else reads:
+                reader.read(job.indices)
+            got[order] = n / (time.perf_counter() - t0)
+            reader.close()
+    return got
+
+
 def cpu_model() -> str:
     """The CPU model name from /proc/cpuinfo (or platform's guess).
 
@@ -212,6 +264,7 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=usable_cpus())
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--idx-mib", type=int, default=512, help="memory-mapped IDX file size; 0 skips")
     args = parser.parse_args()
     sizes = [args.size] if args.size else [int(s) for s in args.sizes.split(",") if s.strip()]
     try:
@@ -273,6 +326,16 @@ def main() -> int:
             ratio = {"bench": "loader", "impl": "ratio", "size": size, "workers": workers}
             ratio["vkflow_over_torch"] = round(max(vk) / max(th), 3)
             print(json.dumps({**ratio, **machine}))
+    if args.idx_mib > 0:
+        got = idx_orders(args.idx_mib)
+        print(
+            f"\nmemory-mapped IDX, {args.idx_mib} MiB, batch {BATCH}, one cold epoch: full shuffle "
+            f"{got['full']:.0f} samples/s, block order {got['blocks']:.0f} samples/s "
+            f"({got['blocks'] / got['full']:.2f}x)"
+        )
+        for order, rate in got.items():
+            line = {"bench": "loader_idx", "order": order, "mib": args.idx_mib}
+            print(json.dumps({**line, "samples_per_s": round(rate, 1), **machine}))
     return 0
 
 

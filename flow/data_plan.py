@@ -17,10 +17,16 @@ import numpy as np
 from flow.errors import PlanError, Problem, SpecError
 from flow.shapes import infer_shapes
 from flow.spec import Spec
+from loaders.blocks import BlockSource
 from loaders.sampler import RankSlices, Sampler
 from loaders.splits import split_indices
 
 SPLITS = ("train", "val", "test")
+
+# The block order (data.shuffle="blocks", loaders.sampler): big enough blocks for sequential I/O, a
+# buffer (3 windows at most: loaders.blocks) far below the memory the data does not fit in.
+BLOCK_BYTES = 32 << 20
+BLOCK_WINDOW = 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,6 +43,8 @@ class SourceHeader:
             (``read_into``), such as a device's mapped input slot.
         stored_dtype: "uint8" or "float32" where the source can hand over its whole data as
             stored (``stored()``) to be kept on a device; None where it cannot.
+        record_bytes: bytes of one stored sample, where the source says (None: taken as float32).
+        mapped: reads may wait on a memory map that loaders.blocks can read ahead by slices.
     """
 
     samples: int
@@ -46,6 +54,8 @@ class SourceHeader:
     label_shape: tuple[int, ...] = ()
     reads_in_place: bool = False
     stored_dtype: str | None = None
+    record_bytes: int | None = None
+    mapped: bool = False
 
 
 def header_of(source: Any) -> SourceHeader:
@@ -66,6 +76,8 @@ def header_of(source: Any) -> SourceHeader:
         label_shape=tuple(labels.shape[1:]),
         reads_in_place=callable(getattr(source, "read_into", None)),
         stored_dtype=getattr(source, "stored_dtype", None),
+        record_bytes=getattr(source, "record_bytes", None),
+        mapped=callable(getattr(source, "read_rows", None)) and not getattr(source, "in_memory", True),
     )
 
 
@@ -199,25 +211,39 @@ class DataPlan:
         samples: samples in the source.
         splits: sorted sample indices of each of SPLITS (empty where the split is 0).
         batch_size: rows a batch.
-        shuffle: whether training batches are drawn in a new order each epoch.
+        shuffle: whether training batches are drawn in a new order each epoch ("blocks": the
+            block order of ``block`` samples a block, see loaders.sampler).
         seed: the seed of the splits and the shuffles.
         drop_last: whether an epoch's final partial training batch is left out.
         schedule: steps, evaluations and checkpoints.
         resident: the dataset kept on the device, if any.
         rank: this process's rank in an MPI job: its samplers give its part of every batch.
         world: the number of ranks (1 without MPI).
+        mapped: the source is memory-mapped (see :attr:`reads_ahead`).
     """
 
     samples: int
     splits: dict[str, np.ndarray]
     batch_size: int
-    shuffle: bool
+    shuffle: bool | str
     seed: int
     drop_last: bool
     schedule: StepSchedule
     resident: ResidentData | None = None
     rank: int = 0
     world: int = 1
+    block: int | None = None
+    mapped: bool = False
+
+    @property
+    def reads_ahead(self) -> bool:
+        """The block order's windows are read ahead (loaders.blocks): only a memory map streamed
+        from the host gains from it."""
+        return self.block is not None and self.mapped and self.resident is None
+
+    def block_source(self, source: Any) -> Any:
+        """``source`` as the loader reads it (wrapped where :attr:`reads_ahead`)."""
+        return BlockSource(source, self.sampler("train")) if self.reads_ahead else source
 
     def sampler(self, split: str) -> Sampler | RankSlices | None:
         """The sampler of ``split``: training shuffles (when asked) and may drop its last partial
@@ -234,7 +260,10 @@ class DataPlan:
         if not indices.size:
             return None
         if split == "train":
-            sampler = Sampler(indices, self.batch_size, self.shuffle, self.seed, self.drop_last)
+            sampler = Sampler(
+                indices, self.batch_size, bool(self.shuffle), self.seed, self.drop_last,
+                block=self.block, window=BLOCK_WINDOW,
+            )  # fmt: skip
         else:
             sampler = Sampler(indices, self.batch_size, False, self.seed, False)
         return sampler if self.world == 1 else RankSlices(sampler, self.rank, self.world)
@@ -253,7 +282,10 @@ class DataPlan:
                 "batches": sampler.batches_per_epoch() if sampler else 0,
                 "last_batch_rows": tail or (self.batch_size if full else 0),
             }
-        schedule = self.schedule
+        schedule, block, blocks = self.schedule, self.block, None
+        if block is not None:
+            count, ahead = -(-splits["train"]["samples"] // block), self.reads_ahead
+            blocks = {"samples": block, "count": count, "window": BLOCK_WINDOW, "read_ahead": ahead}
         return {
             "samples": self.samples,
             "batch_size": self.batch_size,
@@ -266,6 +298,7 @@ class DataPlan:
             "eval_every": schedule.eval_every if schedule.has_val else None,
             "checkpoint_every": schedule.checkpoint_every,
             "on_device": None if self.resident is None else self.resident.as_dict(),
+            "blocks": blocks,
         }
 
 
@@ -352,7 +385,7 @@ def plan_data(spec: Spec, header: SourceHeader, rank: int = 0, world: int = 1) -
     parts = split_indices(
         header.samples, header.labels, split.train, split.val, split.test, data.seed, split.stratify
     )
-    train = Sampler(parts["train"], data.batch_size, data.shuffle, data.seed, data.drop_last)
+    train = Sampler(parts["train"], data.batch_size, bool(data.shuffle), data.seed, data.drop_last)
     per_epoch = train.batches_per_epoch()
     if per_epoch == 0:
         raise PlanError(
@@ -382,4 +415,12 @@ def plan_data(spec: Spec, header: SourceHeader, rank: int = 0, world: int = 1) -
         schedule,
         rank=rank,
         world=world,
+        block=block_samples(header) if data.shuffle == "blocks" else None,
+        mapped=header.mapped,
     )
+
+
+def block_samples(header: SourceHeader) -> int:
+    """Samples a block holds: BLOCK_BYTES of stored samples (float32 where the source does not say)."""
+    record = header.record_bytes or 4 * math.prod(header.sample_shape)
+    return max(1, BLOCK_BYTES // max(1, record))

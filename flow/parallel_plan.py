@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from flow.device_facts import DeviceFacts
+from flow.spec import Devices
 from loaders.sampler import rank_bounds
 
 Update = Literal["each", "leader"]
@@ -245,3 +246,82 @@ def _plan_members(
     equal = (1.0,) * len(group)
     whole = (batch,) * len(group)  # any measured share must fit the recorded programs
     return DataParallelPlan(names, batch, equal, split_rows(batch, equal), whole, "to measure", update)
+
+
+# Why 0.1 ms a member and step: each waits on its update as a submission of its own, and the members
+# join at every step where one device keeps steps in flight: a submit and fence wait, on Vulkan.
+MEMBER_STEP_S = 1e-4
+
+
+@dataclass(frozen=True)
+class MemberChoice:
+    """Which members a data-parallel run keeps (:func:`choose_members`): ``kept`` and ``best`` are
+    indices into ``members`` (the spec's order), ``best`` the set of the shortest predicted global
+    step, which is kept unless ``forced`` says why every member is; ``seconds_all`` and
+    ``seconds_best`` are the predicted seconds per global step with every member and with ``best``."""
+
+    members: tuple[str, ...]
+    kept: tuple[int, ...]
+    best: tuple[int, ...]
+    seconds_all: float
+    seconds_best: float
+    forced: str = ""
+
+    @property
+    def left_out(self) -> tuple[str, ...]:
+        """The names of the members the run leaves out."""
+        return tuple(name for i, name in enumerate(self.members) if i not in self.kept)
+
+    def sentence(self) -> str:
+        """What was kept and why, in one line (the run's log, ``flow plan``)."""
+        kept = ", ".join(self.members[i] for i in self.kept)
+        said = f"data parallel over {kept}" if len(self.kept) > 1 else f"one device, {kept}"
+        every, best = f"predicted {self.seconds_all * 1e3:.3g} ms/step", f"{self.seconds_best * 1e3:.3g} ms"
+        if self.left_out:
+            return f"{said}; left out {', '.join(self.left_out)}: {every} with them, {best} without"
+        slower = ", ".join(name for i, name in enumerate(self.members) if i not in self.best)
+        if slower:
+            return f"{said}, every device kept ({self.forced}): {every}, {best} without {slower}"
+        return f"{said}: {every}, the fastest of the sets tried"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "left_out": self.left_out}
+
+
+def choose_members(
+    group: tuple[DeviceFacts, ...],
+    batch: int,
+    devices: Devices,
+    world: World | None,
+    speeds: tuple[float, ...],
+    bandwidth: float,
+    grad_bytes: int,
+) -> MemberChoice:
+    """The members worth keeping. A global step is predicted to take the slowest member's rows at
+    its speed and, for two or more members, the host all-reduce (every member's gradients read and
+    the sum written back, or the leader's weights, as large: 2 x members x ``grad_bytes`` at
+    ``bandwidth``) and each member's MEMBER_STEP_S; one member trains as a plain device. Of the
+    fastest k members for every k (the all-reduce depends on k only), the set of the shortest step
+    is kept (on a tie, the most members), in the spec's order; every member where the spec gives
+    shares (they name every device's part) or ``drop_slow`` False. ``group``, ``batch``, ``world``
+    as for :func:`plan_data_parallel`; ``speeds``: each member's measured samples/s
+    (actors.data_parallel.measure_throughput); ``bandwidth``: the host all-reduce's bytes/s
+    (actors.data_parallel.measure_all_reduce); ``grad_bytes``: a member's float32 gradients.
+    """
+    world = world or World()
+    start, stop = rank_bounds(batch, world.rank, world.size)
+    weights = devices.shares or ((1.0,) * len(group) if same_device(group) else speeds)
+
+    def seconds(chosen: tuple[int, ...]) -> float:
+        rows = split_rows(stop - start, tuple(weights[i] for i in chosen))
+        compute = max(r / speeds[i] for r, i in zip(rows, chosen, strict=True))
+        n = len(chosen)
+        return compute if n == 1 else compute + 2 * n * grad_bytes / bandwidth + n * MEMBER_STEP_S
+
+    fastest = sorted(range(len(speeds)), key=lambda i: (-speeds[i], i))
+    candidates = [tuple(sorted(fastest[:k])) for k in range(len(speeds), 0, -1)]
+    best = min(candidates, key=seconds)  # the first of equal times: the most members
+    forced = "the spec's shares" if devices.shares is not None else ""
+    forced, every = forced or ("" if devices.drop_slow else "drop_slow=False"), candidates[0]
+    names = tuple(f.name for f in group)
+    return MemberChoice(names, every if forced else best, best, seconds(every), seconds(best), forced)

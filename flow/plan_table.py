@@ -26,6 +26,15 @@ def format_plan(plan: Plan) -> str:
             f"data: {data['samples']:,} samples, batch {data['batch_size']}, shuffle {data['shuffle']}, "
             f"seed {data['seed']}, drop_last {data['drop_last']}"
         )
+        if data["blocks"] is not None:
+            blocks = data["blocks"]
+            ahead = "read a window ahead by a background thread, block by block"
+            if not blocks["read_ahead"]:
+                ahead = "no read-ahead (the source is in memory, or the data on the device)"
+            lines.append(
+                f"  block order: {blocks['count']:,} block(s) of {blocks['samples']:,} samples, "
+                f"shuffled within windows of {blocks['window']}; {ahead}"
+            )
         for name, split in data["splits"].items():
             lines.append(
                 f"  {name:<5} {split['samples']:>8,} samples  {split['batches']:>6,} batches  "
@@ -64,6 +73,11 @@ def format_plan(plan: Plan) -> str:
             )
         for i, name in enumerate(parallel.members):
             lines.append(f"  [{i}] {name}: {parallel.rows[i]} rows, programs for {parallel.capacity[i]}")
+    choice, devices = plan.member_choice, plan.spec.devices
+    if choice is not None:  # measured: who was kept, who left out, and the predicted steps
+        lines.append(f"devices measured before the first step: {choice.sentence()}")
+    elif parallel is not None and len(parallel.members) > 1 and devices.drop_slow and not devices.shares:
+        lines.append("  measured before the first step: devices that would slow each step are left out")
     for device in plan.devices:
         memory = device.memory
         budget = f"{memory.budget:,} B" if memory.budget is not None else "not checked"

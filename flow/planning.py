@@ -33,7 +33,7 @@ from flow.graph import (
     parameters,
 )
 from flow.optim import optimiser_state_names, update_launch
-from flow.parallel_plan import DataParallelPlan, World, plan_data_parallel
+from flow.parallel_plan import DataParallelPlan, MemberChoice, World, choose_members, plan_data_parallel
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
 from flow.program import (
     ITEM_BYTES,
@@ -149,6 +149,9 @@ class Plan:
     pipeline: PipelinePlan
     data: DataPlan | None = None
     parallel: DataParallelPlan | None = None
+    # Which of the spec's devices a data-parallel run keeps, and why (once they are measured): a
+    # single one kept trains as a plain device, so ``parallel`` is then None.
+    member_choice: MemberChoice | None = None
 
     def as_dict(self) -> dict:
         """The plan as plain data (for JSON, msgpack and tables)."""
@@ -158,6 +161,7 @@ class Plan:
             "pipeline": self.pipeline.as_dict(),
             "devices": [_device_dict(d) for d in self.devices],
             "parallel": self.parallel.as_dict() if self.parallel is not None else None,
+            "member_choice": self.member_choice.as_dict() if self.member_choice is not None else None,
         }
 
     def dumps(self) -> bytes:
@@ -497,6 +501,7 @@ def plan(
     tuning: GemmTable | tuple[GemmTable | None, ...] | None = None,
     world: World | None = None,
     speeds: tuple[float, ...] | None = None,
+    bandwidth: float | None = None,
 ) -> Plan:
     """Turn a valid spec into the whole run's plan, before any device work.
 
@@ -522,6 +527,8 @@ def plan(
         speeds: data parallel over unequal devices without the spec's shares: each member's
             measured samples/s (actors.data_parallel.measure_throughput), which set the shares;
             None: the plan records every member's programs for the whole batch, to measure them.
+        bandwidth: with ``speeds``, the host all-reduce's bytes/s: members that would slow each step
+            are left out (flow.parallel_plan.choose_members), and ``Plan.member_choice`` says why.
 
     Returns:
         The plan.
@@ -535,6 +542,14 @@ def plan(
         raise ValueError(f"mode must be 'train' or 'predict', got {mode!r}")
     check(spec)
     world = world if world is not None and mode == "train" else World()
+    if isinstance(facts, tuple) and len(facts) > 1 and speeds is not None and bandwidth is not None:
+        moved = 4 * sum(math.prod(p.shape) for p in parameters(spec.model))  # a member's gradients
+        choice = choose_members(facts, spec.data.batch_size, spec.devices, world, speeds, bandwidth, moved)
+        tables = tuple(tuning[i] for i in choice.kept) if isinstance(tuning, tuple) else tuning
+        options = {"header": header, "mode": mode, "maps_inputs": maps_inputs, "world": world}
+        group, speeds = tuple(facts[i] for i in choice.kept), tuple(speeds[i] for i in choice.kept)
+        chosen = plan(spec, budget, features, facts=group, tuning=tables, speeds=speeds, **options)
+        return replace(chosen, member_choice=choice)
     if world.size > 1 and isinstance(facts, DeviceFacts):
         facts, tuning = (facts,), tuning if isinstance(tuning, tuple) else (tuning,)
     if isinstance(facts, tuple) and len(facts) == 1 and world.size == 1:

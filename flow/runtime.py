@@ -24,7 +24,6 @@ collective until its deadline.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -43,7 +42,7 @@ from actors import cpu_ops, device_select
 from actors import optimiser as optim
 from actors.backend import Backend
 from actors.collective import Ranks, RanksError
-from actors.data_parallel import DataParallelActor, measure_throughput
+from actors.data_parallel import DataParallelActor, measure_all_reduce, measure_throughput
 from actors.device import DEVICE_DEADLINE_S, DeviceActor, InputSlots
 from actors.engine import Engine
 from actors.loader import Loader, jobs
@@ -56,6 +55,7 @@ from actors.progress import Progress
 from actors.sink import Sink
 from actors.statistics import ActorStatistics
 from flow.callbacks import Callback
+from flow.codec import digest
 from flow.data_plan import header_of
 from flow.device_facts import DeviceFacts
 from flow.optim import describe_optimiser
@@ -345,7 +345,7 @@ class Runtime:
                 paths = (spec.run.checkpoint_dir, spec.run.metrics_file)
                 self.outputs = open_outputs(self.run_id, *paths, start)
             if self.ranks is not None:
-                agreed = (hashlib.sha256(repr(spec).encode()).hexdigest(), start or 0)
+                agreed = (digest(spec), start or 0)  # arrays by their bytes: a repr elides them
                 what = "the spec (its digest) and the step they start at"
                 await trio.to_thread.run_sync(self.ranks.agree, agreed, what)
             from loaders import open_source
@@ -379,20 +379,40 @@ class Runtime:
         # run launches is recorded here, before the first step.
         await self._start_members(state, cursor)
         parallel = self.plan.parallel
-        if parallel is not None and parallel.basis == "to measure" and self.mode == "train":
+        drop = spec.devices.drop_slow and len(self.member_engines) > 1
+        if parallel is not None and self.mode == "train" and (parallel.basis == "to measure" or drop):
             # Unequal devices: each takes the share of the batch its throughput earns, and records
             # its programs again for just those rows (padding rows would cost a slow device as much).
-            speeds = await self._blocking(measure_throughput, self.member_engines, parallel.batch)
-            options = {"header": header, "mode": self.mode, "maps_inputs": maps_inputs, "speeds": speeds}
-            self.plan = plan_on(spec, facts, self.world, **options)
-            await self._start_members(state, cursor)
-            logger.info("vkflow: data-parallel shares %s from %s samples/s", self.plan.parallel.rows, speeds)
+            # With the all-reduce's bandwidth, members that cost more than they save are left out.
+            speeds = await self._blocking(measure_throughput, self.member_engines, parallel.capacity)
+            bandwidth = await self._blocking(measure_all_reduce, self.member_engines) if drop else None
+            options = {"header": header, "mode": self.mode, "maps_inputs": maps_inputs}
+            self.plan = plan_on(spec, facts, self.world, **options, speeds=speeds, bandwidth=bandwidth)
+            choice = self.plan.member_choice
+            if choice is not None and choice.left_out:
+                await self._leave_out(choice.kept)
+            if parallel.basis == "to measure" or (choice is not None and choice.left_out):
+                await self._start_members(state, cursor)
+            if choice is not None:  # the kept members' shares are in the plan
+                logger.info("vkflow: %s", choice.sentence())
+            else:
+                rows = self.plan.parallel.rows
+                logger.info("vkflow: data-parallel shares %s from %s samples/s", rows, speeds)
         resident = self.plan.data.resident if self.plan.data is not None else None
         if resident is not None:
             # Once, before the first step: every sample as stored, then batches travel as indices.
             self.stored = await self._blocking(self.source.stored)
             await self._blocking(self.engine.upload_dataset, self.stored.x, self.stored.labels)
         self._wire()
+
+    async def _leave_out(self, kept: tuple[int, ...]) -> None:
+        """Close the members the plan leaves out; the first one kept is the run's device now."""
+        opened = (self.backend, *self.members)
+        for i, backend in enumerate(opened):
+            if i not in kept:
+                await trio.to_thread.run_sync(backend.close)
+        self.backend, *self.members = (opened[i] for i in kept)
+        self.inline = all(getattr(b, "runs_inline", False) for b in (self.backend, *self.members))
 
     async def _start_members(self, state, cursor) -> None:
         """Start every member's engine on the plan (replacing engines started before)."""
@@ -459,6 +479,7 @@ class Runtime:
             if self.mode == "predict":
                 self.feed = meter
                 return None  # the caller feeds: PipelineHandle.feed
+            self.source = self.plan.data.block_source(self.source)  # read ahead by blocks, where planned
             return Loader(
                 meter,
                 self.source,

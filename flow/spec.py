@@ -205,6 +205,9 @@ class Devices(Record):
         shares: with a list, the relative share of each global batch each device takes, in the
             list's order (e.g. [3, 1]); None (default): equal shares where the devices are the
             same, else shares measured from each device's throughput before the first step.
+        drop_slow: leave out devices that would slow each step (their share saves less than the
+            all-reduce they add costs, measured before the first step), and say so (default True);
+            False, or explicit ``shares``, keeps every device.
         memory_fraction: the share of each device's memory the run may plan for, in (0, 1]
             (default 0.9).
     """
@@ -212,6 +215,7 @@ class Devices(Record):
     select: int | str | tuple[int | str, ...] = "auto"
     _: KW_ONLY
     shares: tuple[float, ...] | None = None
+    drop_slow: bool = True
     memory_fraction: float = 0.9
 
     @property

@@ -294,7 +294,12 @@ class Data(Record):
         source: ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits or Arrays; each gives float32 samples
             by the module's convention (8-bit data in [0, 1]).
         batch_size: samples per batch, > 0 (default 64).
-        shuffle: reshuffle the training samples each epoch (default True).
+        shuffle: reshuffle the training samples each epoch (default True). "blocks": for data
+            larger than memory, an order read by blocks: the samples cut into blocks of
+            32 MiB of stored samples, the blocks reshuffled each epoch and the samples shuffled
+            within windows of 4 blocks, so a batch mixes blocks while the file is read block by
+            block. A memory-mapped source (IDX, RawBinary) streamed from the host is then read a
+            window ahead by a background thread, contiguously; ``flow plan`` shows it.
         seed: seeds the split, the shuffles and the augmentations, >= 0 (default 0).
         split: training, validation and test fractions (default ``Split()``: all training).
         drop_last: leave out each epoch's last, partial training batch (default False).
@@ -312,7 +317,7 @@ class Data(Record):
     source: Source
     _: KW_ONLY
     batch_size: int = 64
-    shuffle: bool = True
+    shuffle: bool | Literal["blocks"] = True
     seed: int = 0
     split: Split = Split()
     drop_last: bool = False

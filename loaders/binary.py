@@ -176,11 +176,30 @@ class _ArraySource:
         idx = check_indices(indices, len(self), self.path)
         t0 = time.perf_counter()
         raw = self._records[idx]
+        return self.decode(idx, raw, raw.nbytes, t0)
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one stored record (the block order's unit: loaders.blocks)."""
+        return int(self._records.dtype.itemsize * np.prod(self.sample_shape, dtype=np.int64))
+
+    def read_rows(self, start: int, stop: int) -> np.ndarray:
+        """Records ``start:stop`` as stored, copied into RAM by one sequential read."""
+        rows = np.array(self._records[start:stop])
+        self._stats.add(bytes_read=rows.nbytes)
+        return rows
+
+    def decode(
+        self, idx: np.ndarray, raw: np.ndarray, bytes_read: int = 0, t0: float | None = None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """``read``'s result from records ``idx`` fetched as stored (``raw``, ``bytes_read`` bytes
+        taken from storage, from ``t0``)."""
+        t0 = time.perf_counter() if t0 is None else t0
         x = raw.astype(np.float32)
         if self._scale != 1:
             x *= self._scale
         ok = np.isfinite(x.reshape(len(idx), -1)).all(axis=1)
-        self._stats.add(bytes_read=raw.nbytes, seconds=time.perf_counter() - t0)
+        self._stats.add(bytes_read=bytes_read, seconds=time.perf_counter() - t0)
         for pos in np.flatnonzero(~ok).tolist():
             self._policy.handle(
                 LoaderError(f"{self.path}: record {int(idx[pos])}", "contains NaN or infinity")

@@ -11,6 +11,11 @@ permutation sit this epoch out, so every rank sees the same number of samples an
 waits at a collective for a batch another lacks) and no sample is duplicated. With shuffling the
 left-out tail differs each epoch; without it the same last samples are always left out.
 
+Block order (``block``, data larger than memory): ``indices`` cut into blocks of ``block`` entries
+(runs of the file), the blocks permuted (the generator's first draw, :meth:`Sampler.windows`) and
+the samples of each ``window`` blocks permuted together: a batch mixes blocks, yet an epoch reads
+each block once, whole (loaders.blocks).
+
 :class:`RankSlices` shards the other way, as a data-parallel run over the ranks of an MPI job needs:
 every rank draws the same global batches and takes its contiguous part of each
 (:func:`rank_bounds`), so N ranks train on exactly the batches one process would, at the same
@@ -50,6 +55,8 @@ class Sampler:
             repeats either way).
         rank: this shard.
         world: number of shards.
+        block: samples a block of the block order (with ``shuffle``); None: a full shuffle.
+        window: blocks whose samples are shuffled together.
     """
 
     def __init__(
@@ -61,6 +68,8 @@ class Sampler:
         drop_last: bool,
         rank: int = 0,
         world: int = 1,
+        block: int | None = None,
+        window: int = 4,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -74,6 +83,10 @@ class Sampler:
         self.drop_last = bool(drop_last)
         self.rank = int(rank)
         self.world = int(world)
+        if block is not None and (block < 1 or window < 1):
+            raise ValueError(f"block and window must be >= 1, got block={block}, window={window}")
+        self.block = int(block) if block is not None and shuffle else None
+        self.window = int(window)
 
     @property
     def samples_per_epoch(self) -> int:
@@ -91,7 +104,26 @@ class Sampler:
         """
         if not self.shuffle:
             return self.indices.copy()
-        return self.indices[np.random.default_rng((self.seed, epoch)).permutation(self.indices.size)]
+        rng = np.random.default_rng((self.seed, epoch))
+        if self.block is None:
+            return self.indices[rng.permutation(self.indices.size)]
+        parts = []
+        for blocks in self._windows(rng):
+            members = np.concatenate([self.block_members(b) for b in blocks])
+            parts.append(members[rng.permutation(members.size)])
+        return np.concatenate(parts)
+
+    def _windows(self, rng: np.random.Generator) -> list[np.ndarray]:
+        blocks = rng.permutation(-(-self.indices.size // self.block))
+        return [blocks[i : i + self.window] for i in range(0, blocks.size, self.window)]
+
+    def windows(self, epoch: int) -> list[np.ndarray]:
+        """Each window's block ids, in the order of the block order's epoch ``epoch``."""
+        return self._windows(np.random.default_rng((self.seed, epoch)))
+
+    def block_members(self, block: int) -> np.ndarray:
+        """The sample indices of one block of the block order."""
+        return self.indices[block * self.block : (block + 1) * self.block]
 
     def shard(self, epoch: int) -> np.ndarray:
         """This rank's samples for an epoch, in order.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -22,8 +23,10 @@ from flow.spec import Devices
 from tests.specs import ROOT, digits_spec, synthetic_spec
 
 
-def _on(spec, select, shares=None, **run):
-    spec = dataclasses.replace(spec, devices=Devices(select, shares=shares))
+def _on(spec, select, shares=None, drop_slow=False, **run):
+    """``spec`` over ``select``; every device kept unless ``drop_slow`` (these tests are about the
+    members' work together, which the tiny models here would not be worth)."""
+    spec = dataclasses.replace(spec, devices=Devices(select, shares=shares, drop_slow=drop_slow))
     return dataclasses.replace(spec, run=dataclasses.replace(spec.run, **run)) if run else spec
 
 
@@ -314,3 +317,173 @@ def test_host_all_reduce_sums_in_member_order_into_kept_arrays(rng, vulkan_backe
     for backend in backends[:2]:
         with pytest.raises(ValueError, match="grads:all"):
             backend.read_into("grads:all", np.empty(n - 1, np.float32))
+
+
+# -- leaving out members that would slow the run -----------------------------------------------------
+
+
+def _named(*names):
+    """Unequal devices (CPU facts under other names), for the pure decision."""
+    return tuple(dataclasses.replace(cpu_facts(), name=name) for name in names)
+
+
+def test_a_member_that_slows_each_step_is_left_out_and_the_order_kept():
+    from flow.parallel_plan import MEMBER_STEP_S, choose_members
+
+    # 4096 rows: fast alone 4.1 ms; fast + mid 2.7 ms + the all-reduce; with slow, its 3 rows take 3 ms.
+    group, devices = _named("mid", "slow", "fast"), Devices((0, 1, 2))
+    choice = choose_members(group, 4096, devices, None, (5e5, 1e3, 1e6), 1e12, 4_000)
+    assert choice.kept == choice.best == (0, 2) and choice.left_out == ("slow",)
+    assert choice.seconds_best == pytest.approx(2731 / 1e6 + 2 * 2 * 4_000 / 1e12 + 2 * MEMBER_STEP_S)
+    assert choice.seconds_all > 3 / 1e3 > choice.seconds_best
+    said = choice.sentence()
+    assert said.startswith("data parallel over mid, fast; left out slow: predicted ") and "ms without" in said
+    # The members' order is the spec's, whatever their speeds.
+    again = choose_members(_named("fast", "slow", "mid"), 4096, devices, None, (1e6, 1e3, 5e5), 1e12, 4_000)
+    assert again.kept == (0, 2) and again.left_out == ("slow",)
+
+
+def test_equal_members_are_kept_while_the_all_reduce_is_cheap():
+    from flow.parallel_plan import choose_members
+
+    group, devices = (cpu_facts(), cpu_facts()), Devices(("cpu", "cpu"))
+    cheap = choose_members(group, 4096, devices, None, (1e6, 1e6), 1e12, 1_000_000)
+    assert cheap.kept == (0, 1) and cheap.left_out == () and cheap.seconds_best == cheap.seconds_all
+    assert "data parallel over cpu (numpy), cpu (numpy): predicted" in cheap.sentence()
+    dear = choose_members(group, 4096, devices, None, (1e6, 1e6), 1e9, 1_000_000)  # +4 ms a step
+    assert dear.kept == (0,) and dear.seconds_best == pytest.approx(4096 / 1e6)
+    assert dear.sentence().startswith("one device, cpu (numpy); left out cpu (numpy): predicted")
+    slower_second = choose_members(group, 4096, devices, None, (1e6, 1.1e6), 1e9, 1_000_000)
+    assert slower_second.kept == (1,)  # the faster of the same device
+
+
+def test_the_users_word_keeps_every_member_but_the_prediction_is_still_made():
+    from flow.parallel_plan import choose_members
+
+    group = _named("fast", "slow")
+    for devices, why in ((Devices((0, 1), shares=(3.0, 1.0)), "the spec's shares"),
+                         (Devices((0, 1), drop_slow=False), "drop_slow=False")):  # fmt: skip
+        choice = choose_members(group, 256, devices, None, (1e6, 1e3), 1e9, 100_000)
+        assert choice.kept == (0, 1) and choice.best == (0,) and choice.forced == why
+        assert choice.seconds_all > choice.seconds_best
+        assert f"data parallel over fast, slow, every device kept ({why}): predicted" in choice.sentence()
+        assert "without slow" in choice.sentence()
+    # The spec's shares set the rows predicted: 64 of 256 on the slow member.
+    shared = choose_members(group, 256, Devices((0, 1), shares=(3.0, 1.0)), None, (1e6, 1e3), 1e15, 4)
+    assert shared.seconds_all == pytest.approx(64 / 1e3, rel=0.01)
+
+
+def test_the_plan_records_who_was_left_out_and_plan_shows_it():
+    from flow.plan_table import format_plan
+
+    spec = _on(digits_spec(), (0, 1, "cpu"), drop_slow=True)
+    group = _named("gpu", "igpu", "cpu (numpy)")
+    alone = plan(spec, facts=group, speeds=(1e6, 1e4, 2e3), bandwidth=1e8)
+    assert alone.parallel is None and [d.device for d in alone.devices] == ["gpu"]
+    assert alone.devices[0].apply is None  # a plain device: the update in its train program
+    assert alone.member_choice.left_out == ("igpu", "cpu (numpy)")
+    assert json.loads(json.dumps(alone.as_dict()))["member_choice"]["left_out"] == ["igpu", "cpu (numpy)"]
+    text = format_plan(alone)
+    assert "one device, gpu; left out igpu, cpu (numpy): predicted" in text
+    two = plan(spec, facts=group, speeds=(1e4, 1e4, 10.0), bandwidth=1e12)
+    assert two.parallel.members == ("gpu", "igpu") and two.parallel.basis == "measured"
+    assert [d.batch_size for d in two.devices] == [32, 32]
+    assert "data parallel over gpu, igpu; left out cpu (numpy)" in format_plan(two)
+    # Before measuring, ``flow plan`` says what the run will do.
+    before = format_plan(plan(spec, facts=group))
+    assert "measured before the first step: devices that would slow each step are left out" in before
+    kept = plan(_on(digits_spec(), (0, 1, "cpu")), facts=group, speeds=(1e6, 1e4, 2e3))
+    assert kept.member_choice is None and kept.parallel.members == ("gpu", "igpu", "cpu (numpy)")
+
+
+def test_drop_slow_is_validated_and_round_trips():
+    from flow.codec import dumps, loads
+    from flow.validation import validate
+
+    spec = _on(digits_spec(), ("cpu", "cpu"))
+    assert spec.devices.drop_slow is False and loads(dumps(spec)) == spec
+    assert Devices("all").drop_slow is True
+    wrong = dataclasses.replace(spec, devices=Devices(("cpu", "cpu"), drop_slow="yes"))
+    assert [p.path for p in validate(wrong)] == ["devices.drop_slow"]
+
+
+def _run_keeping_the_plan(spec, monkeypatch):
+    from flow.runtime import Runtime
+
+    kept = {}
+    original = Runtime.close
+
+    def close(self):
+        kept["plan"] = self.plan
+        original(self)
+
+    monkeypatch.setattr(Runtime, "close", close)
+    return flow.run(spec), kept["plan"]
+
+
+def test_a_run_leaves_out_the_member_not_worth_its_all_reduce(vulkan_backend, monkeypatch, caplog):
+    """Lavapipe and the CPU backend, measured (here: said to be) 1,000 and 1,000,000 samples/s:
+    the run trains on the CPU backend alone, and says so."""
+    import flow.runtime
+
+    caplog.set_level(logging.INFO, logger="vkflow")
+    monkeypatch.setattr(flow.runtime, "measure_throughput", lambda engines, rows: (1e3, 1e6))
+    monkeypatch.setattr(flow.runtime, "measure_all_reduce", lambda engines: 1e9)
+    name = vulkan_backend.facts.name
+    spec = _on(synthetic_spec(epochs=2), (vulkan_backend.facts.index, "cpu"), drop_slow=True)
+    result, the_plan = _run_keeping_the_plan(spec, monkeypatch)
+    alone = flow.run(_on(synthetic_spec(epochs=2), "cpu"))
+    assert result.steps == alone.steps == 26 and result.device == "cpu (numpy)"
+    for key, value in alone.parameters.items():  # the CPU backend alone: the same bits
+        np.testing.assert_array_equal(result.parameters[key], value, err_msg=key)
+    assert the_plan.parallel is None and the_plan.member_choice.left_out == (name,)
+    said = f"vkflow: one device, cpu (numpy); left out {name}: predicted "
+    assert any(r.getMessage().startswith(said) for r in caplog.records), caplog.text
+
+
+def test_a_run_keeps_the_members_worth_it_in_order(vulkan_backend, monkeypatch, caplog):
+    import flow.runtime
+
+    caplog.set_level(logging.INFO, logger="vkflow")
+    monkeypatch.setattr(flow.runtime, "measure_throughput", lambda engines, rows: (1e4, 10.0, 1e4))
+    monkeypatch.setattr(flow.runtime, "measure_all_reduce", lambda engines: 1e12)
+    index = vulkan_backend.facts.index
+    spec = _on(synthetic_spec(epochs=1), ("cpu", index, "cpu"), drop_slow=True)
+    result, the_plan = _run_keeping_the_plan(spec, monkeypatch)
+    assert result.steps == 13 and result.device == "cpu (numpy) + cpu (numpy)"
+    assert the_plan.parallel.members == ("cpu (numpy)",) * 2 and the_plan.parallel.update == "each"
+    assert result.statistics["device"].members == ("cpu (numpy)",) * 2
+    assert f"data parallel over cpu (numpy), cpu (numpy); left out {vulkan_backend.facts.name}" in caplog.text
+
+
+def test_a_run_measures_its_members_and_says_what_it_kept(vulkan_backend, monkeypatch, caplog):
+    """The real measurements (no member asserted: that is the machine's)."""
+    caplog.set_level(logging.INFO, logger="vkflow")
+    spec = _on(synthetic_spec(epochs=1), (vulkan_backend.facts.index, "cpu"), drop_slow=True)
+    result, the_plan = _run_keeping_the_plan(spec, monkeypatch)
+    choice = the_plan.member_choice
+    assert result.steps == 13 and np.isfinite(result.loss)
+    assert choice is not None and len(choice.members) == 2 and 0 < choice.seconds_best <= choice.seconds_all
+    assert f"vkflow: {choice.sentence()}" in caplog.text
+    kept = [choice.members[i] for i in choice.kept]
+    assert result.device == " + ".join(kept)
+
+
+def test_measure_all_reduce_times_the_real_host_sum(vulkan_backend):
+    from actors.cpu_backend import CpuBackend
+    from actors.data_parallel import measure_all_reduce, measure_throughput
+    from flow.runtime import start_engine
+
+    spec = _on(synthetic_spec(), (vulkan_backend.facts.index, "cpu"))
+    the_plan = plan(spec, facts=(vulkan_backend.facts, cpu_facts()))
+    cpu = CpuBackend()
+    try:
+        engines = [start_engine(the_plan, b, member=i)[0] for i, b in enumerate((vulkan_backend, cpu))]
+        before = [e.weights() for e in engines]
+        assert measure_all_reduce(engines, repeats=3) > 0
+        speeds = measure_throughput(engines, (16, 4))
+        assert len(speeds) == 2 and min(speeds) > 0
+        for engine, weights in zip(engines, before, strict=True):  # the weights untouched
+            np.testing.assert_array_equal(engine.weights(), weights)
+    finally:
+        cpu.close()

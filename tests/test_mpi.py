@@ -44,7 +44,8 @@ needs_mpi = pytest.mark.skipif(
 
 
 def _on(spec, select, **run):
-    spec = dataclasses.replace(spec, devices=Devices(select))
+    # Every member kept: these runs compare the bits of two members with two ranks.
+    spec = dataclasses.replace(spec, devices=Devices(select, drop_slow=False))
     return dataclasses.replace(spec, run=dataclasses.replace(spec.run, **run)) if run else spec
 
 
@@ -282,3 +283,25 @@ def test_run_failures_that_name_a_device_or_ranks_print_one_line():
     drift = RanksError("the weights of rank 1 differ from rank 0's after step 4")
     assert user_error(ActorError("device", drift)) == [str(drift)]
     assert user_error(ActorError("device", RuntimeError("a bug"))) is None  # vkflow's own: a traceback
+
+
+@needs_mpi
+@pytest.mark.parametrize(
+    "ranks, per_rank", [(3, ("cpu",)), (2, ("cpu", "cpu"))], ids=["3 ranks", "2 ranks x 2 devices"]
+)
+def test_more_ranks_and_devices_per_rank_train_as_one_process(tmp_path, ranks, per_rank):
+    """Three ranks (16 rows cut 6/5/5): the same bits as one process of three members. Two ranks
+    of two members each: within float tolerance of one process of four (each rank adds its own
+    members' gradients first, so the sum is associated differently), with the same steps."""
+    spec = _on(synthetic_spec(epochs=2), per_rank if len(per_rank) > 1 else per_rank[0])
+    done, _ = _mpiexec(tmp_path, ranks, "-m", "flow", "run", _written(tmp_path, "mpi", spec),
+                       env={"VKFLOW_CHECK_EVERY": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    flow.run(tmp_path / _written(tmp_path, "one", _on(spec, ("cpu",) * (ranks * len(per_rank)))))
+    if len(per_rank) == 1:
+        np.testing.assert_array_equal(_final(tmp_path, "mpi"), _final(tmp_path, "one"))
+        assert _outputs(tmp_path, "mpi") == _outputs(tmp_path, "one")
+    else:
+        np.testing.assert_allclose(_final(tmp_path, "mpi"), _final(tmp_path, "one"), rtol=1e-5, atol=1e-6)
+        (files, steps), (one_files, one_steps) = _outputs(tmp_path, "mpi"), _outputs(tmp_path, "one")
+        assert files == one_files and [s for s, _ in steps] == [s for s, _ in one_steps]
