@@ -97,6 +97,10 @@ class Checkpoint:
         created: Unix time of writing.
         run: the id of the run that wrote it (32 hex digits); one made without an id is a run of
             its own.
+        measured: what a data-parallel run measured before its first step ({"speeds": samples/s
+            per member, "bandwidth": the all-reduce's bytes/s or None}), which decided its members
+            and their rows; a resume asking for the same devices plans from it again instead of
+            measuring anew, so it keeps them and stays exact. None: nothing was measured.
     """
 
     spec: Spec
@@ -107,6 +111,7 @@ class Checkpoint:
     interrupted: bool = False
     created: float = 0.0
     run: str = field(default_factory=new_run_id)
+    measured: dict[str, Any] | None = None
 
     @property
     def rng(self) -> dict[str, int]:
@@ -163,8 +168,10 @@ def encode(checkpoint: Checkpoint) -> bytes:
         ValueError: the checkpoint's run id is not 32 hex digits.
     """
     cursor = checkpoint.cursor
+    measured = {"measured": checkpoint.measured} if checkpoint.measured is not None else {}
     payload = msgpack.packb(
         {
+            **measured,
             "spec": dumps(checkpoint.spec),
             "cursor": {"step": cursor.step, "epoch": cursor.epoch, "position": cursor.position},
             "rng": checkpoint.rng,
@@ -238,12 +245,27 @@ def _array_problems(name: Any, item: Any) -> list[str]:
     return problems
 
 
+def _measurement(value: Any) -> bool:
+    """Whether ``value`` is a Checkpoint.measured map."""
+
+    def rate(v: Any) -> bool:
+        return type(v) in (int, float) and v > 0
+
+    return (
+        isinstance(value, dict)
+        and set(value) == {"speeds", "bandwidth"}
+        and isinstance(value["speeds"], list)
+        and all(rate(v) for v in value["speeds"])
+        and (value["bandwidth"] is None or rate(value["bandwidth"]))
+    )
+
+
 def _problems(tree: Any) -> list[str]:
     """Everything wrong with a payload's structure (empty when a Checkpoint can be built from it)."""
     if not isinstance(tree, dict):
         return [f"the payload must be a map, got {type(tree).__name__}"]
     missing = [key for key in _KEYS if key not in tree]
-    extra = sorted(str(key) for key in tree if key not in _KEYS)
+    extra = sorted(str(key) for key in tree if key not in (*_KEYS, "measured"))
     if missing or extra:
         return [f"keys: missing {missing}, unexpected {extra}"]
     problems = []
@@ -268,6 +290,9 @@ def _problems(tree: Any) -> list[str]:
     for key in ("final", "interrupted"):
         if not isinstance(tree[key], bool):
             problems.append(f"{key}: must be true or false, got {_show(tree[key])}")
+    measured = tree.get("measured")
+    if measured is not None and not _measurement(measured):
+        problems.append(f"measured: must map speeds (each > 0) and bandwidth (> 0, null): {_show(measured)}")
     created = tree["created"]
     if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
         problems.append(f"created: must be a time >= 0, got {_show(created)}")
@@ -345,6 +370,7 @@ def decode(data: bytes, where: str = "checkpoint") -> Checkpoint:
         interrupted=tree["interrupted"],
         created=float(tree["created"]),
         run=run.hex(),
+        measured=tree.get("measured"),
     )
     if tree["rng"] != checkpoint.rng:
         raise CheckpointError(
@@ -573,7 +599,13 @@ def load(path: str | os.PathLike) -> Checkpoint:
     return _read_file(path)
 
 
-def from_snapshot(spec: Spec, snapshot, optimiser: dict[str, Any], run: str | None = None) -> Checkpoint:
+def from_snapshot(
+    spec: Spec,
+    snapshot,
+    optimiser: dict[str, Any],
+    run: str | None = None,
+    measured: dict[str, Any] | None = None,
+) -> Checkpoint:
     """The checkpoint for a device snapshot.
 
     Args:
@@ -581,6 +613,7 @@ def from_snapshot(spec: Spec, snapshot, optimiser: dict[str, Any], run: str | No
         snapshot: an actors.messages.Snapshot.
         optimiser: what flow.optim.describe_optimiser returned.
         run: the run's id; None draws a new one.
+        measured: what the run measured before its first step (see Checkpoint.measured).
 
     Returns:
         The checkpoint, stamped with the time now.
@@ -594,4 +627,5 @@ def from_snapshot(spec: Spec, snapshot, optimiser: dict[str, Any], run: str | No
         interrupted=snapshot.interrupted,
         created=time.time(),
         run=run or new_run_id(),
+        measured=measured,
     )

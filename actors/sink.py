@@ -142,6 +142,8 @@ class Sink:
             when there is no source (predicting).
         callbacks: flow.callbacks.Callback objects to run after each item; None or empty for none.
         stop: asks the runtime to stop the run (step, reason), when a callback asks for it.
+        measured: what a data-parallel run measured before its first step, for its checkpoints
+            (actors.checkpoint.Checkpoint.measured).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class Sink:
         skipped: Callable[[], tuple[int, tuple[str, ...]]] | None = None,
         callbacks: Sequence[Any] | None = None,
         stop: Callable[[int, str], None] | None = None,
+        measured: dict[str, Any] | None = None,
     ) -> None:
         self.meter = meter
         self.spec = spec
@@ -177,6 +180,7 @@ class Sink:
         self.skipped = skipped
         self.callbacks = tuple(callbacks) if callbacks else None  # None: the hot path tests only this
         self.stop = stop
+        self.measured = measured
         self.failed_callback: str | None = None  # "Class.method" of a callback that raised
         self.limiter = trio.CapacityLimiter(1)
         self.rate = Rate()
@@ -261,7 +265,8 @@ class Sink:
         )
 
     async def _save(self, snapshot: Snapshot) -> Path:
-        checkpoint = checkpoints.from_snapshot(self.spec, snapshot, self.optimiser, self.run_id)
+        measured = self.measured
+        checkpoint = checkpoints.from_snapshot(self.spec, snapshot, self.optimiser, self.run_id, measured)
         if self.inline:
             return checkpoints.save(self.checkpoint_dir, checkpoint, self.keep)
         return await trio.to_thread.run_sync(

@@ -305,6 +305,7 @@ class Runtime:
         self.run_id = saved.run if saved is not None else checkpoints.new_run_id()
         self.outputs: Outputs | None = None
         self.stored = None  # the source's whole data where the plan keeps it on the device
+        self.measured: dict[str, Any] | None = None  # what a data-parallel run measured (Checkpoint.measured)
         # One rank of an MPI job (flow.parallel_plan.World); only training runs across ranks.
         self.world = world_from_env(os.environ) if mode == "train" else World()
         self.ranks: Ranks | None = None
@@ -384,8 +385,7 @@ class Runtime:
             # Unequal devices: each takes the share of the batch its throughput earns, and records
             # its programs again for just those rows (padding rows would cost a slow device as much).
             # With the all-reduce's bandwidth, members that cost more than they save are left out.
-            speeds = await self._blocking(measure_throughput, self.member_engines, parallel.capacity)
-            bandwidth = await self._blocking(measure_all_reduce, self.member_engines) if drop else None
+            speeds, bandwidth = await self._measure(parallel.capacity, drop)
             options = {"header": header, "mode": self.mode, "maps_inputs": maps_inputs}
             self.plan = plan_on(spec, facts, self.world, **options, speeds=speeds, bandwidth=bandwidth)
             choice = self.plan.member_choice
@@ -404,6 +404,22 @@ class Runtime:
             self.stored = await self._blocking(self.source.stored)
             await self._blocking(self.engine.upload_dataset, self.stored.x, self.stored.labels)
         self._wire()
+
+    async def _measure(self, capacity, drop: bool) -> tuple[tuple[float, ...], float | None]:
+        """Each member's samples/s and (``drop``) the all-reduce's bandwidth: measured now, or, when
+        resuming a run that asked for the same devices, what it measured (Checkpoint.measured), so
+        that it plans the same members and rows and the resume stays exact."""
+        saved = self.saved.measured if self.saved is not None else None
+        if saved is not None and self.saved.spec.devices == self.spec.devices:
+            speeds, bandwidth = tuple(saved["speeds"]), saved["bandwidth"]
+            if len(speeds) == len(self.member_engines) and (bandwidth is not None or not drop):
+                self.measured = saved
+                return speeds, bandwidth
+        speeds = await self._blocking(measure_throughput, self.member_engines, capacity)
+        bandwidth = await self._blocking(measure_all_reduce, self.member_engines) if drop else None
+        rate = None if bandwidth is None else float(bandwidth)  # plain floats: the checkpoint packs them
+        self.measured = {"speeds": [float(v) for v in speeds], "bandwidth": rate}
+        return speeds, bandwidth
 
     async def _leave_out(self, kept: tuple[int, ...]) -> None:
         """Close the members the plan leaves out; the first one kept is the run's device now."""
@@ -531,6 +547,7 @@ class Runtime:
                 skipped=self.skipped if self.mode == "train" else None,
                 callbacks=self.callbacks,
                 stop=self.stop,
+                measured=self.measured,
             )
             return self.sink
         return _Relay(meter)
@@ -597,7 +614,7 @@ class Runtime:
         if self.mode != "train" or directory is None or not self.writes:
             return None
         describe = describe_optimiser(self.spec.optimiser, self.engine.plan.state_names)
-        checkpoint = checkpoints.from_snapshot(self.spec, snapshot, describe, self.run_id)
+        checkpoint = checkpoints.from_snapshot(self.spec, snapshot, describe, self.run_id, self.measured)
         return checkpoints.save(directory, checkpoint, self.spec.run.keep_checkpoints)
 
     def result(self) -> RunResult:

@@ -7,6 +7,7 @@ metrics file is test_outputs.py's.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -67,6 +68,10 @@ def test_round_trip_keeps_every_bit(tmp_path, rng):
         assert loaded.state[name].dtype == np.float32
         assert loaded.state[name].tobytes() == value.tobytes()
     assert loaded.rng == {"init_seed": 0, "data_seed": 0, "epoch": 2, "position": 1}
+    assert loaded.measured is None  # nothing measured: the key is not written at all
+    measured = {"speeds": [1234.5, 99.0], "bandwidth": 2.5e9}
+    checkpoints.save(tmp_path / "dp", dataclasses.replace(original, measured=measured))
+    assert checkpoints.load(tmp_path / "dp").measured == measured
 
 
 def test_from_snapshot_carries_the_flags(rng):
@@ -274,6 +279,8 @@ def _set(*keys, value):
         (_set("cursor", "epoch", value=3), "its rng block"),
         (_set("final", value=1), "final: must be true or false"),
         (_set("spec", value=b"\x93junk"), "its spec does not load"),
+        (_set("measured", value={"speeds": [1.0, -2.0], "bandwidth": None}), "measured: must map speeds"),
+        (_set("measured", value={"speeds": [1.0]}), "measured: must map speeds"),
     ],
 )
 def test_a_well_sealed_but_malformed_file_names_the_file_and_the_field(tmp_path, rng, change, expected):

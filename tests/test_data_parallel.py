@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import flow
+from actors import checkpoint as checkpoints
 from actors.cpu_backend import cpu_facts
 from flow.errors import PlanError, SpecError
 from flow.parallel_plan import plan_data_parallel, split_rows
@@ -487,3 +488,40 @@ def test_measure_all_reduce_times_the_real_host_sum(vulkan_backend):
             np.testing.assert_array_equal(engine.weights(), weights)
     finally:
         cpu.close()
+
+
+def test_a_resume_plans_from_the_measurement_its_checkpoint_recorded(tmp_path, monkeypatch):
+    """Measured speeds decide the members and their rows; a resume asking for the same devices
+    plans from the checkpoint's measurement instead of measuring again (which may well differ), so
+    it keeps the same members and is bit-exact."""
+    import flow.runtime
+
+    calls = []
+
+    def measured(speeds):
+        def measure(engines, rows):
+            calls.append(speeds[: len(engines)])
+            return speeds[: len(engines)]
+
+        return measure
+
+    monkeypatch.setattr(flow.runtime, "measure_all_reduce", lambda engines: 1e12)
+    monkeypatch.setattr(flow.runtime, "measure_throughput", measured((1e4, 10.0, 1e4)))  # member 1 slow
+    select = ("cpu", "cpu", "cpu")
+    straight = flow.run(_on(synthetic_spec(epochs=3), select, drop_slow=True))
+    spec = _on(synthetic_spec(tmp_path, epochs=3), select, drop_slow=True, checkpoint_every=5)
+    flow.run(dataclasses.replace(spec, run=dataclasses.replace(spec.run, epochs=None, steps=15)))
+    saved = checkpoints.load(tmp_path / "ckpt")
+    assert saved.measured == {"speeds": [1e4, 10.0, 1e4], "bandwidth": 1e12}
+    monkeypatch.setattr(flow.runtime, "measure_throughput", measured((1e4, 1e4, 1e4)))  # all kept now
+    calls.clear()
+    resumed = flow.run(spec, resume=tmp_path / "ckpt")
+    assert calls == []  # planned from the checkpoint, not measured
+    assert resumed.resumed_from == 15 and resumed.steps == straight.steps == 39
+    assert resumed.device == straight.device == "cpu (numpy) + cpu (numpy)"
+    for name, value in straight.parameters.items():
+        np.testing.assert_array_equal(resumed.parameters[name], value, err_msg=name)
+    # Asked for other devices, a resume measures afresh.
+    other = _on(synthetic_spec(tmp_path, epochs=4), ("cpu", "cpu"), drop_slow=True)
+    flow.run(other, resume=tmp_path / "ckpt")
+    assert calls == [(1e4, 1e4)]
