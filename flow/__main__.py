@@ -12,6 +12,7 @@ import contextlib
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from flow.codec import load
 from flow.errors import FlowError
@@ -128,7 +129,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     import runpy
-    from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "bench" / "bench_mlp.py"
     if not script.exists():
@@ -140,6 +140,22 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def program() -> str:
+    """How vkflow was started, for its usage lines: the ``vkflow`` script or ``python -m flow``."""
+    return "vkflow" if Path(sys.argv[0]).name == "vkflow" else "python -m flow"
+
+
+def version() -> str:
+    """The installed distribution's version (``unknown`` when run from a tree not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("vkflow")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m flow`` and the ``vkflow`` script.
 
@@ -149,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    parser = argparse.ArgumentParser(prog="python -m flow", description="vkflow: ML on any Vulkan GPU")
+    parser = argparse.ArgumentParser(prog=program(), description="vkflow: ML on any Vulkan GPU")
+    parser.add_argument("--version", action="version", version=f"vkflow {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     devices = commands.add_parser("devices", help="list Vulkan devices and their facts")
     devices.add_argument("--json", action="store_true")

@@ -124,7 +124,9 @@ def main_run(argv: Sequence[str]) -> int:
     Raises:
         Exception: an error of vkflow's own (a bug), with its traceback.
     """
-    parser = argparse.ArgumentParser(prog="python -m flow run", description="Train a spec.")
+    from flow.__main__ import program
+
+    parser = argparse.ArgumentParser(prog=f"{program()} run", description="Train a spec.")
     parser.add_argument("file", help="the spec (.json, .msgpack or .mpk)")
     parser.add_argument(
         "--resume", metavar="DIR", help="continue from the newest checkpoint in DIR (or a file)"

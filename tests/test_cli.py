@@ -234,3 +234,30 @@ def test_cli_hands_run_and_bench_options_through():
         )
         assert done.returncode == 0, done.stdout + done.stderr
         assert expected in done.stdout
+
+
+def _cli(*args: str, program: str | None = None) -> subprocess.CompletedProcess:
+    command = [program] if program else [sys.executable, "-m", "flow"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_version_and_the_program_name_in_usage_lines():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        expected = f"vkflow {version('vkflow')}"
+    except PackageNotFoundError:  # run from a tree that is not installed (the GPU machine)
+        expected = "vkflow unknown (not installed)"
+    shown = _cli("--version")
+    assert shown.returncode == 0 and shown.stdout.strip() == expected
+    assert _cli("run", "--help").stdout.startswith("usage: python -m flow run [-h]")
+    assert _cli("--help").stdout.startswith("usage: python -m flow [-h] [--version]")
+
+
+@pytest.mark.skipif(
+    not (Path(sys.executable).parent / "vkflow").exists(), reason="the vkflow script is not installed"
+)
+def test_the_vkflow_script_names_itself_in_usage_lines():
+    script = str(Path(sys.executable).parent / "vkflow")
+    assert _cli("run", "--help", program=script).stdout.startswith("usage: vkflow run [-h]")
+    assert _cli("--help", program=script).stdout.startswith("usage: vkflow [-h] [--version]")
