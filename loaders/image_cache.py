@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 import PIL
 
 from loaders.errors import logger
-from shaders.user_cache import cache_dir, write_atomically
+from shaders.user_cache import cache_dir, partial_path, write_atomically
 
 CACHE_VERSION = 1
 Found = tuple[np.ndarray, dict[int, str]]  # the pixels (mapped, read-only) and the bad items
@@ -93,7 +92,7 @@ def write_cache(entry: CacheEntry, fill: Callable[[np.ndarray], dict[int, str] |
     put in place atomically, the group's older caches removed, and the cache loaded back as a later
     open would. None where ``fill`` gave up or the cache cannot be written (warned)."""
     final = entry.path(".npy")
-    partial = final.with_name(f".{final.name}.{os.getpid()}-{threading.get_native_id()}.tmp")
+    partial = partial_path(final)  # a mapped array, so not write_atomically
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8, shape=entry.shape)

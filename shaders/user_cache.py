@@ -32,6 +32,12 @@ def cache_dir(*parts: str) -> Path:
     return Path(base, "vkflow", *parts)
 
 
+def partial_path(path: Path) -> Path:
+    """The file that is written first and renamed over ``path``: of this process and thread, so
+    two writers never share one."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_native_id()}.tmp")
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a file of this process and thread renamed over it, so a
     reader (another run, another thread) sees the old file or the new one, never a half-written
@@ -45,7 +51,7 @@ def write_atomically(path: Path, data: bytes) -> None:
         OSError: when the directory or the file cannot be written.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_native_id()}.tmp")
+    partial = partial_path(path)
     try:
         partial.write_bytes(data)
         os.replace(partial, path)
