@@ -6,7 +6,8 @@ the run stands (:class:`Cursor`: step counter and sampler epoch/position), the s
 streams derive from (data order is ``default_rng((seed, epoch))`` and augmentation
 ``batch_rng(seed, epoch, position)``, so seeds plus the cursor are their exact positions), the spec
 itself (``flow.codec.dumps``) and the id of the run that wrote it (a fresh run draws one; a resumed
-run keeps its checkpoint's), by which actors.outputs keeps each directory to one run.
+run keeps its checkpoint's), by which actors.outputs keeps each directory to one run. Optional
+keys, absent from older files: what a data-parallel run measured, and a Text source's vocabulary.
 
 The file (format 2) is a fixed header, a msgpack payload and a digest::
 
@@ -47,7 +48,8 @@ import numpy as np
 
 from actors.messages import Cursor
 from flow.codec import dumps, loads
-from flow.spec import Spec
+from flow.spec import Spec, Text
+from loaders.text import opened_vocabulary
 
 MAGIC = b"VKFLOWCK"
 VERSION = 2
@@ -101,6 +103,9 @@ class Checkpoint:
             per member, "bandwidth": the all-reduce's bytes/s or None}), which decided its members
             and their rows; a resume asking for the same devices plans from it again instead of
             measuring anew, so it keeps them and stays exact. None: nothing was measured.
+        vocabulary: a Text source's vocabulary (loaders.text: a str of characters, or the 256
+            bytes), so that generation maps ids to text without the training file. None: the
+            source is not text.
     """
 
     spec: Spec
@@ -112,6 +117,7 @@ class Checkpoint:
     created: float = 0.0
     run: str = field(default_factory=new_run_id)
     measured: dict[str, Any] | None = None
+    vocabulary: str | bytes | None = None
 
     @property
     def rng(self) -> dict[str, int]:
@@ -169,6 +175,8 @@ def encode(checkpoint: Checkpoint) -> bytes:
     """
     cursor = checkpoint.cursor
     measured = {"measured": checkpoint.measured} if checkpoint.measured is not None else {}
+    if checkpoint.vocabulary is not None:  # optional keys, so that older checkpoints still load
+        measured["vocabulary"] = checkpoint.vocabulary
     payload = msgpack.packb(
         {
             **measured,
@@ -265,7 +273,7 @@ def _problems(tree: Any) -> list[str]:
     if not isinstance(tree, dict):
         return [f"the payload must be a map, got {type(tree).__name__}"]
     missing = [key for key in _KEYS if key not in tree]
-    extra = sorted(str(key) for key in tree if key not in (*_KEYS, "measured"))
+    extra = sorted(str(key) for key in tree if key not in (*_KEYS, "measured", "vocabulary"))
     if missing or extra:
         return [f"keys: missing {missing}, unexpected {extra}"]
     problems = []
@@ -293,6 +301,9 @@ def _problems(tree: Any) -> list[str]:
     measured = tree.get("measured")
     if measured is not None and not _measurement(measured):
         problems.append(f"measured: must map speeds (each > 0) and bandwidth (> 0, null): {_show(measured)}")
+    vocabulary = tree.get("vocabulary")
+    if vocabulary is not None and not (isinstance(vocabulary, (str, bytes)) and vocabulary):
+        problems.append(f"vocabulary: must be a non-empty string or bytes, got {_show(vocabulary)}")
     created = tree["created"]
     if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
         problems.append(f"created: must be a time >= 0, got {_show(created)}")
@@ -371,6 +382,7 @@ def decode(data: bytes, where: str = "checkpoint") -> Checkpoint:
         created=float(tree["created"]),
         run=run.hex(),
         measured=tree.get("measured"),
+        vocabulary=tree.get("vocabulary"),
     )
     if tree["rng"] != checkpoint.rng:
         raise CheckpointError(
@@ -628,4 +640,34 @@ def from_snapshot(
         created=time.time(),
         run=run or new_run_id(),
         measured=measured,
+        vocabulary=text_vocabulary(spec),
     )
+
+
+def text_vocabulary(spec: Spec) -> str | bytes | None:
+    """The vocabulary a run of ``spec`` trains on: its Text source's as this process opened it
+    (the file is not read again), or None for other sources.
+
+    Args:
+        spec: the run's spec.
+
+    Returns:
+        The vocabulary, or None.
+    """
+    source = spec.data.source
+    return opened_vocabulary(source.path, source.level) if isinstance(source, Text) else None
+
+
+def read_vocabulary(path: str | os.PathLike) -> str | bytes | None:
+    """The vocabulary saved in a checkpoint (see Checkpoint.vocabulary).
+
+    Args:
+        path: a ``.ckpt`` file or a checkpoint directory (its newest checkpoint).
+
+    Returns:
+        The vocabulary; None when the run's source was not text.
+
+    Raises:
+        CheckpointError: as :func:`load`.
+    """
+    return load(path).vocabulary

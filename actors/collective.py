@@ -19,15 +19,26 @@ rank computes the same bits, and they are the bits of one process whose members 
 ring all-reduce moves about twice them; fine for a few ranks at the sizes vkflow trains.
 
 Why a deadline: a rank that hangs or died leaves the others waiting in their next collective for
-ever. A collective unanswered within ``World.deadline_s`` prints which rank gave up and aborts the
-whole job (``MPI_Abort``, legal from any thread: mpi4py asks for MPI_THREAD_MULTIPLE).
+ever. A collective unanswered within ``World.deadline_s`` prints which ranks are missing and aborts
+the whole job (``MPI_Abort``, legal from any thread: mpi4py asks for MPI_THREAD_MULTIPLE).
+
+Who is missing: a blocking collective cannot say who has not joined it, so once the deadline has
+passed, the waiting thread (its MPI thread still blocked) probes every other rank with non-blocking
+messages on a communicator of their own (a ``Dup`` of the world's, made at the start) and names the
+ranks that send none within a grace period: the others wait too and probe back, as their own
+deadlines pass. Nothing is sent while the ranks keep up, so a step costs nothing more. A launcher
+that ends the job itself as soon as a rank dies (Open MPI; MPICH's hydra, even, at times, under
+``mpiexec -disable-auto-cleanup``) leaves no time for that: it names the dead one itself, hydra by
+its process id, which rank 0's line at the start maps to its rank.
 """
 
 from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -43,6 +54,7 @@ ABORT_CODE = 3  # the exit status of every rank of a job aborted by vkflow
 # Why wait before aborting: the launcher forwards a rank's stderr through its proxies, and an abort
 # that tears the job down at once loses the line that says why (seen with MPICH's hydra).
 FORWARD_S = 1.0
+PROBE_TAG = 7  # the probes' messages, on the probe communicator (see the module docstring)
 
 
 class RanksError(RuntimeError):
@@ -57,6 +69,17 @@ class RanksError(RuntimeError):
     def __init__(self, message: str, everywhere: bool = True) -> None:
         super().__init__(message)
         self.everywhere = everywhere
+
+
+def _silent(missing: list[int] | None, seconds: float, what: str) -> str:
+    """Who did not answer ``what`` within ``seconds``, as :meth:`Ranks.missing` found them."""
+    if missing is None:
+        return f"the other ranks did not answer within {seconds:g} s ({what})"
+    if not missing:
+        return f"every rank answered a probe, yet {what} did not finish within {seconds:g} s"
+    many = len(missing) > 1
+    named = f"rank{'s' if many else ''} {', '.join(map(str, missing))}"
+    return f"{named} did not answer within {seconds:g} s ({what}): {'they' if many else 'it'} died or hung"
 
 
 class MpiThread:
@@ -155,10 +178,15 @@ class Ranks:
         self.world = world
         self.thread = thread or mpi_thread()
         self.comm = self.thread.call(lambda: _MPI.COMM_WORLD)
+        self.probe: Any = None
         found = (self.thread.call(self.comm.Get_rank), self.thread.call(self.comm.Get_size))
         if found != (world.rank, world.size):
             raise RanksError(f"MPI says rank {found[0]} of {found[1]}, the launcher's environment "
                              f"rank {world.rank} of {world.size}")  # fmt: skip
+        self.probe = self._call("the start", self.comm.Dup)
+        pids = self.gather(f"pid {os.getpid()} on {socket.gethostname()}", "the ranks' process ids")
+        if self.rank == 0:  # a launcher that stops the job when a rank dies names the rank's pid
+            print("vkflow: " + ", ".join(f"rank {r} is {p}" for r, p in enumerate(pids)), file=sys.stderr)
 
     @property
     def rank(self) -> int:
@@ -168,12 +196,31 @@ class Ranks:
         try:
             return self.thread.call(fn, *args, timeout=self.world.deadline_s)
         except TimeoutError:
-            message = (
-                f"vkflow: rank {self.rank}: the other ranks did not answer within "
-                f"{self.world.deadline_s:g} s ({what}); aborting the MPI job"
-            )
+            # The grace covers the others' deadlines passing later (they joined later), not a
+            # rank's whole deadline: a tenth of it, within [1 s, 10 s].
+            missing = self.missing(min(max(self.world.deadline_s / 10, 1.0), 10.0))
+            silent = _silent(missing, self.world.deadline_s, what)
+            message = f"vkflow: rank {self.rank} of {self.world.size}: {silent}; aborting the MPI job"
             self.abort(message)
             raise RanksError(message, everywhere=False) from None
+
+    def missing(self, grace: float) -> list[int] | None:
+        """The other ranks that send no probe within ``grace`` seconds, probing them all on this
+        thread (see the module docstring); None if the probe itself failed."""
+        if self.probe is None:
+            return None
+        others = [rank for rank in range(self.world.size) if rank != self.rank]
+        here, boxes = np.full(1, self.rank, np.int64), np.empty((self.world.size, 1), np.int64)
+        try:
+            self._sent = [self.probe.Isend(here, dest=rank, tag=PROBE_TAG) for rank in others]
+            replies = {rank: self.probe.Irecv(boxes[rank], source=rank, tag=PROBE_TAG) for rank in others}
+            until = time.monotonic() + grace
+            while replies and time.monotonic() < until:
+                replies = {rank: reply for rank, reply in replies.items() if not reply.Test()}
+                time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - an MPI failure: fall back to naming nobody
+            return None
+        return sorted(replies)
 
     def abort(self, message: str, code: int = ABORT_CODE) -> None:
         """Print ``message``, then stop every rank of the job (MPI_Abort), from any thread."""

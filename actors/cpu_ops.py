@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from flow.inputs import token_id_error
-from shaders.registry import ACTIVATIONS, BINARY, CASTS, REDUCE, UNARY_EXTRA
+from shaders.registry import ACTIVATIONS, BINARY, CASTS, LOSSES, REDUCE, UNARY_EXTRA
 
 Params = dict[str, float]
 
@@ -235,28 +235,60 @@ def _divisor(stepvals: np.ndarray, rows: int) -> float:
     return divisor if divisor >= 1.0 else float(rows)
 
 
-def softmax_xent(arrays: list[np.ndarray], p: Params) -> None:
+def _xent(arrays: list[np.ndarray], p: Params, weights: np.ndarray | None, weight_sum: float) -> None:
+    """softmax_xent_general's rows (softmax_xent's when unweighted and without smoothing)."""
     logits, labels, loss_rows, correct_rows, dlogits, stepvals = arrays
-    rows, cols = int(p["rows"]), int(p["cols"])
-    n = _real_rows(stepvals, rows)
+    rows, cols, per = int(p["rows"]), int(p["cols"]), max(int(p.get("per_sample", 1)), 1)
+    samples = _real_rows(stepvals, rows // per)
+    n = samples * per
     matrix = logits[: n * cols].reshape(n, cols)
+    dt = matrix.dtype.type
     target = labels[:n].astype(np.int64)
     # As the shader: a label outside [0, cols) gives a NaN loss, counts as wrong and adds no
     # one-hot term to the gradient.
     valid = (target >= 0) & (target < cols)
     safe = np.where(valid, target, 0)
+    w = np.ones(cols, matrix.dtype) if weights is None else weights[:cols].astype(matrix.dtype)
+    wy = np.where(valid, w[safe], dt(1))
+    smoothing = dt(p.get("smoothing", 0.0))
+    spread = smoothing / dt(cols)
     log_probs = _log_softmax_rows(matrix)
     picked = np.arange(n)
-    scale = matrix.dtype.type(1.0 / _divisor(stepvals, n))
-    loss_rows[:n] = np.where(valid, -log_probs[picked, safe], np.nan) * scale
+    scale = dt(1.0 / weight_sum) if weights is not None else dt(1.0 / (_divisor(stepvals, samples) * per))
+    row_loss = (1 - smoothing) * wy * -log_probs[picked, safe]
+    if smoothing:
+        row_loss = row_loss - spread * (log_probs * w).sum(axis=1)
+    loss_rows[:n] = np.where(valid, row_loss, np.nan) * scale
     loss_rows[n:rows] = 0
     correct_rows[:n] = (valid & (matrix.argmax(axis=1) == target)).astype(correct_rows.dtype)
     correct_rows[n:rows] = 0
     if p.get("write_grad"):
-        grad = np.exp(log_probs)
-        grad[picked[valid], target[valid]] -= 1
+        grad = np.exp(log_probs) * ((1 - smoothing) * wy + spread * w.sum())[:, None] - spread * w
+        grad[picked[valid], target[valid]] -= (1 - smoothing) * wy[valid]
         dlogits[: n * cols] = (grad * scale).reshape(-1)
         dlogits[n * cols : rows * cols] = 0
+
+
+def softmax_xent(arrays: list[np.ndarray], p: Params) -> None:
+    _xent(arrays, p, None, 0.0)
+
+
+def softmax_xent_general(arrays: list[np.ndarray], p: Params) -> None:
+    logits, labels, weights, weight_sum, *rest = arrays
+    if p.get("weighted"):
+        _xent([logits, labels, *rest], p, weights, float(weight_sum[0]))
+    else:
+        _xent([logits, labels, *rest], p, None, 0.0)
+
+
+def class_weight_sum(arrays: list[np.ndarray], p: Params) -> None:
+    labels, weights, stepvals, weight_sum = arrays
+    rows, cols, per = int(p["rows"]), int(p["cols"]), max(int(p.get("per_sample", 1)), 1)
+    samples = _real_rows(stepvals, rows // per)
+    target = labels[: samples * per].astype(np.int64)
+    valid = (target >= 0) & (target < cols)
+    total = weights[np.where(valid, target, 0)][valid].sum()
+    weight_sum[0] = total * (_divisor(stepvals, samples) / samples)
 
 
 def softmax_xent_totals(arrays: list[np.ndarray], p: Params) -> None:
@@ -266,19 +298,34 @@ def softmax_xent_totals(arrays: list[np.ndarray], p: Params) -> None:
     correct_rows = np.empty(rows, np.float64)
     softmax_xent([logits, labels, loss_rows, correct_rows, dlogits, stepvals], p)
     loss[0] = loss_rows.sum()
-    correct[0] = correct_rows.sum()
+    correct[0] = correct_rows.sum() / max(int(p.get("per_sample", 1)), 1)
+
+
+def _pointwise(y: np.ndarray, t: np.ndarray, fn: int, delta: float) -> tuple[np.ndarray, np.ndarray]:
+    """mse.comp's f and f' (see LOSSES) of each output y against its target t."""
+    d = y - t
+    if fn == LOSSES["L1"]:
+        return np.abs(d), np.sign(d)
+    if fn == LOSSES["Huber"]:
+        a, delta = np.abs(d), d.dtype.type(delta)
+        return np.where(a < delta, d * d / 2, delta * (a - delta / 2)), np.clip(d, -delta, delta)
+    if fn == LOSSES["BCEWithLogits"]:
+        e = np.exp(-np.abs(y))
+        return np.maximum(y, 0) - y * t + np.log1p(e), np.where(y >= 0, 1, e) / (1 + e) - t
+    return d * d, 2 * d
 
 
 def mse(arrays: list[np.ndarray], p: Params) -> None:
     y, t, loss_rows, dy, stepvals = arrays
     rows, cols = int(p["rows"]), int(p["cols"])
     n = _real_rows(stepvals, rows)
-    diff = y[: n * cols].reshape(n, cols) - t[: n * cols].reshape(n, cols)
-    divisor = _divisor(stepvals, n)
-    loss_rows[:n] = (diff * diff).mean(axis=1) / divisor
+    outputs, targets = y[: n * cols].reshape(n, cols), t[: n * cols].reshape(n, cols)
+    f, grad = _pointwise(outputs, targets, int(p.get("fn", 0)), p.get("delta", 1.0))
+    scale = f.dtype.type(1.0 / (_divisor(stepvals, n) * cols))
+    loss_rows[:n] = f.sum(axis=1) * scale
     loss_rows[n:rows] = 0
     if p.get("write_grad"):
-        dy[: n * cols] = (diff * diff.dtype.type(2.0 / (divisor * cols))).reshape(-1)
+        dy[: n * cols] = (grad * scale).astype(dy.dtype).reshape(-1)
         dy[n * cols : rows * cols] = 0
 
 
@@ -435,6 +482,20 @@ def broadcast_rows(arrays: list[np.ndarray], p: Params) -> None:
     y[: rows * cols] = spread
 
 
+def copy_columns(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    rows, cols = int(p["rows"]), int(p["cols"])
+    source = x[: rows * int(p["x_width"])].reshape(rows, -1)
+    target = y[: rows * int(p["y_width"])].reshape(rows, -1)
+    target[:, int(p["y_offset"]) : int(p["y_offset"]) + cols] = source[:, int(p["x_offset"]) :][:, :cols]
+
+
+def add_rows(arrays: list[np.ndarray], p: Params) -> None:
+    x, b, y = arrays
+    rows, cols = int(p["rows"]), int(p["cols"])
+    y[: rows * cols] = (x[: rows * cols].reshape(rows, cols) + b[:cols]).reshape(-1)
+
+
 def _norm_planes(array: np.ndarray, p: Params, rows: int) -> np.ndarray:
     """The first ``rows`` rows of a BatchNorm tensor as [rows, C, HW]."""
     c, hw = int(p["C"]), int(p["HW"])
@@ -536,6 +597,65 @@ def layernorm_backward_data(arrays: list[np.ndarray], p: Params) -> None:
     dx[n * r * d : rows * r * d] = 0  # padding samples' rows: the layers before never learn from them
 
 
+def _attention_heads(qkv: np.ndarray, p: Params) -> np.ndarray:
+    """qkv [N, T, 3D] as [3, N, H, T, dh] (q, k, v per head), a view."""
+    n, t, h, dh = int(p["N"]), int(p["T"]), int(p["H"]), int(p["dh"])
+    return qkv[: n * t * 3 * h * dh].reshape(n, t, 3, h, dh).transpose(2, 0, 3, 1, 4)
+
+
+def _attention_scores(q: np.ndarray, k: np.ndarray, p: Params) -> np.ndarray:
+    """scale * q k^T per head, [N, H, T, T], -inf above the diagonal when causal."""
+    scores = (q @ k.swapaxes(-1, -2)) * q.dtype.type(p["scale"])
+    if int(p["causal"]):
+        t = q.shape[2]
+        scores = np.where(np.tri(t, dtype=bool), scores, q.dtype.type(-np.inf))
+    return scores
+
+
+def attention(arrays: list[np.ndarray], p: Params) -> None:
+    qkv, y, lse = arrays
+    q, k, v = _attention_heads(qkv, p)
+    scores = _attention_scores(q, k, p)
+    top = scores.max(axis=-1, keepdims=True)  # j = i is never masked: finite
+    e = np.exp(scores - top)
+    total = e.sum(axis=-1, keepdims=True)
+    out = (e / total) @ v
+    y[: out.size] = out.transpose(0, 2, 1, 3).reshape(-1)
+    lse[: total.size] = (top + np.log(total)).reshape(-1)
+
+
+def attention_backward_dot(arrays: list[np.ndarray], p: Params) -> None:
+    dy, y, drow = arrays
+    n, t, h, dh = int(p["N"]), int(p["T"]), int(p["H"]), int(p["dh"])
+    size = n * t * h * dh
+    dots = (dy[:size] * y[:size]).reshape(n, t, h, dh).sum(axis=-1)
+    drow[: n * h * t] = dots.transpose(0, 2, 1).reshape(-1)
+
+
+def _attention_grads(arrays: list[np.ndarray], p: Params) -> tuple[np.ndarray, ...]:
+    """The attention backward from the saved L and Drow, as the kernels compute it: dq, dk, dv
+    [N, H, T, dh], and dqkv as [3, N, H, T, dh] (a view to write them into)."""
+    qkv, dy, lse, drow, dqkv = arrays
+    q, k, v = _attention_heads(qkv, p)
+    n, t, h, dh = q.shape[0], q.shape[2], q.shape[1], q.shape[3]
+    grad = dy[: n * t * h * dh].reshape(n, t, h, dh).transpose(0, 2, 1, 3)
+    probs = np.exp(_attention_scores(q, k, p) - lse[: n * h * t].reshape(n, h, t, 1))
+    ds = probs * (grad @ v.swapaxes(-1, -2) - drow[: n * h * t].reshape(n, h, t, 1))
+    scale = q.dtype.type(p["scale"])
+    dq, dk = (ds @ k) * scale, (ds.swapaxes(-1, -2) @ q) * scale
+    return dq, dk, probs.swapaxes(-1, -2) @ grad, _attention_heads(dqkv, p)
+
+
+def attention_backward_kv(arrays: list[np.ndarray], p: Params) -> None:
+    _dq, dk, dv, out = _attention_grads(arrays, p)
+    out[1], out[2] = dk, dv  # the q columns are attention_backward_q's
+
+
+def attention_backward_q(arrays: list[np.ndarray], p: Params) -> None:
+    dq, _dk, _dv, out = _attention_grads(arrays, p)
+    out[0] = dq
+
+
 def _pcg(v: np.ndarray) -> np.ndarray:
     """dropout.comp's pcg() on a uint32 array (numpy wraps uint32 arithmetic as GLSL does)."""
     state = v * np.uint32(747796405) + np.uint32(2891336453)
@@ -625,6 +745,30 @@ def adam(arrays: list[np.ndarray], p: Params) -> None:
     param[:n] -= lr * (m[:n] / bias1) / denom
 
 
+def _clipped(update: Callable[..., None]) -> Callable[..., None]:
+    """sgd_clip or adam_clip: the update on the gradients times clip[1] (grad_norm's factor)."""
+
+    def kernel(arrays: list[np.ndarray], p: Params) -> None:
+        *bound, clip = arrays
+        bound[1] = bound[1][: int(p["n"])] * clip[1]
+        update(bound, p)
+
+    return kernel
+
+
+def grad_norm(arrays: list[np.ndarray], p: Params) -> None:
+    x, y = arrays
+    n, parts = int(p["n"]), int(p["parts"])
+    values = x[:n].astype(np.float64)
+    if parts:  # each workgroup's share, as grad_norm.comp strides (256 invocations a workgroup)
+        y[:parts] = np.bincount(np.arange(n) // 256 % parts, values * values, minlength=parts)
+        return
+    dtype = y.dtype.type
+    norm = dtype(np.sqrt(values.sum()))
+    factor = dtype(p["max_norm"]) / (norm + dtype(1e-6))
+    y[:2] = norm, factor if factor < 1 else 1  # a NaN norm gives 1, as the shader's comparison
+
+
 def fill(arrays: list[np.ndarray], p: Params) -> None:
     (x,) = arrays
     x[: int(p["n"])] = p["value"]
@@ -685,6 +829,8 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "softmax_xent": softmax_xent,
     "softmax_xent_totals": softmax_xent_totals,
     "mse": mse,
+    "softmax_xent_general": softmax_xent_general,
+    "class_weight_sum": class_weight_sum,
     "conv2d": conv2d,
     "conv2d_backward_data": conv2d_backward_data,
     "conv2d_backward_weight": conv2d_backward_weight,
@@ -699,6 +845,8 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "avgpool2d": avgpool2d,
     "avgpool2d_backward": avgpool2d_backward,
     "broadcast_rows": broadcast_rows,
+    "copy_columns": copy_columns,
+    "add_rows": add_rows,
     "batchnorm_stats": batchnorm_stats,
     "batchnorm": batchnorm,
     "batchnorm_backward_reduce": batchnorm_backward_reduce,
@@ -706,11 +854,18 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "layernorm": layernorm,
     "layernorm_backward_reduce": layernorm_backward_reduce,
     "layernorm_backward_data": layernorm_backward_data,
+    "attention": attention,
+    "attention_backward_dot": attention_backward_dot,
+    "attention_backward_kv": attention_backward_kv,
+    "attention_backward_q": attention_backward_q,
     "dropout": dropout,
     "embedding": embedding,
     "embedding_backward": embedding_backward,
     "sgd": sgd,
     "adam": adam,
+    "sgd_clip": _clipped(sgd),
+    "adam_clip": _clipped(adam),
+    "grad_norm": grad_norm,
     "fill": fill,
     "copy": copy,
     "gather_rows": gather_rows,

@@ -26,6 +26,7 @@ import numpy as np
 
 from actors.backend import Backend
 from flow.inputs import token_id_error
+from flow.model_graph import expand
 from flow.optim import check_compatible, step_values
 from flow.planning import DevicePlan, init_parameters
 from flow.spec_model import CrossEntropy, Embedding
@@ -74,10 +75,12 @@ class Engine:
         self._staged = callable(getattr(backend, "staging_view", None)) and callable(
             getattr(backend, "upload", None)
         )
-        # An Embedding (always the first layer) takes token ids: every batch is checked on the
-        # host, since a GPU clamps a bad id into range and would train on the wrong row unheard.
-        first = device_plan.model.layers[0] if device_plan.model.layers else None
-        self.vocabulary = first.num_embeddings if isinstance(first, Embedding) else None
+        # An Embedding (which reads only the model's input) takes token ids: every batch is checked
+        # on the host, since a GPU clamps a bad id into range and would train on the wrong row unheard.
+        tables = [
+            n.layer.num_embeddings for n in expand(device_plan.model).nodes if isinstance(n.layer, Embedding)
+        ]
+        self.vocabulary = min(tables) if tables else None
 
     def _check_ids(self, x: np.ndarray, first: int = 0) -> None:
         if self.vocabulary is not None and (message := token_id_error(x, self.vocabulary, first)):

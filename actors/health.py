@@ -123,7 +123,7 @@ def classes_of(model: Model) -> int | None:
     if not isinstance(model.loss, CrossEntropy):
         return None
     shapes = infer_shapes(model)
-    return int(shapes[-1][0]) if shapes else None
+    return int(shapes[-1][-1]) if shapes else None  # the last dimension: a per-token model's too
 
 
 @dataclass

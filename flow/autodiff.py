@@ -15,14 +15,26 @@ from __future__ import annotations
 import math
 
 from flow.errors import PlanError, Problem
-from flow.graph import Graph, Stage, TensorDecl, fused_bias_grads, optimised_floats, stages, unwrap
-from flow.optim import update_launch
+from flow.graph import (
+    CLASS_WEIGHTS,
+    Graph,
+    Stage,
+    TensorDecl,
+    fused_bias_grads,
+    optimised_floats,
+    stages,
+    unwrap,
+)
+from flow.model_graph import MODEL_INPUT
+from flow.optim import update_groups
 from flow.program import Launch, launch
 from flow.spec import Optimiser
 from flow.spec_model import (
-    MSE,
+    Add,
     AvgPool2d,
     BatchNorm,
+    BCEWithLogits,
+    Concat,
     Conv2d,
     CrossEntropy,
     Dropout,
@@ -33,14 +45,21 @@ from flow.spec_model import (
     Linear,
     MaxPool2d,
     Model,
+    PointwiseLoss,
+    PositionalEmbedding,
+    SelfAttention,
     Softmax,
 )
-from shaders.registry import ACTIVATIONS, REDUCE
+from shaders.registry import ACTIVATIONS, BINARY, LOSSES, REDUCE
 from shaders.tiles import conv_gemm_shape
 
 # Activations whose derivative the GEMM epilogue can take from the saved output (gelu needs its
 # input, which the forward keeps only in a separate tensor).
 EPILOGUE_DERIVATIVES = frozenset({"relu", "leaky_relu", "sigmoid", "tanh"})
+
+
+# The layers with parameters of their own.
+TRAINED = Linear | Conv2d | BatchNorm | LayerNorm | Embedding | PositionalEmbedding | SelfAttention
 
 
 # Up to this many classes, one workgroup computes the cross-entropy rows and the batch totals
@@ -110,17 +129,25 @@ class _Builder:
         self.fused_bias_grads = {} if self.mixed else fused_bias_grads(model)
         # Stage positions whose activation backward an input-gradient GEMM already applied.
         self.activation_done: set[int] = set()
+        self.outputs: list[str] = []  # stage position -> its output tensor
+        # How many stages read each stage's output (a gradient read by several is their sum).
+        self.readers = [0] * len(self.stages)
+        for stage in self.stages:
+            for i in stage.inputs:
+                if i != MODEL_INPUT:
+                    self.readers[i] += 1
 
     # forward ---------------------------------------------------------------------------------
     def forward(self, x: str) -> str:
-        h = x
         for position, stage in enumerate(self.stages):
-            h = self._forward_stage(position, stage, h)
-        return h
+            inputs = [x if i == MODEL_INPUT else self.outputs[i] for i in stage.inputs]
+            self.outputs.append(self._forward_stage(position, stage, inputs))
+        return self.outputs[-1] if self.outputs else x
 
-    def _forward_stage(self, position: int, stage: Stage, h: str) -> str:
+    def _forward_stage(self, position: int, stage: Stage, inputs: list[str]) -> str:
         b, g = self.b, self.g
         layer, slope = unwrap(stage.layer)
+        h, prefix = inputs[0], stage.path
         out = g.add(f"act[{stage.index}]", (b, *stage.out_shape))
         saved = {"input": h, "output": out}
         act_code = ACTIVATIONS[stage.activation]
@@ -129,11 +156,11 @@ class _Builder:
         target = g.add(f"pre[{stage.index}]", (b, *stage.out_shape)) if split_gelu else out
         epilogue = ACTIVATIONS["none"] if split_gelu else act_code
         if isinstance(layer, Linear):
-            w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
-            k, n = stage.in_shape[0], layer.units
+            w, bias = f"{prefix}.weight", f"{prefix}.bias"
+            k, n = stage.in_shape[-1], layer.units
             main, finish = self._gemm(
                 (h, w, bias if layer.bias else h, target),
-                M=b,
+                M=self._rows(stage),
                 N=n,
                 K=k,
                 has_bias=int(layer.bias),
@@ -143,7 +170,7 @@ class _Builder:
             g.emit(main)
             g.emit(finish)
         elif isinstance(layer, Conv2d):
-            w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
+            w, bias = f"{prefix}.weight", f"{prefix}.bias"
             g.emit(
                 launch(
                     "conv2d_gemm",
@@ -167,7 +194,7 @@ class _Builder:
         elif isinstance(layer, BatchNorm):
             saved["stats"] = self._batch_norm_forward(stage, layer, h, out)
         elif isinstance(layer, LayerNorm):
-            params, prefix = self._layer_norm_params(stage, layer), f"layers[{stage.index}]"
+            params = self._layer_norm_params(stage, layer)
             # Each row's mean and 1 / std, which the backward reads; the same in train and eval.
             stats = g.add(f"norm_stats[{stage.index}]", (b, 2 * params["R"]))
             g.emit(launch("layernorm", (h, f"{prefix}.weight", f"{prefix}.bias", out, stats), **params))
@@ -180,8 +207,20 @@ class _Builder:
             step = launch("dropout", (h, "stepvals", out), **params) if self.training else None
             g.emit(step or launch("copy", (h, out), n=params["n"]))
         elif isinstance(layer, Embedding):
-            weight = f"layers[{stage.index}].weight"
+            weight = f"{prefix}.weight"
             g.emit(launch("embedding", (h, weight, "stepvals", out), **self._embedding_params(stage, layer)))
+        elif isinstance(layer, PositionalEmbedding):
+            g.emit(launch("add_rows", (h, f"{prefix}.weight", out), rows=b, cols=math.prod(stage.in_shape)))
+        elif isinstance(layer, Add):
+            n = b * math.prod(stage.out_shape)
+            g.emit(launch("binary", (inputs[0], inputs[1], out), n=n, fn=BINARY["add"], a=1.0, b=0.0))
+            for more in inputs[2:]:  # in place: each element is read before it is written
+                g.emit(launch("binary", (out, more, out), n=n, fn=BINARY["add"], a=1.0, b=0.0))
+        elif isinstance(layer, Concat):
+            blocks = zip(inputs, self._concat_blocks(stage), strict=True)
+            g.emit(*(launch("copy_columns", (x, out), **block) for x, block in blocks))
+        elif isinstance(layer, SelfAttention):
+            saved.update(self._attention_forward(stage, layer, h, out))
         elif isinstance(layer, Flatten | Dropout):
             # A reshape, or a dropout of p = 0 (the identity): a view in every program, no launch.
             base = g.tensors[h].view_of or h
@@ -192,9 +231,7 @@ class _Builder:
             rows, cols = b * math.prod(stage.out_shape[:-1]), stage.out_shape[-1]
             g.emit(launch("softmax", (h, out), rows=rows, cols=cols, log=0))
         else:
-            raise PlanError(
-                [Problem(f"model.layers[{stage.index}]", f"no forward rule for {type(layer).__name__}")]
-            )
+            raise PlanError([Problem(f"model.{stage.path}", f"no forward rule for {type(layer).__name__}")])
         if split_gelu:
             g.emit(
                 launch("unary", (target, out), n=b * math.prod(stage.out_shape), fn=act_code, a=0.0, b=0.0)
@@ -240,23 +277,26 @@ class _Builder:
         """dX = dz @ W^T for the dense layer at ``position``. When the stage before it ends in an
         activation whose derivative its saved output gives (``h`` is that output), the GEMM's
         epilogue applies it too (gemm.comp act_grad), so that stage skips its own launch."""
-        previous = self.stages[position - 1] if position > 0 else None
+        source = self.stages[position].inputs[0]
+        previous = self.stages[source] if source != MODEL_INPUT else None
+        rows = self._rows(self.stages[position])
         fusable = (
             previous is not None
             and previous.activation in EPILOGUE_DERIVATIVES
             and isinstance(unwrap(previous.layer)[0], Linear | Conv2d)
-            and self.saved[position - 1]["output"] == h
+            and self.saved[source]["output"] == h
+            and self.readers[source] == 1
             and not self.mixed
-            and k_splits(self.b, k, n) == 1
+            and k_splits(rows, k, n) == 1
         )
         if not fusable:
-            return self._gemm((dz, w, dz, in_grad), M=self.b, N=k, K=n, trans_b=1)
+            return self._gemm((dz, w, dz, in_grad), M=rows, N=k, K=n, trans_b=1)
         assert previous is not None
-        self.activation_done.add(position - 1)
+        self.activation_done.add(source)
         fused = launch(
             "gemm",
             (dz, w, h, in_grad),
-            M=self.b,
+            M=rows,
             N=k,
             K=n,
             trans_b=1,
@@ -265,6 +305,109 @@ class _Builder:
             slope=unwrap(previous.layer)[1],
         )
         return fused, None
+
+    def _rows(self, stage: Stage) -> int:
+        """The rows a Linear's GEMM has: one per sample, or per position of a (T, D) input."""
+        return self.b * math.prod(stage.in_shape[:-1])
+
+    def _concat_blocks(self, stage: Stage) -> list[dict[str, int]]:
+        """copy_columns' constants placing each input of a Concat in its output: a sample is
+        ``outer`` rows of its inputs' columns side by side (axis and everything after it)."""
+        layer = unwrap(stage.layer)[0]
+        rank = len(stage.out_shape)
+        axis = layer.axis + rank if layer.axis < 0 else layer.axis
+        rows = self.b * math.prod(stage.out_shape[:axis])
+        width = math.prod(stage.out_shape[axis:])
+        blocks, offset = [], 0
+        for shape in stage.in_shapes:
+            cols = math.prod(shape[axis:])
+            blocks.append(
+                dict(rows=rows, cols=cols, x_width=cols, x_offset=0, y_width=width, y_offset=offset)
+            )
+            offset += cols
+        return blocks
+
+    @staticmethod
+    def _take_columns(grad: str, dx: str, block: dict[str, int]) -> Launch:
+        """The backward of placing columns: the same block taken back out of the gradient."""
+        cols, width, offset = block["cols"], block["y_width"], block["y_offset"]
+        return launch(
+            "copy_columns",
+            (grad, dx),
+            rows=block["rows"],
+            cols=cols,
+            x_width=width,
+            x_offset=offset,
+            y_width=cols,
+            y_offset=0,
+        )
+
+    def _attention_params(self, stage: Stage, layer: SelfAttention) -> dict[str, int | float]:
+        t, d = stage.in_shape
+        dh = d // layer.heads
+        return dict(N=self.b, T=t, H=layer.heads, dh=dh, scale=1.0 / math.sqrt(dh), causal=int(layer.causal))
+
+    def _attention_forward(self, stage: Stage, layer: SelfAttention, h: str, out: str) -> dict[str, str]:
+        """qkv = h W_qkv + b, the fused attention (keeping each row's log-sum-exp for the
+        backward), then out = y W_out + b; returns what the backward reads."""
+        g, prefix, params = self.g, stage.path, self._attention_params(stage, layer)
+        t, d = stage.in_shape
+        rows, bias = self.b * t, int(layer.bias)
+        qkv = g.add(f"qkv[{stage.index}]", (self.b, t, 3 * d))
+        heads = g.add(f"heads[{stage.index}]", (self.b, t, d))
+        lse = g.add(f"lse[{stage.index}]", (self.b, layer.heads, t))
+        w_qkv, b_qkv = f"{prefix}.qkv_weight", f"{prefix}.qkv_bias"
+        for step in self._gemm((h, w_qkv, b_qkv if bias else h, qkv), M=rows, N=3 * d, K=d, has_bias=bias):
+            g.emit(step)
+        g.emit(launch("attention", (qkv, heads, lse), **params))
+        w_out, b_out = f"{prefix}.out_weight", f"{prefix}.out_bias"
+        for step in self._gemm(
+            (heads, w_out, b_out if bias else heads, out), M=rows, N=d, K=d, has_bias=bias
+        ):
+            g.emit(step)
+        return {"qkv": qkv, "heads": heads, "lse": lse}
+
+    def _attention_backward(
+        self, stage: Stage, layer: SelfAttention, saved: dict[str, str], grad: str, in_grad: str | None
+    ) -> None:
+        g, prefix, params = self.g, stage.path, self._attention_params(stage, layer)
+        t, d = stage.in_shape
+        rows, b = self.b * t, self.b
+        qkv, heads, lse, h = saved["qkv"], saved["heads"], saved["lse"], saved["input"]
+        d_heads = g.add(f"grad:heads[{stage.index}]", (b, t, d))
+        d_qkv = g.add(f"grad:qkv[{stage.index}]", (b, t, 3 * d))
+        row_dots = g.add(f"attention_dots[{stage.index}]", (b, layer.heads, t))
+        w_qkv, w_out = f"{prefix}.qkv_weight", f"{prefix}.out_weight"
+        out_weight, finish_out = self._gemm(
+            (heads, grad, heads, f"grad:{w_out}"), M=d, N=d, K=rows, trans_a=1
+        )
+        to_heads, finish_heads = self._gemm((grad, w_out, grad, d_heads), M=rows, N=d, K=d, trans_b=1)
+        g.emit(out_weight, to_heads, self._bias_grad(layer.bias, grad, f"grad:{prefix}.out_bias", rows, d))
+        g.emit(finish_out, finish_heads)
+        g.emit(launch("attention_backward_dot", (d_heads, heads, row_dots), **params))
+        g.emit(
+            launch("attention_backward_kv", (qkv, d_heads, lse, row_dots, d_qkv), **params),
+            launch("attention_backward_q", (qkv, d_heads, lse, row_dots, d_qkv), **params),
+        )
+        qkv_weight, finish_qkv = self._gemm((h, d_qkv, h, f"grad:{w_qkv}"), M=d, N=3 * d, K=rows, trans_a=1)
+        to_input, finish_input = (
+            self._gemm((d_qkv, w_qkv, d_qkv, in_grad), M=rows, N=d, K=3 * d, trans_b=1)
+            if in_grad
+            else (None, None)
+        )
+        g.emit(
+            qkv_weight, to_input, self._bias_grad(layer.bias, d_qkv, f"grad:{prefix}.qkv_bias", rows, 3 * d)
+        )
+        g.emit(finish_qkv, finish_input)
+
+    @staticmethod
+    def _bias_grad(bias: bool, dz: str, db: str, rows: int, cols: int) -> Launch | None:
+        """A dense layer's bias gradient, the column sums of its output's gradient."""
+        return (
+            launch("reduce", (dz, db), rows=rows, cols=cols, axis=0, fn=REDUCE["sum"], alpha=1.0)
+            if bias
+            else None
+        )
 
     def _conv_params(self, stage: Stage, layer: Conv2d) -> dict[str, int]:
         c, h, w = stage.in_shape
@@ -336,7 +479,7 @@ class _Builder:
         """Per-channel statistics (the batch's while training, moving the running ones; else the
         running ones) into a [4, C] work tensor, then the normalisation; returns the tensor, whose
         rows 0 and 1 (mean, 1 / std) the backward reads and whose rows 2 and 3 it fills."""
-        params, prefix = self._norm_params(stage), f"layers[{stage.index}]"
+        params, prefix = self._norm_params(stage), stage.path
         stats = self.g.add(f"norm_stats[{stage.index}]", (4, params["C"]))
         running = (f"{prefix}.running_mean", f"{prefix}.running_var")
         self.g.emit(
@@ -357,82 +500,114 @@ class _Builder:
         """Emit the fused loss; returns the name of d(output) when write_grad.
 
         The loss kernels average over the batch's real rows, which the engine writes into
-        ``stepvals`` each step, so one program serves every row count up to the batch size."""
-        b, g = self.b, self.g
+        ``stepvals`` each step, so one program serves every row count up to the batch size. A
+        CrossEntropy on an output (*S, classes) with labels S a sample is one per position: its
+        rows are b * prod(S), per_sample prod(S), and ``correct`` counts right positions divided by
+        prod(S), so that correct / samples is the fraction of positions right."""
+        b, g, loss = self.b, self.g, self.model.loss
         out_shape = g.tensors[output].shape
-        cols = math.prod(out_shape[1:])
         grad = g.add(f"grad:{output}", out_shape) if write_grad else None
-        if isinstance(self.model.loss, CrossEntropy) and cols <= NARROW_LOGITS:
-            # One launch for the rows and both totals (a classifier's few classes).
-            g.emit(
-                launch(
-                    "softmax_xent_totals",
-                    (output, labels, "loss", "correct", grad or output, "stepvals"),
-                    rows=b,
-                    cols=cols,
-                    write_grad=int(write_grad),
-                )
-            )
-        elif isinstance(self.model.loss, CrossEntropy):
+        if isinstance(loss, CrossEntropy):
+            per_sample, cols = math.prod(out_shape[1:-1]), out_shape[-1]
+            rows = b * per_sample
+            dims = dict(rows=rows, cols=cols, write_grad=int(write_grad), per_sample=per_sample)
+            plain = loss == CrossEntropy()
+            if plain and cols <= NARROW_LOGITS:
+                # One launch for the rows and both totals (a classifier's few classes).
+                totals = ("loss", "correct", grad or output, "stepvals")
+                g.emit(launch("softmax_xent_totals", (output, labels, *totals), **dims))
+                return grad
+            loss_rows, correct_rows = g.add("loss_rows", (rows,)), g.add("correct_rows", (rows,))
+            tail = (loss_rows, correct_rows, grad or loss_rows, "stepvals")
+            if plain:
+                g.emit(launch("softmax_xent", (output, labels, *tail), **dims))
+            else:
+                weighted = loss.class_weights is not None
+                weights = weight_sum = output  # read only when weighted
+                if weighted:
+                    weights, weight_sum = CLASS_WEIGHTS, g.add("class_weight_sum", (1,))
+                    sum_args = (labels, weights, "stepvals", weight_sum)
+                    g.emit(launch("class_weight_sum", sum_args, rows=rows, cols=cols, per_sample=per_sample))
+                smoothing = float(loss.label_smoothing)
+                args = (output, labels, weights, weight_sum, *tail)
+                extra = dict(weighted=int(weighted), smoothing=smoothing)
+                g.emit(launch("softmax_xent_general", args, **dims, **extra))
+            totals = [(loss_rows, "loss", 1.0), (correct_rows, "correct", 1.0 / per_sample)]
+        elif isinstance(loss, PointwiseLoss):
+            rows, cols = b, math.prod(out_shape[1:])
             loss_rows = g.add("loss_rows", (b,))
-            correct_rows = g.add("correct_rows", (b,))
-            g.emit(
-                launch(
-                    "softmax_xent",
-                    (output, labels, loss_rows, correct_rows, grad or loss_rows, "stepvals"),
-                    rows=b,
-                    cols=cols,
-                    write_grad=int(write_grad),
-                )
-            )
-            g.emit(
-                launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0),
-                launch(
-                    "reduce", (correct_rows, "correct"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0
-                ),
-            )
-        elif isinstance(self.model.loss, MSE):
-            loss_rows = g.add("loss_rows", (b,))
-            g.emit(
-                launch(
-                    "mse",
-                    (output, labels, loss_rows, grad or loss_rows, "stepvals"),
-                    rows=b,
-                    cols=cols,
-                    write_grad=int(write_grad),
-                )
-            )
-            g.emit(launch("reduce", (loss_rows, "loss"), rows=1, cols=b, axis=1, fn=REDUCE["sum"], alpha=1.0))
+            code, delta = LOSSES[type(loss).__name__], float(getattr(loss, "delta", 1.0))
+            args = (output, labels, loss_rows, grad or loss_rows, "stepvals")
+            g.emit(launch("mse", args, rows=b, cols=cols, write_grad=int(write_grad), fn=code, delta=delta))
+            totals = [(loss_rows, "loss", 1.0)]
         else:
-            raise PlanError([Problem("model.loss", "training needs a loss (CrossEntropy or MSE)")])
+            raise PlanError([Problem("model.loss", "training needs a loss (CrossEntropy, MSE, ...)")])
+        total_sum = dict(rows=1, cols=rows, axis=1, fn=REDUCE["sum"])
+        g.emit(*(launch("reduce", (t, total), **total_sum, alpha=a) for t, total, a in totals))
         return grad
 
     # backward ------------------------------------------------------------------------------------
     def backward(self, grad_out: str) -> None:
-        first_trainable = next(
-            (
-                p
-                for p, s in enumerate(self.stages)
-                if isinstance(unwrap(s.layer)[0], Linear | Conv2d | BatchNorm | LayerNorm | Embedding)
-            ),
-            None,
-        )
-        grad = grad_out
+        """Each stage's backward in reverse order, from the loss's gradient. Only stages on a path
+        from a trained parameter to the loss run; a stage's output gradient is the sum of what its
+        readers pass back, added in reader order (so every run sums alike)."""
+        needs: list[bool] = []
+        for stage in self.stages:
+            trained = isinstance(unwrap(stage.layer)[0], TRAINED)
+            needs.append(trained or any(i != MODEL_INPUT and needs[i] for i in stage.inputs))
+        passed: dict[int, list[str]] = {len(self.stages) - 1: [grad_out]} if self.stages else {}
         for position in range(len(self.stages) - 1, -1, -1):
-            if first_trainable is None or position < first_trainable:
-                break
-            grad = self._backward_stage(
-                position, self.stages[position], grad, need_input_grad=position > first_trainable
-            )
+            parts = passed.get(position)
+            if not needs[position] or not parts:
+                continue
+            stage = self.stages[position]
+            want = [i != MODEL_INPUT and needs[i] for i in stage.inputs]
+            in_grads = self._backward_stage(position, stage, self._sum(position, parts), want)
+            for source, in_grad in zip(stage.inputs, in_grads, strict=True):
+                if in_grad:
+                    passed.setdefault(source, []).append(in_grad)
 
-    def _backward_stage(self, position: int, stage: Stage, grad: str, need_input_grad: bool) -> str:
+    def _sum(self, position: int, parts: list[str]) -> str:
+        """The gradient of a stage's output from what its readers passed back."""
+        if len(parts) == 1:
+            return parts[0]
+        total = self.g.add(f"grad:{self.outputs[position]}", self.g.tensors[parts[0]].shape)
+        n = math.prod(self.g.tensors[total].shape)
+        self.g.emit(launch("binary", (parts[0], parts[1], total), n=n, fn=BINARY["add"], a=1.0, b=0.0))
+        for part in parts[2:]:
+            self.g.emit(launch("binary", (total, part, total), n=n, fn=BINARY["add"], a=1.0, b=0.0))
+        return total
+
+    def _grad_name(self, stage: Stage, j: int) -> str:
+        """The gradient a stage passes to its ``j``-th input: ``grad:<input>`` when it is that
+        input's only reader, else a part of its own for the sum."""
+        source = stage.inputs[j]
+        name = self.outputs[source]
+        only = self.readers[source] == 1 and stage.inputs.count(source) == 1
+        return f"grad:{name}" if only else f"grad:{name}@{stage.index}.{j}"
+
+    def _backward_stage(self, position: int, stage: Stage, grad: str, want: list[bool]) -> list[str | None]:
         b, g = self.b, self.g
         layer, slope = unwrap(stage.layer)
-        saved = self.saved[position]
+        saved, prefix = self.saved[position], stage.path
+        if isinstance(layer, Add):
+            # Every input's gradient is the output's: the same tensor, passed on without a launch.
+            return [grad if wanted else None for wanted in want]
+        if isinstance(layer, Concat):
+            grads = [
+                g.add(self._grad_name(stage, j), (b, *shape)) if wanted else None
+                for j, (shape, wanted) in enumerate(zip(stage.in_shapes, want, strict=True))
+            ]
+            blocks = zip(grads, self._concat_blocks(stage), want, strict=True)
+            g.emit(*(self._take_columns(grad, dx, block) for dx, block, wanted in blocks if wanted))
+            return [dx if wanted else None for dx, wanted in zip(grads, want, strict=True)]
+        if isinstance(layer, PositionalEmbedding):
+            # The table's gradient sums the batch; the input's is the output's, passed on as it is.
+            cols, dw = math.prod(stage.in_shape), f"grad:{prefix}.weight"
+            g.emit(launch("reduce", (grad, dw), rows=b, cols=cols, axis=0, fn=REDUCE["sum"], alpha=1.0))
+            return [grad if want[0] else None]
         h = saved["input"]
-        in_grad = f"grad:{h}" if need_input_grad else None
-        if in_grad is not None:
-            in_grad = g.add(in_grad, g.tensors[h].shape)
+        in_grad = g.add(self._grad_name(stage, 0), g.tensors[h].shape) if want[0] else None
         count = b * math.prod(stage.out_shape)
         if isinstance(layer, Linear | Conv2d):
             dz = grad
@@ -440,21 +615,21 @@ class _Builder:
                 dz = g.add(f"grad:pre[{stage.index}]", (b, *stage.out_shape))
                 keep = saved["pre"] if stage.activation == "gelu" else saved["output"]
                 g.emit(_activation_backward(stage.activation, grad, keep, dz, count, slope))
-            w, bias = f"layers[{stage.index}].weight", f"layers[{stage.index}].bias"
+            w, bias = f"{prefix}.weight", f"{prefix}.bias"
             dw, db = f"grad:{w}", f"grad:{bias}"
             if isinstance(layer, Linear):
-                k, n = stage.in_shape[0], layer.units
+                k, n, rows = stage.in_shape[-1], layer.units, self._rows(stage)
                 both = f"{dw}+bias"
                 if both in self.fused_bias_grads:
                     # [dW; db] = [h, 1]^T dz: the bias gradient is the weight GEMM's extra row.
                     weight_grad, finish_weight = self._gemm(
-                        (h, dz, h, both), M=k + 1, N=n, K=b, trans_a=1, ones_row=1
+                        (h, dz, h, both), M=k + 1, N=n, K=rows, trans_a=1, ones_row=1
                     )
                     bias_grad = None
                 else:
-                    weight_grad, finish_weight = self._gemm((h, dz, h, dw), M=k, N=n, K=b, trans_a=1)
+                    weight_grad, finish_weight = self._gemm((h, dz, h, dw), M=k, N=n, K=rows, trans_a=1)
                     bias_grad = (
-                        launch("reduce", (dz, db), rows=b, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
+                        launch("reduce", (dz, db), rows=rows, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
                         if layer.bias
                         else None
                     )
@@ -496,7 +671,7 @@ class _Builder:
                 area = height * width
                 g.emit(launch("broadcast_rows", (grad, in_grad), rows=b * c, cols=area, alpha=1.0 / area))
         elif isinstance(layer, BatchNorm):
-            params, prefix = self._norm_params(stage), f"layers[{stage.index}]"
+            params, prefix = self._norm_params(stage), stage.path
             stats = saved["stats"]
             grads = (f"grad:{prefix}.weight", f"grad:{prefix}.bias")
             g.emit(launch("batchnorm_backward_reduce", (grad, h, stats, *grads, "stepvals"), **params))
@@ -509,7 +684,7 @@ class _Builder:
                     )
                 )
         elif isinstance(layer, LayerNorm):
-            params, prefix = self._layer_norm_params(stage, layer), f"layers[{stage.index}]"
+            params = self._layer_norm_params(stage, layer)
             stats = saved["stats"]
             grads = (f"grad:{prefix}.weight", f"grad:{prefix}.bias")
             g.emit(
@@ -522,9 +697,11 @@ class _Builder:
                 if in_grad
                 else None,
             )
+        elif isinstance(layer, SelfAttention):
+            self._attention_backward(stage, layer, saved, grad, in_grad)
         elif isinstance(layer, Embedding):
             # The table's gradient alone: ids have none, and an Embedding is always the first layer.
-            weight_grad = f"grad:layers[{stage.index}].weight"
+            weight_grad = f"grad:{prefix}.weight"
             params = self._embedding_params(stage, layer)
             g.emit(launch("embedding_backward", (h, grad, "stepvals", weight_grad), **params))
         elif isinstance(layer, Dropout) and layer.p > 0:
@@ -550,12 +727,12 @@ class _Builder:
             raise PlanError(
                 [
                     Problem(
-                        f"model.layers[{stage.index}]",
+                        f"model.{stage.path}",
                         f"{type(layer).__name__} has no backward rule, so a model with it cannot train",
                     )
                 ]
             )
-        return in_grad or ""
+        return [in_grad]
 
 
 def _activation_backward(
@@ -597,8 +774,12 @@ def build_graph(
     out = builder.forward("x")
     if program == "predict":
         cols = math.prod(graph.tensors[out].shape[1:]) if out != "x" else math.prod(model.input_shape)
-        if isinstance(model.loss, CrossEntropy):
-            graph.emit(launch("softmax", (out, "output"), rows=batch, cols=cols, log=0))
+        if isinstance(model.loss, CrossEntropy):  # probabilities over the last dimension
+            classes = graph.tensors[out].shape[-1] if out != "x" else model.input_shape[-1]
+            graph.emit(launch("softmax", (out, "output"), rows=batch * cols // classes, cols=classes, log=0))
+        elif isinstance(model.loss, BCEWithLogits):  # a probability per output
+            sigmoid = ACTIVATIONS["sigmoid"]
+            graph.emit(launch("unary", (out, "output"), n=batch * cols, fn=sigmoid, a=0.0, b=0.0))
         else:
             graph.emit(launch("copy", (out, "output"), n=batch * cols))
         return graph
@@ -607,5 +788,6 @@ def build_graph(
         assert grad is not None and optimiser is not None
         builder.backward(grad)
         if update:
-            graph.emit(update_launch(optimiser, optimised_floats(model, total_params)))
+            for group in update_groups(optimiser, optimised_floats(model, total_params)):
+                graph.emit(*group)
     return graph

@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from flow.errors import Problem, SpecError, did_you_mean
-from flow.spec import SCHEMA_VERSION, Spec, file_key
+from flow.spec import READABLE_SCHEMAS, SCHEMA_VERSION, Spec, file_key
 from flow.spec_data import NDArray
 from flow.validation import alternatives, validate
 
@@ -79,6 +79,8 @@ def _encode(value: Any, annotation: Any, path: str, arrays: bool = False) -> Any
         cls = type(value)
         tree = {"kind": cls.__name__}
         for f in fields(value):
+            if f.metadata.get("omit_when_default") and getattr(value, f.name) == f.default:
+                continue
             key = file_key(cls, f.name)
             tree[key] = _encode(getattr(value, f.name), f.type, f"{path}.{key}" if path else key, arrays)
         return dict(sorted(tree.items()))
@@ -120,9 +122,12 @@ def _decode_spec(tree: Any) -> Spec:
     if not isinstance(tree, dict):
         raise SpecError(f"a spec must be a map, got {type(tree).__name__}")
     schema = tree.get("schema")
-    if type(schema) is not int or schema != SCHEMA_VERSION:
+    if type(schema) is not int or schema not in READABLE_SCHEMAS:
         found = "no schema" if schema is None else f"schema {schema!r}"
-        raise SpecError([Problem("schema", f"found {found}; this vkflow reads schema {SCHEMA_VERSION}")])
+        readable = ", ".join(map(str, READABLE_SCHEMAS))
+        raise SpecError([Problem("schema", f"found {found}; this vkflow reads schemas {readable}")])
+    # An older file is read as what it means today (the version a spec carries is the current one).
+    tree = {**tree, "schema": SCHEMA_VERSION}
     problems: list[Problem] = []
     spec = _decode(tree, Spec, "", problems)
     if not problems:

@@ -19,7 +19,7 @@ from flow.shapes import infer_shapes
 from flow.spec import Spec
 from loaders.blocks import BlockSource
 from loaders.sampler import RankSlices, Sampler
-from loaders.splits import split_indices
+from loaders.splits import split_contiguous, split_indices
 
 SPLITS = ("train", "val", "test")
 
@@ -45,6 +45,9 @@ class SourceHeader:
             stored (``stored()``) to be kept on a device; None where it cannot.
         record_bytes: bytes of one stored sample, where the source says (None: taken as float32).
         mapped: reads may wait on a memory map that loaders.blocks can read ahead by slices.
+        split_gap: where neighbouring samples share data (text windows): the samples each one shares
+            it with on either side; its splits are then contiguous runs with these samples left out
+            before each boundary (loaders.splits.split_contiguous). None: a shuffled split.
     """
 
     samples: int
@@ -56,6 +59,7 @@ class SourceHeader:
     stored_dtype: str | None = None
     record_bytes: int | None = None
     mapped: bool = False
+    split_gap: int | None = None
 
 
 def header_of(source: Any) -> SourceHeader:
@@ -78,6 +82,7 @@ def header_of(source: Any) -> SourceHeader:
         stored_dtype=getattr(source, "stored_dtype", None),
         record_bytes=getattr(source, "record_bytes", None),
         mapped=callable(getattr(source, "read_rows", None)) and not getattr(source, "in_memory", True),
+        split_gap=getattr(source, "split_gap", None),
     )
 
 
@@ -194,8 +199,8 @@ def resident_data(spec: Spec, header: SourceHeader) -> tuple[ResidentData | None
         return None, f"the {type(data.source).__name__} source cannot hand over its whole data as stored"
     if data.augment:
         return None, "augmentations run on the host"
-    if type(spec.model.loss).__name__ != "CrossEntropy":
-        return None, "only class-id labels are gathered on the device"
+    if type(spec.model.loss).__name__ != "CrossEntropy" or header.label_shape != ():
+        return None, "only one class id a sample is gathered on the device"
     scale = 1.0 / 255.0 if header.stored_dtype == "uint8" else 1.0
     affine = fused_affine(scale, data.preprocess, header.sample_shape)
     if affine is None:
@@ -314,7 +319,8 @@ def data_problems(
         spec: a valid spec.
         sample_shape: the source's decoded sample shape.
         num_classes: how many classes its labels hold (None for regression targets).
-        label_shape: the shape of one sample's label (every source today gives one number: ()).
+        label_shape: the shape of one sample's label: () for one number, (context,) for a Text
+            source's class id per token.
 
     Returns:
         Every problem: a sample shape the model cannot take (checked when no transform resizes or
@@ -345,9 +351,24 @@ def data_problems(
                 f"the source has {num_classes} classes, but the model ends in {outputs[-1]} outputs",
             )
         )
+    # CrossEntropy takes one class id per row of scores: a Text source's id per token needs a model
+    # that ends in (context, classes), never one score row a sample.
+    if (
+        type(spec.model.loss).__name__ == "CrossEntropy"
+        and num_classes is not None
+        and tuple(label_shape) != tuple(outputs[:-1])
+    ):
+        problems.append(
+            Problem(
+                "model.loss",
+                f"CrossEntropy needs one class id per row of the model's output {tuple(outputs)}, but the "
+                f"source gives class ids of shape {tuple(label_shape)} a sample",
+            )
+        )
     # MSE compares each output with its own target. One label a sample against 10 outputs would
     # fill only the first rows' targets and train on nonsense without a word, so it is an error.
-    if type(spec.model.loss).__name__ == "MSE" and math.prod(label_shape) != math.prod(outputs):
+    loss = type(spec.model.loss).__name__
+    if loss in ("MSE", "L1", "Huber", "BCEWithLogits") and math.prod(label_shape) != math.prod(outputs):
         labels = math.prod(label_shape)
         given = "one label" if labels == 1 else f"{labels} labels"
         kind = f"class ids of {num_classes} classes" if num_classes is not None else "targets"
@@ -355,7 +376,7 @@ def data_problems(
         problems.append(
             Problem(
                 "model.loss",
-                f"MSE needs one target per output, but the model ends in {math.prod(outputs)} outputs "
+                f"{loss} needs one target per output, but the model ends in {math.prod(outputs)} outputs "
                 f"and the source gives {given} a sample ({kind}){hint}",
             )
         )
@@ -382,9 +403,12 @@ def plan_data(spec: Spec, header: SourceHeader, rank: int = 0, world: int = 1) -
     if problems:
         raise SpecError(problems)
     data, split = spec.data, spec.data.split
-    parts = split_indices(
-        header.samples, header.labels, split.train, split.val, split.test, data.seed, split.stratify
-    )
+    if header.split_gap is not None:
+        parts = split_contiguous(header.samples, split.train, split.val, split.test, header.split_gap)
+    else:
+        parts = split_indices(
+            header.samples, header.labels, split.train, split.val, split.test, data.seed, split.stratify
+        )
     train = Sampler(parts["train"], data.batch_size, bool(data.shuffle), data.seed, data.drop_last)
     per_epoch = train.batches_per_epoch()
     if per_epoch == 0:

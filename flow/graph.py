@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from flow.errors import Problem, SpecError
+from flow.model_graph import MODEL_INPUT, expand
 from flow.program import TENSOR_ALIGNMENT, Launch, TensorDType, align_up
 from flow.shapes import infer_shapes
 from flow.spec_model import (
     GELU,
-    MSE,
     BatchNorm1d,
     BatchNorm2d,
     Conv2d,
@@ -23,11 +24,16 @@ from flow.spec_model import (
     LeakyReLU,
     Linear,
     Model,
+    PointwiseLoss,
+    PositionalEmbedding,
     ReLU,
+    SelfAttention,
     Sigmoid,
     Tanh,
 )
 
+# The parameter-arena tensor of a CrossEntropy's class weights (see parameters).
+CLASS_WEIGHTS = "loss.class_weights"
 _ACTIVATION_LAYERS = {ReLU: "relu", LeakyReLU: "leaky_relu", Sigmoid: "sigmoid", Tanh: "tanh", GELU: "gelu"}
 
 # Where each role lives: parameters, gradients and optimiser state persist for the whole run;
@@ -63,17 +69,23 @@ class ParamDecl:
     constant: float | None = None  # starts at this value instead of a random draw (BatchNorm's 1s)
     trainable: bool = True
     std: float | None = None  # drawn from N(0, std^2) whatever the scheme (Embedding's N(0, 1))
+    values: tuple[float, ...] | None = None  # starts at these (a CrossEntropy's class weights)
 
 
 @dataclass(frozen=True)
 class Stage:
-    """A layer after fusion: the spec layer index it came from and its effective activation."""
+    """A node of the model's graph after fusion (flow.model_graph): its index (which its tensors'
+    names carry), its parameters' path, its layer and effective activation, and the stages it
+    reads (positions in the stage list; :data:`MODEL_INPUT` for the model's input)."""
 
     index: int
     layer: object
     activation: str | None
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
+    path: str = ""
+    inputs: tuple[int, ...] = ()
+    in_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -104,30 +116,47 @@ class Graph:
 
 
 def stages(model: Model) -> list[Stage]:
-    """The model's layers with each activation layer that follows a Linear or Conv2d without an
-    activation folded into that layer's epilogue."""
-    shapes = infer_shapes(model)
+    """The model's nodes with each activation layer that reads a Linear or Conv2d without an
+    activation, which nothing else reads, folded into that layer's epilogue."""
+    expansion = expand(model)
+    if expansion.problems:
+        raise SpecError([Problem(f"model.{p.path}", p.message) for p in expansion.problems])
+    nodes = expansion.nodes
+    readers = [0] * len(nodes)
+    for node in nodes:
+        for i in node.inputs:
+            if i != MODEL_INPUT:
+                readers[i] += 1
     result: list[Stage] = []
-    in_shape = tuple(model.input_shape)
-    for index, layer in enumerate(model.layers):
+    position: dict[int, int] = {MODEL_INPUT: MODEL_INPUT}  # node -> the stage that gives its output
+    for node in nodes:
+        layer = node.layer
         activation = _ACTIVATION_LAYERS.get(type(layer))
-        previous = result[-1] if result else None
+        source = node.inputs[0]
+        previous = result[position[source]] if source != MODEL_INPUT else None
         if (
             activation is not None
             and previous is not None
             and isinstance(previous.layer, Linear | Conv2d)
             and previous.activation is None
+            and readers[source] == 1
         ):
-            result[-1] = replace(
+            result[position[source]] = replace(
                 previous,
                 activation=activation,
                 layer=_with_slope(previous.layer, layer),
-                out_shape=shapes[index],
+                out_shape=node.out_shape,
             )
-        else:
-            own = getattr(layer, "activation", None) if isinstance(layer, Linear | Conv2d) else activation
-            result.append(Stage(index, layer, own, in_shape, shapes[index]))
-        in_shape = shapes[index]
+            position[node.index] = position[source]
+            continue
+        own = getattr(layer, "activation", None) if isinstance(layer, Linear | Conv2d) else activation
+        inputs = tuple(position[i] for i in node.inputs)
+        result.append(
+            Stage(
+                node.index, layer, own, node.in_shapes[0], node.out_shape, node.path, inputs, node.in_shapes
+            )
+        )
+        position[node.index] = len(result) - 1
     return result
 
 
@@ -165,24 +194,21 @@ def parameters(model: Model) -> list[ParamDecl]:
     kept: list[ParamDecl] = []
     for stage in stages(model):
         layer, _ = unwrap(stage.layer)
+        prefix = stage.path
         if isinstance(layer, Linear):
-            fan_in, fan_out = stage.in_shape[0], layer.units
-            params.append(
-                ParamDecl(f"layers[{stage.index}].weight", (fan_in, fan_out), fan_in, fan_out, False)
-            )
+            fan_in, fan_out = stage.in_shape[-1], layer.units
+            params.append(ParamDecl(f"{prefix}.weight", (fan_in, fan_out), fan_in, fan_out, False))
             if layer.bias:
-                params.append(ParamDecl(f"layers[{stage.index}].bias", (fan_out,), fan_in, fan_out, True))
+                params.append(ParamDecl(f"{prefix}.bias", (fan_out,), fan_in, fan_out, True))
         elif isinstance(layer, Conv2d):
             c = stage.in_shape[0]
             area = layer.kernel * layer.kernel
             shape = (layer.channels, c, layer.kernel, layer.kernel)
-            params.append(
-                ParamDecl(f"layers[{stage.index}].weight", shape, c * area, layer.channels * area, False)
-            )
+            params.append(ParamDecl(f"{prefix}.weight", shape, c * area, layer.channels * area, False))
             if layer.bias:
                 params.append(
                     ParamDecl(
-                        f"layers[{stage.index}].bias",
+                        f"{prefix}.bias",
                         (layer.channels,),
                         c * area,
                         layer.channels * area,
@@ -190,18 +216,34 @@ def parameters(model: Model) -> list[ParamDecl]:
                     )
                 )
         elif isinstance(layer, BatchNorm1d | BatchNorm2d):
-            c, prefix = stage.in_shape[0], f"layers[{stage.index}]"
+            c = stage.in_shape[0]
             params.append(ParamDecl(f"{prefix}.weight", (c,), c, c, False, constant=1.0))
             params.append(ParamDecl(f"{prefix}.bias", (c,), c, c, True))
             kept.append(ParamDecl(f"{prefix}.running_mean", (c,), c, c, False, constant=0.0, trainable=False))
             kept.append(ParamDecl(f"{prefix}.running_var", (c,), c, c, False, constant=1.0, trainable=False))
         elif isinstance(layer, Embedding):
             v, d = layer.num_embeddings, layer.dim
-            params.append(ParamDecl(f"layers[{stage.index}].weight", (v, d), v, d, False, std=1.0))
+            params.append(ParamDecl(f"{prefix}.weight", (v, d), v, d, False, std=1.0))
         elif isinstance(layer, LayerNorm):
-            d, prefix = stage.in_shape[-1], f"layers[{stage.index}]"
+            d = stage.in_shape[-1]
             params.append(ParamDecl(f"{prefix}.weight", (d,), d, d, False, constant=1.0))
             params.append(ParamDecl(f"{prefix}.bias", (d,), d, d, True))
+        elif isinstance(layer, PositionalEmbedding):
+            t, d = stage.in_shape
+            params.append(ParamDecl(f"{prefix}.weight", (t, d), t, d, False, std=0.02))
+        elif isinstance(layer, SelfAttention):
+            # GPT-2's layout: the query, key and value projections as one [D, 3D] matrix.
+            d = stage.in_shape[-1]
+            params.append(ParamDecl(f"{prefix}.qkv_weight", (d, 3 * d), d, 3 * d, False))
+            if layer.bias:
+                params.append(ParamDecl(f"{prefix}.qkv_bias", (3 * d,), d, 3 * d, True))
+            params.append(ParamDecl(f"{prefix}.out_weight", (d, d), d, d, False))
+            if layer.bias:
+                params.append(ParamDecl(f"{prefix}.out_bias", (d,), d, d, True))
+    weights = getattr(model.loss, "class_weights", None)
+    if weights is not None:  # a weighted CrossEntropy's, which its kernels read: state, never trained
+        n = len(weights)
+        kept.append(ParamDecl(CLASS_WEIGHTS, (n,), n, n, False, trainable=False, values=tuple(weights)))
     return params + kept
 
 
@@ -237,15 +279,17 @@ def fused_bias_grads(model: Model) -> dict[str, tuple[str, tuple[int, int]]]:
     for stage in stages(model):
         layer, _ = unwrap(stage.layer)
         if isinstance(layer, Linear) and layer.bias:
-            fan_in, fan_out = stage.in_shape[0], layer.units
+            fan_in, fan_out = stage.in_shape[-1], layer.units
             if (fan_in * fan_out * 4) % TENSOR_ALIGNMENT == 0:
-                weight = f"layers[{stage.index}].weight"
+                weight = f"{stage.path}.weight"
                 views[f"grad:{weight}+bias"] = (weight, (fan_in + 1, fan_out))
     return views
 
+
 def label_shape(model: Model, batch: int) -> tuple[tuple[int, ...], TensorDType]:
-    """Shape and dtype of a batch of labels: class ids for CrossEntropy, targets for MSE."""
+    """Shape and dtype of a batch of labels: class ids for CrossEntropy (one a position of the
+    output's leading dimensions: (batch, T) for (T, classes) logits), targets for the others."""
     out_shape = infer_shapes(model)[-1] if model.layers else tuple(model.input_shape)
-    if isinstance(model.loss, MSE):
+    if isinstance(model.loss, PointwiseLoss):
         return (batch, *out_shape), "float32"
-    return (batch,), "int32"
+    return (batch, *out_shape[:-1]), "int32"

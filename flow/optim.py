@@ -26,6 +26,14 @@ from flow.spec import SGD, Adam, AdamW, Cosine, Optimiser, StepLR
 # The arrays a checkpoint holds besides the optimiser state: every parameter, as one flat arena.
 PARAMS = "params:all"
 
+# Clipping by global norm (an optimiser's clip_norm) runs before the update, on the device, with no
+# read-back: grad_norm writes CLIP_PARTS partial sums of squares of the gradients (a fixed order,
+# no atomics, so every run sums alike), then one workgroup joins them into clip:norm = [norm,
+# min(1, clip_norm / (norm + 1e-6))], and the update's _clip variant scales each gradient by the
+# second. The planner puts CLIP_TENSORS (name, floats) in a "clip" arena.
+CLIP_PARTS = 256
+CLIP_TENSORS = (("clip:partials", CLIP_PARTS), ("clip:norm", 2))
+
 
 def learning_rate(optimiser: Optimiser, step: int) -> float:
     """The learning rate for one optimiser step, in float64.
@@ -128,18 +136,20 @@ def update_launch(optimiser: Optimiser, total: int) -> Launch:
         total: floats in the flat parameter arena.
 
     Returns:
-        The ``sgd`` or ``adam`` launch.
+        The ``sgd`` or ``adam`` launch (``sgd_clip``, ``adam_clip`` with clip_norm set: they
+            also read ``clip:norm``).
 
     Raises:
         PlanError: an optimiser with no update kernel.
     """
+    clip = ("_clip", ("clip:norm",)) if getattr(optimiser, "clip_norm", None) is not None else ("", ())
     if isinstance(optimiser, SGD):
         # Without momentum the kernel never reads its buffer, so the gradients stand in for the
         # arena that plain SGD does not allocate.
         momentum_buffer = "state:momentum" if optimiser.momentum else "grads:all"
         return launch(
-            "sgd",
-            (PARAMS, "grads:all", momentum_buffer, "stepvals"),
+            "sgd" + clip[0],
+            (PARAMS, "grads:all", momentum_buffer, "stepvals", *clip[1]),
             n=total,
             momentum=float(optimiser.momentum),
             nesterov=int(optimiser.nesterov),
@@ -147,8 +157,8 @@ def update_launch(optimiser: Optimiser, total: int) -> Launch:
         )
     if isinstance(optimiser, Adam | AdamW):
         return launch(
-            "adam",
-            (PARAMS, "grads:all", "state:exp_avg", "state:exp_avg_sq", "stepvals"),
+            "adam" + clip[0],
+            (PARAMS, "grads:all", "state:exp_avg", "state:exp_avg_sq", "stepvals", *clip[1]),
             n=total,
             beta1=float(optimiser.betas[0]),
             beta2=float(optimiser.betas[1]),
@@ -159,6 +169,28 @@ def update_launch(optimiser: Optimiser, total: int) -> Launch:
             one_minus_beta2=1.0 - float(optimiser.betas[1]),
         )
     raise PlanError([Problem("optimiser", f"unknown optimiser {type(optimiser).__name__}")])
+
+
+def update_groups(optimiser: Optimiser, total: int) -> list[list[Launch]]:
+    """The update's launches in dependent groups (a barrier between each): the update alone, or
+    with clip_norm set, the two grad_norm passes before it (see CLIP_PARTS).
+
+    Args:
+        optimiser: the spec's optimiser.
+        total: floats at the start of the flat arenas that the optimiser updates.
+
+    Returns:
+        [[update]], or [[partial sums], [norm and factor], [update]].
+    """
+    update = update_launch(optimiser, total)
+    if optimiser.clip_norm is None:
+        return [[update]]
+    max_norm = float(optimiser.clip_norm)
+    return [
+        [launch("grad_norm", ("grads:all", "clip:partials"), n=total, parts=CLIP_PARTS)],
+        [launch("grad_norm", ("clip:partials", "clip:norm"), n=CLIP_PARTS, max_norm=max_norm)],
+        [update],
+    ]
 
 
 def describe_optimiser(optimiser: Optimiser, state_names: tuple[str, ...]) -> dict[str, Any]:

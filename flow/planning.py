@@ -32,7 +32,7 @@ from flow.graph import (
     optimised_floats,
     parameters,
 )
-from flow.optim import optimiser_state_names, update_launch
+from flow.optim import CLIP_TENSORS, optimiser_state_names, update_groups
 from flow.parallel_plan import DataParallelPlan, MemberChoice, World, choose_members, plan_data_parallel
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
 from flow.program import (
@@ -368,6 +368,10 @@ def plan_device(
     tensors.append(Tensor("grads:all", (total_params,), "float32", "grads", 0))
     for state in state_names:
         tensors.append(Tensor(f"state:{state}", (total_params,), "float32", f"state:{state}", 0))
+    clip_bytes = 0  # clipping by global norm: its partial sums and [norm, factor] (flow.optim)
+    for name, floats in CLIP_TENSORS if spec.optimiser.clip_norm is not None else ():
+        tensors.append(Tensor(name, (floats,), "float32", "clip", clip_bytes))
+        clip_bytes = align_up(clip_bytes + floats * 4)
 
     # io: one copy per slot.
     io_offset = 0
@@ -420,6 +424,7 @@ def plan_device(
 
     arenas = [Arena("params", param_bytes), Arena("grads", param_bytes)]
     arenas += [Arena(f"state:{s}", param_bytes) for s in state_names]
+    arenas += [Arena("clip", clip_bytes)] if clip_bytes else []
     arenas += [
         Arena("work", max(work_peak, 256)),
         Arena("io", max(io_offset, 256), per_slot=True, host_visible=True),
@@ -456,7 +461,7 @@ def plan_device(
     if separate_update:
         # The optimised range stops before BatchNorm's running statistics (flow.graph).
         optimised = optimised_floats(model, total_params)
-        updating = Program("apply", with_barriers([[update_launch(spec.optimiser, optimised)]]))
+        updating = Program("apply", with_barriers(update_groups(spec.optimiser, optimised)))
         apply = resolve_program(updating, facts, tuning)
     return DevicePlan(
         device,
@@ -637,7 +642,9 @@ def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.
     rng = np.random.default_rng(seed)
     values = {}
     for p in device.parameters:
-        if p.constant is not None:  # BatchNorm's scale and running statistics: no draw
+        if p.values is not None:  # a CrossEntropy's class weights
+            values[p.name] = np.asarray(p.values, np.float32).reshape(p.shape)
+        elif p.constant is not None:  # BatchNorm's scale and running statistics: no draw
             values[p.name] = np.full(p.shape, p.constant, np.float32)
         elif p.is_bias:
             values[p.name] = np.zeros(p.shape, np.float32)

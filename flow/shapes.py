@@ -1,13 +1,15 @@
 """Shape inference for a model, pure: the output shape after each layer and the parameter count.
 
-Shapes exclude the batch dimension. The validator uses :func:`trace` to turn a bad layer into a
-problem; the planner uses :func:`infer_shapes`, which raises on a model that does not fit together.
+Shapes exclude the batch dimension. The validator turns a bad layer into a problem through
+:func:`flow.model_graph.expand`, which applies :func:`output_shape` node by node; the planner uses
+:func:`infer_shapes`, which raises on a model that does not fit together.
 Inputs are assumed well typed (see flow.validation).
 """
 
 import math
 
 from flow.errors import Problem, SpecError
+from flow.model_graph import expand, parameter_count
 from flow.spec_base import Shape
 from flow.spec_model import (
     AvgPool2d,
@@ -22,6 +24,8 @@ from flow.spec_model import (
     Linear,
     MaxPool2d,
     Model,
+    PositionalEmbedding,
+    SelfAttention,
 )
 
 
@@ -53,9 +57,10 @@ def output_shape(layer: Layer, shape: Shape) -> Shape | str:
         The output shape, or a message saying why the layer cannot take that input.
     """
     if isinstance(layer, Linear):
-        if len(shape) != 1:
-            return f"Linear needs a flat (1-D) input, got shape {shape}; add Flatten() before it"
-        return (layer.units,)
+        if len(shape) not in (1, 2):
+            why = f"Linear needs a flat (1-D) or (positions, features) input, got shape {shape}"
+            return why + "; add Flatten() before it"
+        return (*shape[:-1], layer.units)
     if isinstance(layer, Conv2d):
         size = _window("Conv2d", shape, layer.kernel, layer.stride, layer.padding)
         return size if isinstance(size, str) else (layer.channels, *size)
@@ -84,37 +89,8 @@ def output_shape(layer: Layer, shape: Shape) -> Shape | str:
     return shape  # activations, dropout and normalisation keep the shape
 
 
-# Token ids reach an Embedding only as the model's input: a layer before it would compute floats,
-# not ids, and the ids' gradient does not exist.
-_NOT_FIRST = (
-    "Embedding must be the first layer: it looks up integer token ids, which only the model's input "
-    "holds (a layer before it gives floats, and ids have no gradient to pass back)"
-)
-
-
-def trace(input_shape: Shape, layers: tuple[Layer, ...]) -> tuple[list[Shape], tuple[int, str] | None]:
-    """Output shapes layer by layer, stopping at the first layer that cannot take its input.
-
-    Args:
-        input_shape: the model's input shape.
-        layers: the layers, in order.
-
-    Returns:
-        ``(shapes, None)`` with one shape per layer, or ``(shapes so far, (index, why))``.
-    """
-    shapes: list[Shape] = []
-    shape = tuple(input_shape)
-    for i, layer in enumerate(layers):
-        out = output_shape(layer, shape) if i == 0 or not isinstance(layer, Embedding) else _NOT_FIRST
-        if isinstance(out, str):
-            return shapes, (i, out)
-        shapes.append(out)
-        shape = out
-    return shapes, None
-
-
 def infer_shapes(model: Model) -> list[Shape]:
-    """The output shape after each layer of a model.
+    """The output shape after each of a model's layers (a Residual's or Repeat's: the block's).
 
     Args:
         model: a well-typed model.
@@ -123,13 +99,12 @@ def infer_shapes(model: Model) -> list[Shape]:
         One shape per layer, without the batch dimension.
 
     Raises:
-        SpecError: a layer cannot take its input shape.
+        SpecError: a layer cannot take its input shape, or reads no layer it can.
     """
-    shapes, failure = trace(model.input_shape, model.layers)
-    if failure is not None:
-        index, why = failure
-        raise SpecError([Problem(f"model.layers[{index}]", why)])
-    return shapes
+    expansion = expand(model)
+    if expansion.problems:
+        raise SpecError([Problem(f"model.{p.path}", p.message) for p in expansion.problems])
+    return [expansion.nodes[i].out_shape for i in expansion.outputs]
 
 
 def layer_parameters(layer: Layer, input_shape: Shape) -> int:
@@ -143,7 +118,7 @@ def layer_parameters(layer: Layer, input_shape: Shape) -> int:
         The number of parameters.
     """
     if isinstance(layer, Linear):
-        return input_shape[0] * layer.units + (layer.units if layer.bias else 0)
+        return input_shape[-1] * layer.units + (layer.units if layer.bias else 0)
     if isinstance(layer, Conv2d):
         weights = input_shape[0] * layer.channels * layer.kernel * layer.kernel
         return weights + (layer.channels if layer.bias else 0)
@@ -153,6 +128,11 @@ def layer_parameters(layer: Layer, input_shape: Shape) -> int:
         return layer.num_embeddings * layer.dim
     if isinstance(layer, LayerNorm):
         return 2 * input_shape[-1]  # scale and shift per position of the normalised (last) dimension
+    if isinstance(layer, PositionalEmbedding):
+        return math.prod(input_shape)
+    if isinstance(layer, SelfAttention):
+        d = input_shape[-1]
+        return 4 * d * d + (4 * d if layer.bias else 0)  # W_qkv [d, 3d], W_out [d, d] and biases
     return 0
 
 
@@ -168,5 +148,5 @@ def count_parameters(model: Model) -> int:
     Raises:
         SpecError: a layer cannot take its input shape.
     """
-    inputs = [tuple(model.input_shape), *infer_shapes(model)]
-    return sum(layer_parameters(layer, shape) for layer, shape in zip(model.layers, inputs, strict=False))
+    infer_shapes(model)  # raises on a model whose layers do not fit together
+    return parameter_count(expand(model).nodes)

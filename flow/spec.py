@@ -29,10 +29,10 @@ Annotations here are real objects (no ``from __future__ import annotations``) be
 the validator read them from ``dataclasses.fields``.
 """
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Literal
 
-from flow.spec_base import Record
+from flow.spec_base import LATER, Record
 from flow.spec_data import (
     CSV,
     IDX,
@@ -48,32 +48,45 @@ from flow.spec_data import (
     Scale,
     Split,
     Synthetic,
+    Text,
 )
 from flow.spec_model import (
     GELU,
+    L1,
     MSE,
+    Add,
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
+    BCEWithLogits,
+    Concat,
     Conv2d,
     CrossEntropy,
     Dropout,
     Embedding,
     Flatten,
     GlobalAvgPool,
+    Huber,
     Init,
     LayerNorm,
     LeakyReLU,
     Linear,
     MaxPool2d,
     Model,
+    PositionalEmbedding,
     ReLU,
+    Repeat,
+    Residual,
+    SelfAttention,
     Sigmoid,
     Softmax,
     Tanh,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Files of these versions still load: 2 added graph models (layers' name and inputs, Add, Concat,
+# Residual, Repeat) and new layers, all absent from version 1 files.
+READABLE_SCHEMAS = (1, 2)
 
 
 # Optimisers and learning-rate schedules
@@ -137,6 +150,8 @@ class SGD(Record):
         nesterov: Nesterov momentum; needs momentum > 0 (default False).
         weight_decay: L2 penalty added to the gradient, >= 0 (default 0.0).
         schedule: the learning-rate schedule (default ``Constant()``).
+        clip_norm: clip the gradients by their global norm, > 0, as
+            ``torch.nn.utils.clip_grad_norm_`` before each step (default None: no clipping).
     """
 
     lr: float = 0.01
@@ -145,6 +160,7 @@ class SGD(Record):
     nesterov: bool = False
     weight_decay: float = 0.0
     schedule: Schedule = Constant()
+    clip_norm: float | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -158,6 +174,8 @@ class Adam(Record):
         eps: added to the denominator, > 0 (default 1e-8).
         weight_decay: L2 penalty added to the gradient, >= 0 (default 0.0); AdamW decouples it.
         schedule: the learning-rate schedule (default ``Constant()``).
+        clip_norm: clip the gradients by their global norm, > 0, as
+            ``torch.nn.utils.clip_grad_norm_`` before each step (default None: no clipping).
     """
 
     lr: float = 1e-3
@@ -166,6 +184,7 @@ class Adam(Record):
     eps: float = 1e-8
     weight_decay: float = 0.0
     schedule: Schedule = Constant()
+    clip_norm: float | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -179,6 +198,8 @@ class AdamW(Record):
         weight_decay: each step multiplies the weights by ``1 - lr * weight_decay``, >= 0
             (default 0.01).
         schedule: the learning-rate schedule (default ``Constant()``).
+        clip_norm: clip the gradients by their global norm, > 0, as
+            ``torch.nn.utils.clip_grad_norm_`` before each step (default None: no clipping).
     """
 
     lr: float = 1e-3
@@ -187,6 +208,7 @@ class AdamW(Record):
     eps: float = 1e-8
     weight_decay: float = 0.01
     schedule: Schedule = Constant()
+    clip_norm: float | None = field(default=None, metadata=LATER)
 
 
 Optimiser = SGD | Adam | AdamW
@@ -347,10 +369,11 @@ class Spec(Record):
 
 RECORDS: tuple[type, ...] = (
     Linear, Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool, BatchNorm1d, BatchNorm2d, LayerNorm,
-    Dropout, Embedding, Flatten, ReLU, LeakyReLU, Sigmoid, Tanh, GELU, Softmax,
-    CrossEntropy, MSE, Init, Model,
+    Dropout, Embedding, PositionalEmbedding, SelfAttention, Flatten, ReLU, LeakyReLU, Sigmoid, Tanh,
+    GELU, Softmax, Add, Concat, Residual, Repeat,
+    CrossEntropy, MSE, L1, Huber, BCEWithLogits, Init, Model,
     Constant, StepLR, Cosine, SGD, Adam, AdamW,
-    ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays,
+    ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text,
     Normalize, Scale, RandomCrop, HorizontalFlip, Resize,
     Split, Data, Devices, Node, Edge, Pipeline, RunSettings, Spec,
 )  # fmt: skip

@@ -188,7 +188,38 @@ class Arrays(Record):
         return hash(self._key())
 
 
-Source = ImageFolder | CSV | RawBinary | IDX | Synthetic | Digits | Arrays
+@dataclass(frozen=True)
+class Text(Record):
+    """A UTF-8 text file for a language model, as windows of token ids (loaders.text). Sample i
+    starts at token ``i * stride``: x is the ``context`` ids from there, float32 of shape
+    (context,), what an Embedding takes; its label y is the next token at each position, int32
+    class ids of shape (context,). The vocabulary is built from the file and saved in every
+    checkpoint (``actors.checkpoint.read_vocabulary``); ``loaders.text.encode``/``decode`` map
+    text and ids. Splits are contiguous, in file order (train, then val, then test), never
+    shuffled: neighbouring windows share text, so the windows that would reach across a
+    boundary are left out. ``data.split.stratify`` does not apply.
+
+    Attributes:
+        path: the file; not empty, and at least context + 1 tokens long.
+        level: "char" (default): the tokens are characters, the vocabulary the file's distinct
+            characters in code-point order, so the file must be valid UTF-8. "byte": the tokens
+            are the file's bytes, the vocabulary all 256 byte values.
+        context: tokens in a window, > 0 (default 128).
+        stride: tokens between two windows' starts, > 0 (default 1). 1, as nanoGPT's random
+            offsets: a shuffled epoch visits every start once, so it sees each token about
+            ``context`` times; bound a run with ``run.steps``, and expect an evaluation to read
+            ``context`` times its split's text. ``stride=context``: windows side by side, an
+            epoch is one pass over the text.
+    """
+
+    path: str
+    _: KW_ONLY
+    level: Literal["char", "byte"] = "char"
+    context: int = 128
+    stride: int = 1
+
+
+Source = ImageFolder | CSV | RawBinary | IDX | Synthetic | Digits | Arrays | Text
 
 # Preprocessing and augmentation
 
@@ -269,7 +300,8 @@ Transform = Normalize | Scale | RandomCrop | HorizontalFlip | Resize
 @dataclass(frozen=True, kw_only=True)
 class Split(Record):
     """How the source's samples divide into training, validation and test sets (fractions that
-    sum to 1, drawn with ``data.seed``).
+    sum to 1, drawn with ``data.seed``). A Text source's parts are contiguous runs of its file
+    instead, in order (see Text).
 
     Attributes:
         train: the training fraction, in (0, 1] (default 1.0).
@@ -291,8 +323,8 @@ class Data(Record):
     """Where the samples come from and how they are batched.
 
     Attributes:
-        source: ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits or Arrays; each gives float32 samples
-            by the module's convention (8-bit data in [0, 1]).
+        source: ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays or Text; each gives
+            float32 samples by the module's convention (8-bit data in [0, 1]).
         batch_size: samples per batch, > 0 (default 64).
         shuffle: reshuffle the training samples each epoch (default True). "blocks": for data
             larger than memory, an order read by blocks: the samples cut into blocks of

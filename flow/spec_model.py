@@ -4,10 +4,10 @@ re-exports these for users); annotations are real objects (no ``from __future__ 
 annotations``) because the codec and the validator read them from ``dataclasses.fields``.
 """
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Literal
 
-from flow.spec_base import Record, Shape
+from flow.spec_base import LATER, Record, Shape
 
 Activation = Literal["relu", "leaky_relu", "sigmoid", "tanh", "gelu"]
 
@@ -16,7 +16,29 @@ Activation = Literal["relu", "leaky_relu", "sigmoid", "tanh", "gelu"]
 
 
 @dataclass(frozen=True)
-class Linear(Record):
+class LayerRecord(Record):
+    """What every layer has besides its own fields: where its input comes from.
+
+    A model is a sequence by default: each layer reads the output of the layer before it (the
+    first reads the model's input). Naming layers makes it a graph (a DAG): any layer may read
+    named earlier layers instead, and :class:`Add` and :class:`Concat` join branches.
+
+    Attributes:
+        name: how later layers refer to this one's output (default None: unnamed). Names are
+            unique within their block (a model, a :class:`Residual` or one repetition of a
+            :class:`Repeat`, which can also read names outside it); ``"input"`` is the model's
+            input and cannot be taken.
+        inputs: the names of the layers whose outputs this one reads, in order (default None: the
+            previous layer's). Add and Concat read two or more; every other layer exactly one.
+    """
+
+    _: KW_ONLY
+    name: str | None = field(default=None, metadata=LATER)
+    inputs: tuple[str, ...] | None = field(default=None, metadata=LATER)
+
+
+@dataclass(frozen=True)
+class Linear(LayerRecord):
     """A dense layer on a flat input: ``y = act(x @ W + b)``, with W [in, units].
 
     Attributes:
@@ -33,7 +55,7 @@ class Linear(Record):
 
 
 @dataclass(frozen=True)
-class Conv2d(Record):
+class Conv2d(LayerRecord):
     """A 2-D convolution over (C, H, W) inputs with square kernels; output (channels, OH, OW) with
     ``OH = (H + 2 * padding - kernel) // stride + 1`` (OW alike).
 
@@ -56,7 +78,7 @@ class Conv2d(Record):
 
 
 @dataclass(frozen=True)
-class MaxPool2d(Record):
+class MaxPool2d(LayerRecord):
     """The maximum of each square window of a (C, H, W) input, per channel, without padding. NaN
     counts above every number, so a window holding NaN gives NaN.
 
@@ -72,7 +94,7 @@ class MaxPool2d(Record):
 
 
 @dataclass(frozen=True)
-class AvgPool2d(Record):
+class AvgPool2d(LayerRecord):
     """The mean of each square window of a (C, H, W) input, per channel. Padding zeros count in
     the mean (PyTorch's default ``count_include_pad=True``): every window divides by kernel^2.
 
@@ -91,13 +113,13 @@ class AvgPool2d(Record):
 
 
 @dataclass(frozen=True)
-class GlobalAvgPool(Record):
+class GlobalAvgPool(LayerRecord):
     """The mean of each channel over its whole plane: (C, H, W) in, (C,) out. The output is flat,
     so a Linear may follow directly (PyTorch's ``AdaptiveAvgPool2d(1)`` then ``Flatten``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class BatchNorm2d(Record):
+class BatchNorm2d(LayerRecord):
     """Batch normalisation per channel of a (C, H, W) input, as PyTorch's BatchNorm2d:
     ``y = gamma * (x - mean) / sqrt(var + eps) + beta`` with a learned scale gamma (starting at 1)
     and shift beta (starting at 0) per channel.
@@ -118,7 +140,7 @@ class BatchNorm2d(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class BatchNorm1d(Record):
+class BatchNorm1d(LayerRecord):
     """BatchNorm2d for a flat (F,) input, one channel per feature, or for (C, L), one channel per
     row of L (PyTorch's BatchNorm1d); statistics are over the batch (and L).
 
@@ -132,7 +154,7 @@ class BatchNorm1d(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LayerNorm(Record):
+class LayerNorm(LayerRecord):
     """Layer normalisation over the last dimension of a (F,) or (C, L) input, as PyTorch's
     ``LayerNorm(last_dim)``: each sample's row of F (or each of its C rows of L) is normalised by
     its own mean and biased variance, ``y = weight * (x - mean) / sqrt(var + eps) + bias``, with a
@@ -147,7 +169,7 @@ class LayerNorm(Record):
 
 
 @dataclass(frozen=True)
-class Dropout(Record):
+class Dropout(LayerRecord):
     """PyTorch's ``Dropout(p)``: while training, each element is zeroed with probability p and the
     kept ones scaled by ``1 / (1 - p)``; evaluation and prediction pass the input through unchanged
     (a copy; p = 0 is no launch at all). The mask is a counter-based hash of (``Init.seed``, the
@@ -163,7 +185,7 @@ class Dropout(Record):
 
 
 @dataclass(frozen=True)
-class Embedding(Record):
+class Embedding(LayerRecord):
     """PyTorch's ``Embedding(num_embeddings, dim)``: a learned table of ``num_embeddings`` rows of
     ``dim``, looked up by integer token ids; an input of any shape S gives (*S, dim). The ids come
     in the model's float32 input (exact integers up to 2**24, hence the limit on the table), so an
@@ -184,18 +206,18 @@ class Embedding(Record):
 
 
 @dataclass(frozen=True)
-class Flatten(Record):
+class Flatten(LayerRecord):
     """Reshapes each sample to one dimension (C * H * W values, row-major), as Linear needs."""
 
 
 @dataclass(frozen=True)
-class ReLU(Record):
+class ReLU(LayerRecord):
     """``max(x, 0)`` elementwise, as a layer of its own (Linear and Conv2d can fuse it instead).
     NaN gives NaN on every backend, as in numpy and PyTorch."""
 
 
 @dataclass(frozen=True)
-class LeakyReLU(Record):
+class LeakyReLU(LayerRecord):
     """``x`` where x > 0, else ``slope * x``, elementwise. NaN gives NaN.
 
     Attributes:
@@ -206,31 +228,111 @@ class LeakyReLU(Record):
 
 
 @dataclass(frozen=True)
-class Sigmoid(Record):
+class Sigmoid(LayerRecord):
     """``1 / (1 + exp(-x))`` elementwise, in (0, 1). NaN gives NaN."""
 
 
 @dataclass(frozen=True)
-class Tanh(Record):
+class Tanh(LayerRecord):
     """``tanh(x)`` elementwise, in (-1, 1). NaN gives NaN."""
 
 
 @dataclass(frozen=True)
-class GELU(Record):
+class GELU(LayerRecord):
     """``x * Phi(x)`` elementwise, Phi the standard normal CDF (exact, erf-based; not the tanh
     approximation). NaN gives NaN."""
 
 
 @dataclass(frozen=True)
-class Softmax(Record):
+class Softmax(LayerRecord):
     """Softmax over a flat sample: outputs in [0, 1] that sum to 1. Not before CrossEntropy, which
     applies softmax itself; a row holding NaN gives NaN everywhere."""
 
 
+@dataclass(frozen=True)
+class PositionalEmbedding(LayerRecord):
+    """A learned position embedding, as GPT-2's: a table of one row per position, added to a
+    (T, D) input, ``y[t] = x[t] + table[t]``, so that attention can tell positions apart. The
+    table is (T, D), T and D taken from the input; rows start N(0, 0.02^2), as in GPT-2."""
+
+
+@dataclass(frozen=True)
+class SelfAttention(LayerRecord):
+    """Multi-head self-attention over a (T, D) input, as PyTorch's ``MultiheadAttention`` with
+    query, key and value all the input: ``qkv = x @ W_qkv + b_qkv`` [T, 3D] split into ``heads``
+    heads of D / heads; per head ``softmax(q k^T / sqrt(D / heads)) v``, causal by default (a
+    position sees itself and the ones before it); the heads concatenated, then ``@ W_out + b_out``.
+    The attention itself is one fused kernel with an online softmax: no T x T matrix is ever held,
+    and the backward pass recomputes the probabilities it needs.
+
+    Attributes:
+        heads: attention heads, > 0, dividing the input's last dimension.
+        causal: whether position t attends only to positions <= t (default True).
+        bias: whether both projections add a learned bias (default True).
+    """
+
+    heads: int
+    _: KW_ONLY
+    causal: bool = True
+    bias: bool = True
+
+
+@dataclass(frozen=True)
+class Add(LayerRecord):
+    """The elementwise sum of its inputs (two or more, all of one shape): a residual connection's
+    join. Name them in ``inputs``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Concat(LayerRecord):
+    """Its inputs (two or more) joined along one dimension, in ``inputs`` order; their other
+    dimensions must agree.
+
+    Attributes:
+        axis: the sample dimension to join along (default 0: channels of (C, H, W) images, features
+            of flat ones); negative counts from the end.
+    """
+
+    axis: int = 0
+
+
+@dataclass(frozen=True)
+class Residual(LayerRecord):
+    """``x + f(x)``, f its layers in order (a block of its own: names inside it are local): the
+    residual block of ResNets and transformers. f must give x's shape.
+
+    Attributes:
+        layers: the block's layers, at least one.
+    """
+
+    layers: tuple  # tuple[Layer, ...], set below once Layer exists
+
+
+@dataclass(frozen=True)
+class Repeat(LayerRecord):
+    """Its layers, ``times`` times in a row, each repetition with parameters of its own (a stack of
+    transformer blocks). A repetition is a block: names inside it are local to it.
+
+    Attributes:
+        times: how many repetitions, > 0.
+        layers: one repetition's layers, at least one; the last one's output must fit the first.
+    """
+
+    times: int
+    layers: tuple  # tuple[Layer, ...], set below once Layer exists
+
+
 Layer = (
     Linear | Conv2d | MaxPool2d | AvgPool2d | GlobalAvgPool | BatchNorm1d | BatchNorm2d | LayerNorm
-    | Dropout | Embedding | Flatten | ReLU | LeakyReLU | Sigmoid | Tanh | GELU | Softmax
+    | Dropout | Embedding | PositionalEmbedding | SelfAttention | Flatten | ReLU | LeakyReLU
+    | Sigmoid | Tanh | GELU | Softmax | Add | Concat | Residual | Repeat
 )  # fmt: skip
+# A block holds layers of every kind, itself included: the annotation the codec and validator read
+# can only name the union once it exists.
+for _block in (Residual, Repeat):
+    _block.__dataclass_fields__["layers"].type = tuple[Layer, ...]
+# The layers that hold other layers.
+Block = Residual | Repeat
 # The largest table an Embedding may have: float32 holds every integer id below it exactly.
 MAX_EMBEDDINGS = 1 << 24
 # The layers that normalise by batch statistics and keep running ones.
@@ -239,14 +341,29 @@ BatchNorm = BatchNorm1d | BatchNorm2d
 # Losses and the model
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CrossEntropy(Record):
     """Mean cross-entropy over the batch, for integer class labels 0..classes-1; softmax is fused
-    into the loss, so the model ends in raw logits (a Linear with one unit per class, >= 2).
+    into the loss, so the model ends in raw logits (a Linear with one unit per class, >= 2), as
+    PyTorch's ``CrossEntropyLoss(weight=class_weights, label_smoothing=label_smoothing)``.
 
-    A model that guesses uniformly scores ``ln(classes)`` (2.3026 for 10 classes): a run warns when
-    a whole epoch's mean training loss stays within 1% of that. Predictions are probabilities.
+    An output of shape (*S, classes) with labels of shape S a sample (a language model: (T, V)
+    logits, (T,) ids) is a cross-entropy per position, averaged over every position of every real
+    sample; accuracy then counts positions. A model that guesses uniformly scores ``ln(classes)``
+    (2.3026 for 10 classes): a run warns when a whole epoch's mean training loss stays within 1% of
+    that. Predictions are probabilities.
+
+    Attributes:
+        label_smoothing: in [0, 1] (default 0): the target mixes the one-hot label with the
+            uniform distribution, ``(1 - s) * onehot + s / classes``.
+        class_weights: one weight >= 0 per class, or None (default) for all 1: each row's loss is
+            scaled by its label's weight and the mean divides by the sum of the real rows' label
+            weights (PyTorch's rule; under data parallelism each device divides by its own sum
+            scaled up to the global batch, an estimate of that sum).
     """
+
+    label_smoothing: float = field(default=0.0, metadata=LATER)
+    class_weights: tuple[float, ...] | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -255,7 +372,36 @@ class MSE(Record):
     output. Predictions are the raw outputs."""
 
 
-Loss = CrossEntropy | MSE
+@dataclass(frozen=True)
+class L1(Record):
+    """Mean absolute error over the batch and the outputs, for float targets shaped like the
+    model's output (PyTorch's ``L1Loss``; the gradient at 0 is 0). Predictions are the raw outputs."""
+
+
+@dataclass(frozen=True)
+class Huber(Record):
+    """PyTorch's ``HuberLoss(delta=delta)``, mean over the batch and the outputs: ``d^2 / 2`` where
+    ``|d| < delta``, else ``delta * (|d| - delta / 2)``, d the output minus its float target.
+    Predictions are the raw outputs.
+
+    Attributes:
+        delta: where the loss turns from quadratic to linear, > 0 (default 1.0).
+    """
+
+    delta: float = 1.0
+
+
+@dataclass(frozen=True)
+class BCEWithLogits(Record):
+    """Binary cross-entropy on logits, mean over the batch and the outputs (PyTorch's
+    ``BCEWithLogitsLoss``), for multi-label targets in [0, 1] shaped like the model's output:
+    ``max(z, 0) - z * y + log(1 + exp(-|z|))``, the sigmoid fused in. Predictions are
+    probabilities (the sigmoid of each output)."""
+
+
+Loss = CrossEntropy | MSE | L1 | Huber | BCEWithLogits
+# The losses that compare each output with its own float target.
+PointwiseLoss = MSE | L1 | Huber | BCEWithLogits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,7 +427,8 @@ class Model(Record):
             vector, (C, H, W) for images. It must equal the source's sample shape after
             ``data.preprocess``.
         layers: the layers, in order; each must accept the previous one's output shape.
-        loss: CrossEntropy() or MSE(); None only for a model used to predict (training needs one).
+        loss: CrossEntropy(), MSE(), L1(), Huber() or BCEWithLogits(); None only for a model used
+            to predict (training needs one).
         input_dtype: what the inputs are declared as: "float32" (default), "float16" or "uint8".
             It is recorded and shown in summaries; every backend takes float32 inputs today, with
             the values of the module's input convention.

@@ -5,11 +5,14 @@ version). A rule sees a :class:`Rule`: the record, its path, and which fields pa
 those, so one mistake is reported once and never crashes a later rule. Pure.
 """
 
+import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from flow.errors import did_you_mean
-from flow.shapes import count_parameters, trace
+from flow.model_graph import expand
+from flow.shapes import count_parameters
 from flow.spec import (
     SCHEMA_VERSION,
     SGD,
@@ -39,6 +42,7 @@ from flow.spec_data import (
     Resize,
     Split,
     Synthetic,
+    Text,
 )
 from flow.spec_model import (
     MAX_EMBEDDINGS,
@@ -49,11 +53,15 @@ from flow.spec_model import (
     CrossEntropy,
     Dropout,
     Embedding,
+    Huber,
     Init,
     LayerNorm,
     Linear,
     MaxPool2d,
     Model,
+    Repeat,
+    Residual,
+    SelfAttention,
     Softmax,
 )
 
@@ -121,6 +129,26 @@ def _column(v: Any) -> bool:
     return v >= 0 if isinstance(v, int) else v != ""
 
 
+def layer_links(r: Rule) -> None:
+    """Every layer's name and inputs (whether they name layers that exist is the model's rule)."""
+    r.need("name", _filled, "must not be empty")
+    r.need("inputs", _filled, "must name at least one layer, or be None for the previous one")
+    if r.good("inputs") and r.obj.inputs is not None:
+        for i, name in enumerate(r.obj.inputs):
+            if name == "":
+                r.add(f"inputs[{i}]", "must not be empty")
+
+
+def _block(r: Rule) -> None:
+    r.need("layers", _filled, "must hold at least one layer")
+    if isinstance(r.obj, Repeat):
+        r.need("times", _positive, "must be > 0")
+
+
+def _attention(r: Rule) -> None:
+    r.need("heads", _positive, "must be > 0")
+
+
 def _linear(r: Rule) -> None:
     r.need("units", _positive, "must be > 0")
 
@@ -181,18 +209,31 @@ def _model(r: Rule) -> None:
     # Shapes are only traced through layers that are themselves fine.
     layers = model.layers
     fine = next((i for i in range(len(layers)) if r.walk.bad(r.where(f"layers[{i}]"))), len(layers))
-    shapes, failure = trace(model.input_shape, layers[:fine])
-    if failure is not None:
-        r.add(f"layers[{failure[0]}]", failure[1])
+    expansion = expand(replace(model, layers=layers[:fine]), check_unused=fine == len(layers))
+    for problem in expansion.problems:
+        r.add(problem.path, problem.message)
+    if expansion.problems or fine < len(layers) or not isinstance(model.loss, CrossEntropy):
         return
-    if fine < len(layers) or not isinstance(model.loss, CrossEntropy):
-        return
-    last = shapes[-1] if shapes else tuple(model.input_shape)
+    output = expansion.output
+    last = expansion.nodes[output].out_shape if output >= 0 else tuple(model.input_shape)
     where = f"layers[{len(layers) - 1}]" if layers else "loss"
-    if len(last) != 1 or last[0] < 2:
-        r.add(where, f"CrossEntropy needs a 1-D output of at least 2 classes, got shape {last}")
+    if len(last) < 1 or last[-1] < 2:
+        r.add(where, f"CrossEntropy needs an output whose last dimension has >= 2 classes, got shape {last}")
+    weights = model.loss.class_weights
+    if last and r.good("loss") and weights is not None and len(weights) != last[-1]:
+        r.add("loss.class_weights", f"must hold one weight per class ({last[-1]}), got {len(weights)}")
     if layers and isinstance(layers[-1], Softmax):
         r.add(where, "remove this Softmax: CrossEntropy applies softmax itself, fused with the loss")
+
+
+def _cross_entropy(r: Rule) -> None:
+    r.need("label_smoothing", lambda s: 0 <= s <= 1, "must be in [0, 1]")
+    r.need("class_weights", _filled, "must not be empty (None weighs every class 1)")
+    r.need("class_weights", lambda ws: all(0 <= w < math.inf for w in ws), "each must be finite and >= 0")
+
+
+def _huber(r: Rule) -> None:
+    r.need("delta", lambda d: 0 < d < math.inf, "must be finite and > 0")
 
 
 def _warmup(r: Rule) -> None:
@@ -216,6 +257,7 @@ def _cosine(r: Rule) -> None:
 def _optimiser(r: Rule) -> None:
     r.need("lr", _positive, "must be > 0")
     r.need("weight_decay", _non_negative, "must be >= 0")
+    r.need("clip_norm", _positive, "must be > 0 (or null: no clipping)")
     if isinstance(r.obj, SGD):
         r.need("momentum", lambda m: 0 <= m < 1, "must be in [0, 1)")
         if r.good("momentum", "nesterov") and r.obj.nesterov and r.obj.momentum == 0:
@@ -281,6 +323,13 @@ def _synthetic(r: Rule) -> None:
         r.need("classes", lambda c: c >= 2, "must be >= 2")
 
 
+def _text(r: Rule) -> None:
+    # Whether the file exists, decodes and holds a window is for the loader (flow check opens it).
+    _path(r, "path")
+    r.need("context", _positive, "must be > 0")
+    r.need("stride", _positive, "must be > 0")
+
+
 def _arrays(r: Rule) -> None:
     obj = r.obj
     if not r.good("x", "y", "path"):
@@ -342,6 +391,8 @@ def _split(r: Rule) -> None:
 def _data(r: Rule) -> None:
     r.need("batch_size", _positive, "must be > 0")
     r.need("seed", _non_negative, "must be >= 0")
+    if r.good("source", "split") and isinstance(r.obj.source, Text) and r.obj.split.stratify:
+        r.add("split.stratify", "must be false for a Text source: its splits are contiguous runs of the file")
 
 
 _ONE_DEVICE = "must be 'auto', 'cpu', 'all', a device index >= 0 or a non-empty device name"
@@ -469,7 +520,12 @@ RULES: dict[type, Callable[[Rule], None]] = {
     LayerNorm: _layer_norm,
     Dropout: _dropout,
     Embedding: _embedding,
+    SelfAttention: _attention,
+    Residual: _block,
+    Repeat: _block,
     Init: _init,
+    CrossEntropy: _cross_entropy,
+    Huber: _huber,
     Model: _model,
     Constant: _warmup,
     StepLR: _step_lr,
@@ -483,6 +539,7 @@ RULES: dict[type, Callable[[Rule], None]] = {
     IDX: _idx,
     Synthetic: _synthetic,
     Arrays: _arrays,
+    Text: _text,
     Normalize: _normalize,
     RandomCrop: _random_crop,
     HorizontalFlip: _flip,

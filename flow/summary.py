@@ -6,7 +6,8 @@ would write it with keyword fields at their defaults left out. Pure; it assumes 
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
-from flow.shapes import count_parameters, infer_shapes, layer_parameters
+from flow.model_graph import expand, parameter_count
+from flow.shapes import count_parameters, infer_shapes
 from flow.spec import Spec
 
 
@@ -21,10 +22,15 @@ def summarize(spec: Spec) -> str:
     """
     model = spec.model
     shapes = infer_shapes(model)
-    inputs = [tuple(model.input_shape), *shapes]
+    expansion = expand(model)
+    # A block's row counts the parameters of every layer inside it.
     rows = [
-        (f"[{i}] {_brief(layer)}", str(shape), f"{layer_parameters(layer, inputs[i]):,}")
-        for i, (layer, shape) in enumerate(zip(model.layers, shapes, strict=True))
+        (
+            f"[{i}] {_brief(layer)}",
+            str(shape),
+            f"{parameter_count(expansion.nodes[span.start : span.stop]):,}",
+        )
+        for i, (layer, shape, span) in enumerate(zip(model.layers, shapes, expansion.spans, strict=True))
     ]
     rows.insert(0, ("layer", "output", "parameters"))
     wide = [max(len(row[c]) for row in rows) for c in range(3)]
@@ -45,11 +51,12 @@ def _brief(value: Any) -> str:
         return f"({inner},)" if len(value) == 1 else f"({inner})"
     if not is_dataclass(value):
         return repr(value)
-    parts = []
+    parts, keywords = [], []
     for f in fields(value):
         item = getattr(value, f.name)
         if not f.kw_only:
             parts.append(_brief(item))
         elif f.default is MISSING or item != f.default:
-            parts.append(f"{f.name}={_brief(item)}")
+            keywords.append(f"{f.name}={_brief(item)}")
+    parts += keywords  # a base record's keyword fields (a layer's name) come first in fields()
     return f"{type(value).__name__}({', '.join(parts)})"

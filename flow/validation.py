@@ -17,7 +17,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from flow.errors import Problem, SpecError, did_you_mean
 from flow.spec import Spec, file_key
-from flow.spec_rules import RULES, Rule, join, show
+from flow.spec_model import LayerRecord
+from flow.spec_rules import RULES, Rule, join, layer_links, show
 
 
 def alternatives(annotation: Any) -> tuple[Any, ...]:
@@ -150,4 +151,6 @@ class _Walk:
         rule = RULES.get(cls)
         if rule is not None:
             rule(Rule(self, obj, path, clean))
+        if isinstance(obj, LayerRecord):
+            layer_links(Rule(self, obj, path, clean))
 

@@ -1,4 +1,4 @@
-"""Data sources for vkflow: image folders, CSV, raw binary / IDX, synthetic data and the bundled
+"""Data sources for vkflow: image folders, CSV, raw binary / IDX, text, synthetic data and the bundled
 digits, plus the sampler (seeded shuffle per epoch, sharding, resumable position), splits and batch
 transforms.
 
@@ -21,6 +21,7 @@ from loaders.sampler import Sampler, SamplerState
 from loaders.source import Source, SourceStatistics
 from loaders.splits import split_indices
 from loaders.synthetic import SyntheticSource
+from loaders.text import TextSource
 from loaders.transforms import (
     apply_transforms,
     batch_rng,
@@ -43,6 +44,7 @@ __all__ = [
     "Source",
     "SourceStatistics",
     "SyntheticSource",
+    "TextSource",
     "apply_transforms",
     "batch_rng",
     "horizontal_flip",

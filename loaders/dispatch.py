@@ -16,6 +16,7 @@ from loaders.digits import open_digits
 from loaders.image_folder import ImageFolderSource
 from loaders.source import Source
 from loaders.synthetic import SyntheticSource
+from loaders.text import TextSource
 
 
 def _opt(spec: Any, name: str, default: Any) -> Any:
@@ -31,7 +32,7 @@ def open_source(spec: Any) -> Source:
     """Open the source a spec describes.
 
     Args:
-        spec: an ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits or Arrays record.
+        spec: an ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays or Text record.
 
     Returns:
         The open source; the caller closes it.
@@ -81,5 +82,12 @@ def open_source(spec: Any) -> Source:
         return open_digits(workers=_opt(spec, "workers", 2), on_error=_opt(spec, "on_error", "raise"))
     if kind == "Arrays":
         return open_arrays(_opt(spec, "x", None), _opt(spec, "y", None), _opt(spec, "path", None))
-    known = "ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays"
+    if kind == "Text":
+        return TextSource(
+            spec.path,
+            level=_opt(spec, "level", "char"),
+            context=_opt(spec, "context", 128),
+            stride=_opt(spec, "stride", 1),
+        )
+    known = "ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text"
     raise ValueError(f"unknown source spec {kind} ({known})")

@@ -2,7 +2,8 @@
 
 Sizes are the fractions times n, rounded by largest remainder so that they add up to n exactly.
 Stratified splitting does that per class, so each split keeps the class proportions (to within one
-sample per class).
+sample per class). :func:`split_contiguous` keeps file order instead, for samples that share data
+with their neighbours (text windows): a shuffled split would leak it between the parts.
 """
 
 from __future__ import annotations
@@ -71,3 +72,32 @@ def split_indices(
         name: np.sort(np.concatenate(p)).astype(np.int64) if p else np.empty(0, np.int64)
         for name, p in zip(("train", "val", "test"), parts, strict=True)
     }
+
+
+def split_contiguous(n: int, train: float, val: float, test: float, gap: int) -> dict[str, np.ndarray]:
+    """Split ``range(n)`` into runs in order: train first, then val, then test.
+
+    Args:
+        n: number of samples.
+        train: fraction for training.
+        val: fraction for validation.
+        test: fraction for testing; the three must add up to 1.
+        gap: samples left out at the end of a part that a non-empty part follows: sample i shares
+            data with samples up to i + gap, so none of a part's data is in the next one.
+
+    Returns:
+        {"train": ..., "val": ..., "test": ...}: ascending int64 index arrays, disjoint; together
+        they cover ``range(n)`` but for the gaps.
+    """
+    fractions = np.array([train, val, test], dtype=np.float64)
+    if (fractions < 0).any() or abs(fractions.sum() - 1.0) > 1e-6:
+        raise ValueError(f"train, val, test must be >= 0 and add up to 1, got {train}, {val}, {test}")
+    sizes = _allocate(n, fractions)
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    parts = {}
+    for k, name in enumerate(("train", "val", "test")):
+        start, stop = int(bounds[k]), int(bounds[k + 1])
+        if sizes[k + 1 :].sum() > 0:
+            stop = max(start, stop - gap)
+        parts[name] = np.arange(start, stop, dtype=np.int64)
+    return parts

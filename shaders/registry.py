@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from flow.device_facts import DeviceFacts
 from flow.program import Launch, Program
+from shaders.attention_tiles import tune_attention
 from shaders.tiles import (
     COOPMAT_F16_SPEC,
     COOPMAT_SPEC,
@@ -46,6 +47,8 @@ UNARY_EXTRA: dict[str, int] = {"scale_shift": 6, "copy": 7, "exp": 8}
 BINARY: dict[str, int] = {"add": 0, "sub": 1, "mul": 2}
 REDUCE: dict[str, int] = {"sum": 0, "mean": 1, "max": 2}
 CASTS: dict[str, int] = {"f32_to_f16": 0, "f16_to_f32": 1, "i32_to_f32": 2, "f32_to_i32": 3}
+# The pointwise losses of mse.comp (its ``fn``), each output against its own float target.
+LOSSES: dict[str, int] = {"MSE": 0, "L1": 1, "Huber": 2, "BCEWithLogits": 3}
 # Every op-code table by the prefix of its GLSL names (ACT_RELU, BINARY_ADD, ...). These tables are
 # the codes' one source: the shader compiler writes them into a generated op_codes.glsl
 # (compiler.op_codes_glsl), so no shader spells a code as a number; tests/test_shaders.py checks it.
@@ -55,6 +58,7 @@ OP_CODES: dict[str, dict] = {
     "BINARY": BINARY,
     "REDUCE": REDUCE,
     "CAST": CASTS,
+    "LOSS": LOSSES,
 }
 
 Groups = tuple[int, int, int]
@@ -132,6 +136,21 @@ class OpDef:
         if overrides:
             values.update({k: v for k, v in overrides.items() if k in values})
         return values
+
+
+_SGD_PUSH = (("n", "u"), ("momentum", "f"), ("nesterov", "u"), ("weight_decay", "f"))
+# 1 - beta arrive precomputed in double precision, as PyTorch computes them: in float32,
+# 1 - float32(0.999) is 1.3e-5 (relative) away from 0.001.
+_ADAM_PUSH = (
+    ("n", "u"),
+    ("beta1", "f"),
+    ("beta2", "f"),
+    ("eps", "f"),
+    ("weight_decay", "f"),
+    ("decoupled", "u"),
+    ("one_minus_beta1", "f"),
+    ("one_minus_beta2", "f"),
+)
 
 
 def _linear_groups(count_param: str, per_thread: int = 1):
@@ -251,6 +270,24 @@ def _norm_element_groups(params, local, spec) -> Groups:
     return capped_groups(int(params["N"]) * int(params["C"]) * int(params["HW"]), local[0])
 
 
+# Every attention op's push block; scale is normally 1 / sqrt(dh), causal 0 or 1.
+_ATTENTION_PUSH = (("N", "u"), ("T", "u"), ("H", "u"), ("dh", "u"), ("scale", "f"), ("causal", "u"))
+
+
+def _attention(name: str, bindings: tuple[str, ...], kind: str) -> OpDef:
+    """A fused attention kernel: one workgroup per (block of BR rows, head, sample)."""
+    return OpDef(
+        name,
+        f"{name}.comp",
+        bindings,
+        _ATTENTION_PUSH,
+        lambda p, local, spec: (ceil_div(int(p["T"]), spec["BR"]), int(p["H"]), int(p["N"])),
+        spec=(("BR", 64), ("BC", 32), ("G", 4), ("DHP", 64)),
+        local_from_spec=lambda s: (s["BR"] * s["G"], 1, 1),
+        tune=lambda params, facts, table=None: tune_attention(kind, params, facts),
+    )
+
+
 # The push constants gemm and gemm_coopmat share (gemm adds k_splits).
 _GEMM_PUSH = (
     ("M", "u"),
@@ -350,9 +387,35 @@ _OPS: tuple[OpDef, ...] = (
         "softmax_xent",
         "softmax_xent.comp",
         ("logits", "labels", "loss_rows", "correct_rows", "dlogits", "stepvals"),
-        (("rows", "u"), ("cols", "u"), ("write_grad", "u")),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("per_sample", "u")),
         _rows_groups,
         local_size=(64, 1, 1),
+    ),
+    # softmax_xent with label smoothing and class weights (PyTorch's CrossEntropyLoss): divided by
+    # weight_sum[0] (class_weight_sum's) when weighted, else as softmax_xent (see the shader).
+    OpDef(
+        "softmax_xent_general",
+        "softmax_xent_general.comp",
+        ("logits", "labels", "weights", "weight_sum", "loss_rows", "correct_rows", "dlogits", "stepvals"),
+        (
+            ("rows", "u"),
+            ("cols", "u"),
+            ("write_grad", "u"),
+            ("per_sample", "u"),
+            ("weighted", "u"),
+            ("smoothing", "f"),
+        ),
+        _rows_groups,
+        local_size=(64, 1, 1),
+    ),
+    # weight_sum[0] = the real rows' label weights summed, scaled from this batch to the divisor's.
+    OpDef(
+        "class_weight_sum",
+        "class_weight_sum.comp",
+        ("labels", "weights", "stepvals", "weight_sum"),
+        (("rows", "u"), ("cols", "u"), ("per_sample", "u")),
+        lambda params, local, spec: (1, 1, 1),
+        local_size=(256, 1, 1),
     ),
     # softmax_xent for narrow rows with the batch totals fused: loss = mean of the first n row
     # losses, correct = count of right rows among them; one workgroup (see the shader).
@@ -360,17 +423,18 @@ _OPS: tuple[OpDef, ...] = (
         "softmax_xent_totals",
         "softmax_xent_totals.comp",
         ("logits", "labels", "loss", "correct", "dlogits", "stepvals"),
-        (("rows", "u"), ("cols", "u"), ("write_grad", "u")),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("per_sample", "u")),
         lambda params, local, spec: (1, 1, 1),
         local_size=(256, 1, 1),
     ),
-    # Over the first n = stepvals[4] rows: loss_rows[r] = mean_c (Y - T)^2 / n; when write_grad,
-    # dY = 2 (Y - T) / (n * cols); padding rows get 0.
+    # Over the first n = stepvals[4] rows: loss_rows[r] = mean_c f(Y, T) / n, f by fn (LOSSES: MSE
+    # by default, L1, Huber with delta, BCEWithLogits); when write_grad, dY = f' / (n * cols);
+    # padding rows get 0.
     OpDef(
         "mse",
         "mse.comp",
         ("Y", "T", "loss_rows", "dY", "stepvals"),
-        (("rows", "u"), ("cols", "u"), ("write_grad", "u")),
+        (("rows", "u"), ("cols", "u"), ("write_grad", "u"), ("fn", "u"), ("delta", "f")),
         _rows_groups,
         local_size=(64, 1, 1),
     ),
@@ -486,6 +550,20 @@ _OPS: tuple[OpDef, ...] = (
         _LAYER_NORM_PUSH,
         lambda p, local, spec: capped_groups(int(p["N"]) * int(p["R"]), 1),
     ),
+    # Fused causal (or not) multi-head self-attention on qkv [N, T, 3D] (rows [q | k | v], D = H * dh):
+    # Y [N, T, D] and L [N, H, T] (each query row's log-sum-exp), no T x T buffer. The backward:
+    # attention_backward_dot (Drow = rowwise dY . Y), then _kv and _q, which write disjoint columns
+    # of dqkv (k and v; q), every element exactly once. Tiles per dh: attention_tiles.
+    _attention("attention", ("qkv", "Y", "L"), "forward"),
+    OpDef(
+        "attention_backward_dot",
+        "attention_backward_dot.comp",
+        ("dY", "Y", "Drow"),
+        _ATTENTION_PUSH,
+        lambda p, local, spec: capped_groups(int(p["N"]) * int(p["T"]) * int(p["H"]), local[0]),
+    ),
+    _attention("attention_backward_kv", ("qkv", "dY", "L", "Drow", "dqkv"), "kv"),
+    _attention("attention_backward_q", ("qkv", "dY", "L", "Drow", "dqkv"), "q"),
     # Y = X * mask * scale, the mask a hash of (seed, step stepvals[3], element): dropout's forward
     # and, on the output's gradient, its backward.
     OpDef(
@@ -494,6 +572,22 @@ _OPS: tuple[OpDef, ...] = (
         ("X", "stepvals", "Y"),
         (("n", "u"), ("seed", "u"), ("threshold", "u"), ("scale", "f")),
         _linear_groups("n"),
+    ),
+    # Y[r, y_offset + c] = X[r, x_offset + c]: a block of columns between matrices (Concat).
+    OpDef(
+        "copy_columns",
+        "copy_columns.comp",
+        ("X", "Y"),
+        tuple((name, "u") for name in ("rows", "cols", "x_width", "x_offset", "y_width", "y_offset")),
+        lambda p, local, spec: capped_groups(int(p["rows"]) * int(p["cols"]), local[0]),
+    ),
+    # Y[r, c] = X[r, c] + B[c]: one row added to each row of a batch (a position embedding).
+    OpDef(
+        "add_rows",
+        "add_rows.comp",
+        ("X", "B", "Y"),
+        (("rows", "u"), ("cols", "u")),
+        lambda p, local, spec: capped_groups(int(p["rows"]) * int(p["cols"]), local[0]),
     ),
     # Y[i, :] = W[ids[i], :] for the N * S ids (float32, clamped into [0, V)) of a batch.
     OpDef(
@@ -513,30 +607,26 @@ _OPS: tuple[OpDef, ...] = (
         local_size=(64, 1, 1),
     ),
     # In-place optimisers over a flat parameter range; step values [lr, 1-b1^t, 1-b2^t, t] per slot.
+    OpDef("sgd", "sgd.comp", ("P", "G", "M", "stepvals"), _SGD_PUSH, _linear_groups("n")),
+    OpDef("adam", "adam.comp", ("P", "G", "M", "V", "stepvals"), _ADAM_PUSH, _linear_groups("n")),
+    # sgd and adam with each gradient scaled by clip[1] (grad_norm's factor): clipping by global norm.
+    OpDef("sgd_clip", "sgd_clip.comp", ("P", "G", "M", "stepvals", "clip"), _SGD_PUSH, _linear_groups("n")),
     OpDef(
-        "sgd",
-        "sgd.comp",
-        ("P", "G", "M", "stepvals"),
-        (("n", "u"), ("momentum", "f"), ("nesterov", "u"), ("weight_decay", "f")),
+        "adam_clip",
+        "adam_clip.comp",
+        ("P", "G", "M", "V", "stepvals", "clip"),
+        _ADAM_PUSH,
         _linear_groups("n"),
     ),
+    # parts > 0: Y[w] = the sum of squares of X[:n] that workgroup w strides over, for each of parts
+    # workgroups; parts = 0: one workgroup joins the partials X[:n] into s, Y = [sqrt(s),
+    # min(1, max_norm / (sqrt(s) + 1e-6))]. The tree needs a power-of-two workgroup size.
     OpDef(
-        "adam",
-        "adam.comp",
-        ("P", "G", "M", "V", "stepvals"),
-        # 1 - beta arrive precomputed in double precision, as PyTorch computes them: in float32,
-        # 1 - float32(0.999) is 1.3e-5 (relative) away from 0.001.
-        (
-            ("n", "u"),
-            ("beta1", "f"),
-            ("beta2", "f"),
-            ("eps", "f"),
-            ("weight_decay", "f"),
-            ("decoupled", "u"),
-            ("one_minus_beta1", "f"),
-            ("one_minus_beta2", "f"),
-        ),
-        _linear_groups("n"),
+        "grad_norm",
+        "grad_norm.comp",
+        ("X", "Y"),
+        (("n", "u"), ("parts", "u"), ("max_norm", "f")),
+        lambda p, local, spec: (max(1, int(p.get("parts", 0))), 1, 1),
     ),
     OpDef("fill", "fill.comp", ("X",), (("n", "u"), ("value", "f")), _linear_groups("n")),
     # Copies n 32-bit elements (float32, int32 or uint32) bit for bit.
@@ -611,6 +701,8 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "softmax_backward": ("dX",),
     "softmax_xent": ("loss_rows", "correct_rows", "dlogits"),
     "softmax_xent_totals": ("loss", "correct", "dlogits"),
+    "softmax_xent_general": ("loss_rows", "correct_rows", "dlogits"),
+    "class_weight_sum": ("weight_sum",),
     "mse": ("loss_rows", "dY"),
     "conv2d": ("Y",),
     "conv2d_backward_data": ("dX",),
@@ -625,6 +717,8 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "avgpool2d": ("Y",),
     "avgpool2d_backward": ("dX",),
     "broadcast_rows": ("Y",),
+    "copy_columns": ("Y",),
+    "add_rows": ("Y",),
     "batchnorm_stats": ("running_mean", "running_var", "stats"),
     "batchnorm": ("Y",),
     "batchnorm_backward_reduce": ("stats", "dgamma", "dbeta"),
@@ -632,11 +726,18 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "layernorm": ("Y", "stats"),
     "layernorm_backward_reduce": ("dgamma", "dbeta"),
     "layernorm_backward_data": ("dX",),
+    "attention": ("Y", "L"),
+    "attention_backward_dot": ("Drow",),
+    "attention_backward_kv": ("dqkv",),
+    "attention_backward_q": ("dqkv",),
     "dropout": ("Y",),
     "embedding": ("Y",),
     "embedding_backward": ("dW",),
     "sgd": ("P", "M"),
     "adam": ("P", "M", "V"),
+    "sgd_clip": ("P", "M"),
+    "adam_clip": ("P", "M", "V"),
+    "grad_norm": ("Y",),
     "fill": ("X",),
     "copy": ("Y",),
     "gather_rows": ("X", "Y"),
@@ -654,6 +755,11 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "binary": (("a", 1.0),),
     "broadcast_rows": (("alpha", 1.0),),
     "reduce": (("alpha", 1.0),),
+    "softmax_xent": (("per_sample", 1),),
+    "softmax_xent_totals": (("per_sample", 1),),
+    "softmax_xent_general": (("per_sample", 1),),
+    "class_weight_sum": (("per_sample", 1),),
+    "mse": (("delta", 1.0),),
     "gemm_coopmat": (("alpha", 1.0),),
     "gemm_coopmat_f16": (("alpha", 1.0),),
 }

@@ -1,5 +1,7 @@
 // Fused softmax + cross-entropy over logits [rows, cols] with int32 labels [rows], of which the
-// first n = stepvals[4] are real (the rest are padding of a partial batch):
+// first n = stepvals[4] * per_sample are real (the rest are padding of a partial batch; per_sample
+// > 1 for a cross-entropy per position, such as a language model's per token, where n counts
+// positions and the loss divides by the divisor stepvals[5] times per_sample):
 //   loss_rows[r] = (log(sum_c exp(x_c - max)) - (x_label - max)) / n, so their sum is the mean
 //   correct_rows[r] = 1.0 if the FIRST maximum of the row is at label, else 0.0 (numpy argmax)
 //   dlogits = (softmax - onehot(label)) / n, only when write_grad != 0 (dlogits is not
@@ -23,6 +25,7 @@ layout(push_constant) uniform Push {
     uint rows;
     uint cols;
     uint write_grad;
+    uint per_sample;  // rows a sample: one a position of its output's leading dims (1 for a flat one)
 } pc;
 
 shared float partial[gl_WorkGroupSize.x];
@@ -34,8 +37,10 @@ shared uint partial_index[gl_WorkGroupSize.x];
 void main() {
     uint lid = gl_LocalInvocationID.x;
     uint size = gl_WorkGroupSize.x;
-    uint n = valid_rows(stepvals[4], pc.rows);
-    float scale = 1.0 / mean_divisor(stepvals[5], n);
+    uint per_sample = max(pc.per_sample, 1u);
+    uint samples = valid_rows(stepvals[4], pc.rows / per_sample);
+    uint n = samples * per_sample;
+    float scale = 1.0 / (mean_divisor(stepvals[5], samples) * float(per_sample));
     for (uint row = gl_WorkGroupID.x; row < pc.rows; row += gl_NumWorkGroups.x) {
         uint base = row * pc.cols;
         if (row >= n) {

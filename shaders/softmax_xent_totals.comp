@@ -1,7 +1,9 @@
 // softmax_xent for narrow logits (a classifier's few classes), with the batch totals fused in,
-// over the first n = stepvals[4] rows of the batch (the rest are padding of a partial batch):
+// over the first n = stepvals[4] * per_sample rows of the batch (the rest are padding of a partial
+// batch; per_sample > 1 for a cross-entropy per position, such as a language model's per token):
 //   loss[0] = (1 / n) * sum_{r<n} (log(sum_c exp(x_rc - max_r)) - (x_r,label - max_r))
-//   correct[0] = number of rows r < n whose FIRST maximum is at the label (numpy argmax)
+//   correct[0] = number of rows r < n whose FIRST maximum is at the label (numpy argmax), divided
+//   by per_sample (so correct / samples is the fraction of positions right)
 //   dlogits = (softmax - onehot(label)) / n for r < n and 0 for padding rows, when write_grad != 0.
 // Same per-row semantics as softmax_xent.comp (a label outside [0, cols) gives a NaN loss and
 // counts as wrong), but one workgroup does it all: each invocation owns whole rows (its columns
@@ -24,6 +26,7 @@ layout(push_constant) uniform Push {
     uint rows;
     uint cols;
     uint write_grad;
+    uint per_sample;  // rows a sample: one a position of its output's leading dims (1 for a flat one)
 } pc;
 
 shared float partial[gl_WorkGroupSize.x];
@@ -34,8 +37,10 @@ shared uint partial_index[gl_WorkGroupSize.x];
 
 void main() {
     uint lid = gl_LocalInvocationID.x;
-    uint n = valid_rows(stepvals[4], pc.rows);
-    float scale = 1.0 / mean_divisor(stepvals[5], n);
+    uint per_sample = max(pc.per_sample, 1u);
+    uint samples = valid_rows(stepvals[4], pc.rows / per_sample);
+    uint n = samples * per_sample;
+    float scale = 1.0 / (mean_divisor(stepvals[5], samples) * float(per_sample));
     float loss_sum = 0.0;
     float correct_sum = 0.0;
     for (uint row = lid; row < pc.rows; row += gl_WorkGroupSize.x) {
@@ -81,6 +86,6 @@ void main() {
     correct_sum = group_sum(correct_sum);
     if (lid == 0u) {
         loss[0] = scale * loss_sum;
-        correct[0] = correct_sum;
+        correct[0] = correct_sum / float(per_sample);  // in samples: correct / rows is per position
     }
 }

@@ -17,9 +17,11 @@ from flow.spec import (
     SGD,
     Adam,
     AdamW,
+    Add,
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
+    Concat,
     Constant,
     Conv2d,
     Cosine,
@@ -41,6 +43,8 @@ from flow.spec import (
     RandomCrop,
     RawBinary,
     ReLU,
+    Repeat,
+    Residual,
     Resize,
     RunSettings,
     Scale,
@@ -67,6 +71,25 @@ seeds = st.integers(0, 2**32)
 
 def batch_norms(kind: type) -> st.SearchStrategy:
     return st.builds(kind, momentum=floats(0, 1), eps=floats(1e-8, 1.0))
+
+
+@st.composite
+def graph_blocks(draw, hidden: st.SearchStrategy) -> list:
+    """Layers that make a flat model a graph: a Linear named for later, then a Residual block (in
+    a Repeat or not) or a second branch from it, joined back by Add or Concat."""
+    width = draw(st.integers(1, 32))
+    layers = [Linear(width, activation=draw(activations), name="trunk")]
+    block = tuple(draw(st.lists(hidden, max_size=2))) + (Linear(width, bias=draw(st.booleans())),)
+    kind = draw(st.sampled_from(["residual", "repeat", "add", "concat"]))
+    if kind == "residual":
+        layers.append(Residual(block))
+    elif kind == "repeat":
+        layers.append(Repeat(draw(st.integers(1, 3)), (Residual(block),)))
+    else:
+        layers += [*block[:-1], Linear(width, name="branch"), Add(inputs=("branch", "trunk"))]
+        if kind == "concat":
+            layers[-1] = Concat(inputs=("trunk", "branch"))
+    return layers
 
 
 @st.composite
@@ -104,6 +127,8 @@ def models(draw) -> Model:
         | batch_norms(BatchNorm1d)
     )
     layers += draw(st.lists(hidden, max_size=3))
+    if draw(st.booleans()):
+        layers += draw(graph_blocks(hidden))
     layers.append(Linear(draw(st.integers(2, 16)), bias=draw(st.booleans())))
     return Model(
         input_shape=input_shape,

@@ -136,12 +136,20 @@ def test_defaults_and_single_kinds_may_be_left_out():
 
 def test_unknown_schema_version():
     tree = encode(mlp())
-    tree["schema"] = 2
-    with pytest.raises(SpecError, match="found schema 2; this vkflow reads schema 1"):
+    tree["schema"] = 3
+    with pytest.raises(SpecError, match="found schema 3; this vkflow reads schemas 1, 2"):
         loads(msgpack.packb(tree))
     del tree["schema"]
     with pytest.raises(SpecError, match="found no schema"):
         decode(tree)
+
+
+def test_a_schema_1_file_still_loads_as_the_same_spec():
+    """Version 2 only added graph models: a sequential spec written as version 1 means the same."""
+    tree = encode(mlp())
+    assert tree["schema"] == 2 and "name" not in tree["model"]["layers"][0]
+    tree["schema"] = 1
+    assert loads(msgpack.packb(tree)) == mlp()
 
 
 def test_unknown_key_suggests_the_field():

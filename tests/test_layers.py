@@ -151,7 +151,7 @@ FLOW_TIERS: dict[str, int] = {
     # 0: records: frozen data and the errors that describe it
     **dict.fromkeys(("spec", "spec_base", "spec_model", "spec_data", "errors", "program", "device_facts"), 0),
     # 1: pure decisions on records
-    **dict.fromkeys(("codec", "validation", "spec_rules", "summary", "shapes", "graph"), 1),
+    **dict.fromkeys(("codec", "validation", "spec_rules", "summary", "shapes", "model_graph", "graph"), 1),
     **dict.fromkeys(("autodiff", "optim", "planning", "data_plan", "pipeline_plan", "parallel_plan"), 1),
     **dict.fromkeys(("plan_table", "preflight", "inputs"), 1),
     # 2: entry points: the only flow modules that run actors

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -189,7 +190,7 @@ def test_two_ranks_on_lavapipe_train_as_one_device(tmp_path, vulkan_backend):
 
 # A rank's script: train, with what goes wrong on rank 1 (argv[2]) patched in first.
 SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 import flow
 from actors.data_parallel import DataParallelActor
 from actors.engine import Engine
@@ -201,8 +202,8 @@ step = DataParallelActor.step
 
 def faulty(self, batch):
     if rank == 1 and batch.split == "train" and batch.step == 7:
-        if fault == "dies":
-            os._exit(9)
+        if fault == "dies":  # kill -9
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault == "hangs":
             time.sleep(600)
     return step(self, batch)
@@ -219,7 +220,8 @@ flow.run(sys.argv[1])
 @pytest.mark.parametrize("fault", ["drifts", "dies", "hangs"])
 def test_a_rank_that_drifts_dies_or_hangs_stops_the_job(tmp_path, fault):
     """Weights that differ stop every rank at the next check, naming the rank; a rank that dies
-    or stops answering ends the job within its deadline; the last checkpoint stays intact."""
+    or stops answering ends the job within its deadline, and the output names it; the last
+    checkpoint stays intact."""
     (tmp_path / "rank.py").write_text(SCRIPT)
     spec = _written(tmp_path, "mpi", synthetic_spec(epochs=3, checkpoint_every=5))
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
@@ -231,14 +233,36 @@ def test_a_rank_that_drifts_dies_or_hangs_stops_the_job(tmp_path, fault):
         assert "the weights of rank 1 differ from rank 0's after step 4" in said
         assert not checkpoints.checkpoints(tmp_path / "mpi" / "ckpt")
         return
-    if fault == "hangs":
-        assert "rank 0: the other ranks did not answer within 5 s" in said
+    if fault == "hangs":  # rank 0 probed rank 1, which did not answer
+        assert "vkflow: rank 0 of 2: rank 1 did not answer within 5 s (the rows of train batch 7): " \
+               "it died or hung; aborting the MPI job" in said  # fmt: skip
         assert checkpoints.load(tmp_path / "mpi" / "ckpt").cursor.step == 5, said
         return
-    # A dead rank makes the launcher kill rank 0 at once, possibly while its sink is still writing
-    # the step-5 checkpoint (it lags the device): what is on disk is then nothing or intact.
+    # A dead rank makes the launcher kill rank 0 at once (MPICH's hydra, Open MPI), naming the dead
+    # one: by its pid (hydra: rank 0's first line says whose it is) or its rank (Open MPI); else
+    # vkflow's watchdog names it. Rank 0 may be killed while its sink is still writing the step-5
+    # checkpoint (it lags the device): what is on disk is then nothing or intact.
+    pid = re.search(r"PID (\d+)", said)
+    named = ("rank 1 did not answer", f"rank 1 is pid {pid and pid[1]} ", "process rank 1 ")
+    assert any(text in said for text in named), said
     if checkpoints.checkpoints(tmp_path / "mpi" / "ckpt"):
         assert checkpoints.load(tmp_path / "mpi" / "ckpt").cursor.step == 5, said
+
+
+@needs_mpi
+def test_the_ranks_that_wait_name_the_rank_that_hangs(tmp_path):
+    """Three ranks, rank 1 hangs: past the deadline, ranks 0 and 2 probe each other and rank 1, and
+    name rank 1 alone (whichever aborts first may stop the other before it prints)."""
+    (tmp_path / "rank.py").write_text(SCRIPT)
+    spec = _written(tmp_path, "mpi", synthetic_spec(epochs=3, checkpoint_every=5))
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = {"VKFLOW_CHECK_EVERY": "4", "VKFLOW_MPI_DEADLINE": "3", "PYTHONPATH": path}
+    done, seconds = _mpiexec(tmp_path, 3, "rank.py", spec, "hangs", env=env, timeout=120)
+    said = done.stdout + done.stderr
+    lines = re.findall(r"vkflow: rank (\d) of 3: (.*) did not answer within 3 s", said)
+    assert done.returncode != 0 and seconds < 30 and lines, said
+    assert {rank for rank, _ in lines} <= {"0", "2"} and {who for _, who in lines} == {"rank 1"}, said
+    assert checkpoints.load(tmp_path / "mpi" / "ckpt").cursor.step == 5, said
 
 
 def test_plan_shows_the_ranks_part_of_each_global_batch():

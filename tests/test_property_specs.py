@@ -39,6 +39,8 @@ from flow.spec import (
     SGD,
     Adam,
     AdamW,
+    Add,
+    Concat,
     Constant,
     Conv2d,
     Cosine,
@@ -54,6 +56,8 @@ from flow.spec import (
     Model,
     Normalize,
     ReLU,
+    Repeat,
+    Residual,
     RunSettings,
     Sigmoid,
     Softmax,
@@ -137,6 +141,24 @@ def _cnn(r: random.Random, index: int, outputs: int) -> tuple[tuple[int, ...], t
     return shape, tuple(layers)
 
 
+def _graph(r: random.Random) -> tuple:
+    """Layers that make a model a graph: a named trunk, then a Residual block (maybe repeated) or a
+    branch of its own joined back to the trunk by Add or Concat (or one joining the model's input)."""
+    width = _width(r, 1, 40)
+    activation, extra = _activation(r, None)
+    block = (Linear(units=width, activation=activation), *extra, Linear(units=width, bias=r.random() < 0.9))
+    trunk = Linear(units=width, activation=r.choice((None, *ACTIVATIONS)), name="trunk")
+    kind = r.choice(("residual", "repeat", "add", "concat", "input"))
+    if kind == "residual":
+        return trunk, Residual(block)
+    if kind == "repeat":
+        return trunk, Repeat(r.randint(2, 3), (Residual(block[-1:]), *extra))
+    if kind == "input":
+        return trunk, Linear(units=width, inputs=("input",), name="side"), Concat(inputs=("trunk", "side"))
+    join = Add if kind == "add" else Concat
+    return trunk, *block[:-1], Linear(units=width, name="branch"), join(inputs=("branch", "trunk", "branch"))
+
+
 def _optimiser(r: random.Random, index: int, steps: int):
     kind, schedule_kind = OPTIMISERS[index % 3], SCHEDULES[(index // 3) % 4]
     warmup = r.randint(1, 2) if schedule_kind == "warmup" else r.choice((0, 0, 1))
@@ -182,6 +204,8 @@ def _draw(r: random.Random, index: int) -> Spec:
         input_shape, layers = _cnn(r, index, outputs)
     else:
         input_shape, layers = _mlp(r, index, outputs, wide)
+        if not wide and index % 3 == 2:  # a graph: branches joined, residual blocks, repeats
+            layers = (*layers[:-1], *_graph(r), layers[-1])
     if regression and r.random() < 0.3:
         layers = (*layers, r.choice((Tanh(), Sigmoid())))
 

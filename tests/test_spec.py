@@ -122,7 +122,9 @@ def test_every_spec_record_documents_each_field(record):
     """help() shows a dataclass's docstring, so each field is described in its Attributes."""
     doc = record.__doc__ or ""
     assert doc and not doc.startswith(f"{record.__name__}("), "no docstring of its own"
-    names = [f.name for f in fields(record) if f.name != "_"]
+    # Fields a base record declares (every layer's name and inputs) are documented by that base.
+    inherited = {name for base in record.__mro__[1:] for name in getattr(base, "__dataclass_fields__", {})}
+    names = [f.name for f in fields(record) if f.name != "_" and f.name not in inherited]
     if names:
         attributes = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
         missing = [name for name in names if f"\n        {name}: " not in attributes]

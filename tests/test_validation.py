@@ -145,7 +145,7 @@ def test_shapes_stop_at_a_broken_layer():
 def test_loss_rules():
     assert paths(mlp(loss=None)) == ["model.loss"]
     assert [str(p) for p in validate(mlp(layers=(Flatten(), Linear(1))))] == [
-        "model.layers[1]: CrossEntropy needs a 1-D output of at least 2 classes, got shape (1,)"
+        "model.layers[1]: CrossEntropy needs an output whose last dimension has >= 2 classes, got shape (1,)"
     ]
     assert paths(mlp(layers=(Flatten(), Linear(10), Softmax()))) == ["model.layers[2]"]
     assert validate(mlp(layers=(Flatten(), Linear(10), Softmax()), loss=MSE())) == []

@@ -1,0 +1,58 @@
+// In-place Adam / AdamW over n parameters, PyTorch's formulas. Step values come from
+// stepvals = [lr, 1-beta1^t, 1-beta2^t, t], so the step count needs no re-recording.
+//   decoupled (AdamW): P *= 1 - lr * weight_decay;  else (Adam): g = G + weight_decay * P
+//   M = beta1 * M + (1 - beta1) * g;  V = beta2 * V + (1 - beta2) * g^2
+//   P -= lr * (M / (1-beta1^t)) / (sqrt(V / (1-beta2^t)) + eps)
+// The body of adam.comp and, with CLIP defined, of adam_clip.comp, which first scales every G by
+// clip[1] (grad_norm's factor: clipping by global norm).
+
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+
+layout(std430, set = 0, binding = 0) buffer PBuf { float P[]; };
+layout(std430, set = 0, binding = 1) readonly buffer GBuf { float G[]; };
+layout(std430, set = 0, binding = 2) buffer MBuf { float M[]; };
+layout(std430, set = 0, binding = 3) buffer VBuf { float V[]; };
+layout(std430, set = 0, binding = 4) readonly buffer StepBuf { float stepvals[]; };
+#ifdef CLIP
+layout(std430, set = 0, binding = 5) readonly buffer ClipBuf { float clip[]; };
+#endif
+
+layout(push_constant) uniform Push {
+    uint n;
+    float beta1;
+    float beta2;
+    float eps;
+    float weight_decay;
+    uint decoupled;
+    float one_minus_beta1;  // 1 - beta1, computed in double on the host (PyTorch's rounding)
+    float one_minus_beta2;
+} pc;
+
+void main() {
+    float lr = stepvals[0];
+    float bias1 = stepvals[1];
+    float bias2 = stepvals[2];
+#ifdef CLIP
+    float scale = clip[1];
+#endif
+    uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
+        float p = P[i];
+#ifdef CLIP
+        float g = G[i] * scale;
+#else
+        float g = G[i];
+#endif
+        if (pc.decoupled != 0u) {
+            p *= 1.0 - lr * pc.weight_decay;
+        } else {
+            g += pc.weight_decay * p;
+        }
+        float m = pc.beta1 * M[i] + pc.one_minus_beta1 * g;
+        float v = pc.beta2 * V[i] + pc.one_minus_beta2 * g * g;
+        M[i] = m;
+        V[i] = v;
+        float denom = sqrt(v / bias2) + pc.eps;
+        P[i] = p - lr * (m / bias1) / denom;
+    }
+}

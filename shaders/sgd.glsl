@@ -1,0 +1,47 @@
+// In-place SGD over n parameters, PyTorch's formula (dampening 0):
+//   g = G + weight_decay * P
+//   if momentum != 0: M = momentum * M + g; g = nesterov ? g + momentum * M : M
+//   P -= lr * g
+// lr comes from stepvals[0] ([lr, 1-beta1^t, 1-beta2^t, t]), so a schedule needs no re-recording.
+// M is not touched when momentum == 0, so any buffer may be bound there.
+// The body of sgd.comp and, with CLIP defined, of sgd_clip.comp, which first scales every G by
+// clip[1] (grad_norm's factor: clipping by global norm).
+
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+
+layout(std430, set = 0, binding = 0) buffer PBuf { float P[]; };
+layout(std430, set = 0, binding = 1) readonly buffer GBuf { float G[]; };
+layout(std430, set = 0, binding = 2) buffer MBuf { float M[]; };
+layout(std430, set = 0, binding = 3) readonly buffer StepBuf { float stepvals[]; };
+#ifdef CLIP
+layout(std430, set = 0, binding = 4) readonly buffer ClipBuf { float clip[]; };
+#endif
+
+layout(push_constant) uniform Push {
+    uint n;
+    float momentum;
+    uint nesterov;
+    float weight_decay;
+} pc;
+
+void main() {
+    float lr = stepvals[0];
+#ifdef CLIP
+    float scale = clip[1];
+#endif
+    uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
+        float p = P[i];
+#ifdef CLIP
+        float g = G[i] * scale + pc.weight_decay * p;
+#else
+        float g = G[i] + pc.weight_decay * p;
+#endif
+        if (pc.momentum != 0.0) {
+            float m = pc.momentum * M[i] + g;
+            M[i] = m;
+            g = pc.nesterov != 0u ? g + pc.momentum * m : m;
+        }
+        P[i] = p - lr * g;
+    }
+}
