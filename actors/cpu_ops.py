@@ -815,6 +815,58 @@ def argmax(arrays: list[np.ndarray], p: Params) -> None:
     out[:rows] = x[: rows * cols].reshape(rows, cols).argmax(axis=1)
 
 
+def _f32(bits: int) -> np.float32:
+    return np.uint32(bits).view(np.float32)
+
+
+def _exp_neg(x: np.ndarray) -> np.ndarray:
+    """sample_token.comp's exp_neg, the same float32 operations in the same order."""
+    k = np.floor(x * _f32(0x3FB8AA3B) + np.float32(0.5))
+    r = (x - k * _f32(0x3F317200)) - k * _f32(0x35BFBE8E)
+    p = np.full_like(x, _f32(0x3AB60B61))
+    for c in (0x3C088889, 0x3D2AAAAB, 0x3E2AAAAB, 0x3F000000, 0x3F800000, 0x3F800000):  # 1/5! .. 1/2, 1, 1
+        p = p * r + _f32(c)
+    return np.where(x < -87, np.float32(0), np.ldexp(p, np.maximum(k, -126).astype(np.int32)))
+
+
+def sample_draw(logits: np.ndarray, top_k: int, seed: int, step: int, inv_temperature: float) -> int:
+    """The id sample_token.comp draws, to the bit, from float32 ``logits`` [V] keeping the
+    ``top_k`` largest (ties: lowest index first), with a uniform hashed from (``seed``, ``step``)."""
+    bits = logits.view(np.uint32)
+    keys = np.where(bits >> np.uint32(31), ~bits, bits | np.uint32(0x80000000))
+    kept = np.zeros(len(logits), bool)
+    kept[np.lexsort((np.arange(len(logits)), ~keys))[:top_k]] = True
+    x = (logits - logits.max()) * np.float32(inv_temperature)
+    weights = np.where(kept, _exp_neg(x), np.float32(0))
+    running = np.cumsum(weights, dtype=np.float32)  # in index order, as the shader adds
+    key = _pcg(_pcg(np.array([seed], np.uint32)) ^ np.uint32(step))
+    draw = _pcg(_pcg(np.array([0], np.uint32)) ^ key)[0]
+    target = np.float32(draw >> np.uint32(8)) * _f32(0x33800000) * running[-1]
+    above = np.flatnonzero(running > target)
+    # u * total can round up to total: the last token of nonzero weight takes that case.
+    return int(above[0]) if above.size else int(np.flatnonzero(weights > 0)[-1])
+
+
+def sample_token(arrays: list[np.ndarray], p: Params) -> None:
+    logits, cursor, token = arrays
+    v = int(p["cols"])
+    row = logits[int(cursor[0]) * v : (int(cursor[0]) + 1) * v]
+    token[0] = sample_draw(row, int(p["top_k"]), int(p["seed"]), int(cursor[1]), p["inv_temperature"])
+
+
+def topk(arrays: list[np.ndarray], p: Params) -> None:
+    """topk.comp: 1.0 for a real row whose label's logit has fewer than k strictly greater."""
+    logits, labels, hits, stepvals = arrays
+    rows, cols, per = int(p["rows"]), int(p["cols"]), max(int(p.get("per_sample", 1)), 1)
+    n = _real_rows(stepvals, rows // per) * per
+    matrix, target = logits[: n * cols].reshape(n, cols), labels[:n].astype(np.int64)
+    valid = (target >= 0) & (target < cols)
+    picked = matrix[np.arange(n), np.where(valid, target, 0)]
+    with np.errstate(invalid="ignore"):
+        hit = valid & ~np.isnan(picked) & ((matrix > picked[:, None]).sum(axis=1) < int(p["k"]))
+    hits[:n], hits[n:rows] = hit, 0
+
+
 KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "gemm": gemm,
     "splitk_epilogue": splitk_epilogue,
@@ -871,4 +923,6 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "gather_rows": gather_rows,
     "cast": cast,
     "argmax": argmax,
+    "sample_token": sample_token,
+    "topk": topk,
 }

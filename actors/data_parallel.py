@@ -192,7 +192,7 @@ class DataParallelActor:
         self.deadline_s = deadline_s
         self.parallel = parallel
         self.optimiser = engines[0].plan.optimiser
-        self._eval = EvalRound(isinstance(engines[0].plan.model.loss, CrossEntropy))
+        self._eval = EvalRound(isinstance(engines[0].plan.model.loss, CrossEntropy), engines[0].plan.model)
         self.inline = inline and ranks is None  # a collective never waits on the event loop
         self.ranks = ranks
         self.limiter = trio.CapacityLimiter(1)
@@ -248,11 +248,10 @@ class DataParallelActor:
         if kind == "predict":
             outputs = [self.engines[i].outputs(SLOT, rows) for i, rows in ran]
             return Prediction(batch.seq, batch.tag, batch.last, np.concatenate(outputs))
-        loss = correct = 0.0
-        for i, _ in ran:  # each member's loss is its share of the global mean
-            member_loss, member_correct = self.engines[i].loss_and_correct(SLOT)
-            loss, correct = loss + member_loss, correct + member_correct
-        sums = (loss, correct)
+        sums = (0.0,) * (2 + len(self.engines[0].metric_tensors))  # loss, correct, metrics
+        for i, _ in ran:  # each member's loss (and mean metric) is its share of the global mean
+            member = (*self.engines[i].loss_and_correct(SLOT), *self.engines[i].metric_values(SLOT))
+            sums = tuple(s + m for s, m in zip(sums, member, strict=True))
         if kind == "train":
             sums = self._all_reduce_and_update([i for i, _ in ran], step, sums)
             self.applied = batch.after()
@@ -261,7 +260,7 @@ class DataParallelActor:
         elif self.ranks is not None:
             what = f"the sums of {batch.split} batch {batch.seq}"
             _, sums = self.ranks.sum_in_rank_order(np.empty(0, np.float32), sums, what)
-        return self._report(batch, *sums, lr, rows)
+        return self._report(batch, *sums[:2], lr, rows, sums[2:])
 
     def _run_shards(self, kind: str, batch: Batch, step: int | None, divisor: int) -> list[tuple[int, int]]:
         """Write each member's shard, submit them all, then wait for them all; (member, rows) of
@@ -320,14 +319,15 @@ class DataParallelActor:
         self.reduce_s += time.perf_counter() - started
         return sums
 
-    def _report(self, batch: Batch, loss: float, correct: float, lr: float, rows: int):
+    def _report(self, batch: Batch, loss: float, correct: float, lr: float, rows: int, metrics: tuple = ()):
         """The message for a batch of ``rows`` (over every rank; 0: every sample skipped)."""
         if batch.split == "train":
             if rows == 0:
                 self.applied = batch.after()
             finished = time.monotonic()
-            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, rows, lr, finished)
-        return self._eval.add(batch, loss, correct, rows)
+            position = batch.position
+            return StepDone(batch.step, batch.epoch, position, loss, correct, rows, lr, finished, metrics)
+        return self._eval.add(batch, loss, correct, rows, metrics)
 
     # -- outside the run -------------------------------------------------------------------------
     def snapshot_now(self) -> Snapshot:

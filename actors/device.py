@@ -48,8 +48,9 @@ from trio.lowlevel import ParkingLot, enable_ki_protection
 from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
 from actors.meter import MAX_CHUNK, Meter
+from flow.metrics import finish, on_device, summed
 from flow.optim import device_learning_rate
-from flow.spec_model import CrossEntropy
+from flow.spec_model import CrossEntropy, Model
 
 _PROGRAMS = {"train": "train", "val": "eval", "test": "eval", "predict": "predict"}
 
@@ -181,26 +182,35 @@ class EvalRound:
 
     Args:
         classifies: the model counts correct answers (CrossEntropy); else accuracy is NaN.
+        model: the model, whose metrics (flow.metrics) the round sums too; None: none.
     """
 
-    def __init__(self, classifies: bool) -> None:
-        self.classifies = classifies
+    def __init__(self, classifies: bool, model: Model | None = None) -> None:
+        self.classifies, self.model = classifies, model
         self._loss, self._correct, self._rows = 0.0, 0.0, 0
+        self._metrics = (0.0,) * len(on_device(model)) if model else ()
 
-    def add(self, batch: Batch, loss: float, correct: float, rows: int) -> EvalDone | None:
+    def add(
+        self, batch: Batch, loss: float, correct: float, rows: int, metrics: tuple[float, ...] = ()
+    ) -> EvalDone | None:
         """Add a finished batch of ``rows`` real rows (0: nothing ran, every sample skipped) whose
-        program reported the batch mean ``loss``; the round's EvalDone at its last batch, else None."""
+        program reported the batch mean ``loss`` and the device's ``metrics`` values; the round's
+        EvalDone at its last batch, else None."""
         if rows:
             self._loss += loss * rows  # the program reports the batch mean
             self._correct += correct
             self._rows += rows
+            if metrics:
+                added = summed(self.model, metrics, rows)
+                self._metrics = tuple(t + a for t, a in zip(self._metrics, added, strict=True))
         if not batch.last:
             return None
-        loss_sum, correct_sum, seen = self._loss, self._correct, self._rows
-        self._loss, self._correct, self._rows = 0.0, 0.0, 0
+        loss_sum, correct_sum, seen, sums = self._loss, self._correct, self._rows, self._metrics
+        self._loss, self._correct, self._rows, self._metrics = 0.0, 0.0, 0, (0.0,) * len(sums)
         rows = max(seen, 1)
         accuracy = correct_sum / rows if self.classifies else math.nan
-        return EvalDone(batch.step, batch.epoch, loss_sum / rows, accuracy, seen, batch.split)
+        values = finish(self.model, sums, seen, loss_sum / rows) if self.model else {}
+        return EvalDone(batch.step, batch.epoch, loss_sum / rows, accuracy, seen, batch.split, values)
 
 
 class DeviceActor:
@@ -230,7 +240,7 @@ class DeviceActor:
         self.deadline_s = deadline_s
         self.thread_waits = 0  # waits for a step that outlasted the spin and went to a thread
         self.optimiser = engine.plan.optimiser
-        self._eval = EvalRound(isinstance(engine.plan.model.loss, CrossEntropy))
+        self._eval = EvalRound(isinstance(engine.plan.model.loss, CrossEntropy), engine.plan.model)
         self.inline = inline
         self.limiter = trio.CapacityLimiter(1)  # fence waits get their own threads, never the shared pool's
         self.applied = start or Cursor()  # the cursor of the last training batch submitted
@@ -334,10 +344,12 @@ class DeviceActor:
         if batch.split == "predict":
             return Prediction(batch.seq, batch.tag, batch.last, self.engine.outputs(job.slot, batch.rows))
         loss, correct = (math.nan, 0.0) if empty else self.engine.loss_and_correct(job.slot)
+        metrics = () if empty else self.engine.metric_values(job.slot)
         if batch.split == "train":
             rows, finished = batch.rows, time.monotonic()
-            return StepDone(batch.step, batch.epoch, batch.position, loss, correct, rows, job.lr, finished)
-        return self._eval.add(batch, loss, correct, 0 if empty else batch.rows)
+            position, lr = batch.position, job.lr
+            return StepDone(batch.step, batch.epoch, position, loss, correct, rows, lr, finished, metrics)
+        return self._eval.add(batch, loss, correct, 0 if empty else batch.rows, metrics)
 
     async def _snapshot(self, barrier: _Barrier) -> None:
         if self.inline:

@@ -26,6 +26,7 @@ import numpy as np
 
 from actors.backend import Backend
 from flow.inputs import token_id_error
+from flow.metrics import metric_name, on_device
 from flow.model_graph import expand
 from flow.optim import check_compatible, step_values
 from flow.planning import DevicePlan, init_parameters
@@ -42,6 +43,7 @@ class SlotViews:
         stepvals: the per-step values [len(STEP_VALUES)] (flow.optim.step_values).
         loss: [1].
         correct: [1].
+        metrics: [1] each, the model's on-device metrics' sums (flow.metrics.on_device's order).
     """
 
     x: np.ndarray
@@ -49,6 +51,7 @@ class SlotViews:
     stepvals: np.ndarray
     loss: np.ndarray
     correct: np.ndarray
+    metrics: tuple[np.ndarray, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Engine:
         self._handles: dict[tuple[str, int, int], int] = {}
         # Only a classifier counts correct answers; for regression the count is not a number.
         self.has_accuracy = isinstance(device_plan.model.loss, CrossEntropy)
+        self.metric_tensors = tuple(f"metric:{metric_name(m)}" for m in on_device(device_plan.model))
         self._views = [self._slot_views(slot) for slot in range(self.slots)]
         self._idx_views: list[np.ndarray | None] = [None] * self.slots  # set by upload_dataset
         self._staged = callable(getattr(backend, "staging_view", None)) and callable(
@@ -93,7 +97,8 @@ class Engine:
         if any(view is None for view in views.values()):
             return None
         views["y"] = views["y"].reshape(-1)
-        return SlotViews(**views)
+        metrics = tuple(self._view(name, slot) for name in self.metric_tensors)
+        return None if any(m is None for m in metrics) else SlotViews(**views, metrics=metrics)
 
     def input_views(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
         """Each slot's (x [batch_size, *input_shape], y flat) views for a producer that fills
@@ -312,6 +317,14 @@ class Engine:
             return loss, float(views.correct[0]) if self.has_accuracy else float("nan")
         loss = float(self.backend.read("loss", slot)[0])
         return loss, float(self.backend.read("correct", slot)[0]) if self.has_accuracy else float("nan")
+
+    def metric_values(self, slot: int) -> tuple[float, ...]:
+        """The finished program's on-device metric values on ``slot`` (flow.metrics), read as the
+        loss is: no extra wait."""
+        views = self._views[slot]
+        if views is not None:
+            return tuple(float(m[0]) for m in views.metrics)
+        return tuple(float(self.backend.read(name, slot)[0]) for name in self.metric_tensors)
 
     def result(self, slot: int, step: int, rows: int) -> StepResult:
         """Loss and correct count of the finished program on ``slot``."""

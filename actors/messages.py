@@ -111,6 +111,8 @@ class StepDone:
         lr: the learning rate the update used.
         finished: ``time.monotonic()`` when the device actor saw the step done (0: unknown). Steps
             travel in chunks, so the sink takes the time from here, not from their arrival.
+        metrics: the model's on-device metric values (flow.metrics.on_device's order; empty
+            without metrics).
     """
 
     step: int
@@ -121,6 +123,7 @@ class StepDone:
     rows: int
     lr: float
     finished: float = 0.0
+    metrics: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class EvalDone:
         accuracy: correct / samples (NaN for regression).
         samples: rows evaluated.
         split: "val" or "test".
+        metrics: each of the model's metrics by name ("top5", "mae", "rmse", "perplexity").
     """
 
     step: int
@@ -142,6 +146,7 @@ class EvalDone:
     accuracy: float
     samples: int
     split: str = "val"
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)

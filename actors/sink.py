@@ -3,18 +3,19 @@ checkpoints; it computes nothing heavy.
 
 Metrics are JSON lines, one per event: ``{"event": "step", "step", "epoch", "loss", "accuracy",
 "lr", "samples_per_second", "elapsed"}``, ``{"event": "eval", ...}`` and ``{"event": "checkpoint",
-"step", "path"}``. Every step has its line. Each actor's statistics (``"statistics": {actor:
-{...}}``, cumulative counters) ride on the first step's line, then on one step line a second
-(``STATISTICS_EVERY_S``) and on the run's last step: gathering them costs more than a whole step on
-a fast GPU. Bad items the source skipped (``on_error="skip"``) ride on the same lines as
-``"skipped": {"count", "examples"}`` once there are any, and the run ends with one ``{"event":
-"skipped", "step", "count", "examples"}`` line, so a user finds them without reading the log.
-The file is opened for appending and written a channel item at a time (a step or a chunk of
-steps, see actors.meter), so a resumed run continues it and a killed run loses at most one chunk's
-lines. A step's seconds come from when the device saw it done (``StepDone.finished``), not from
-when its chunk arrived. Each process's lines follow the ``{"event":
-"run", "run", "step", "resumed", "pid", "time"}`` record that claiming the file wrote
-(actors.outputs), so one run's lines never run on into another's.
+"step", "path"}``; step and eval lines also carry the model's metrics by name (``"top5"``,
+``"mae"``, ``"rmse"``, ``"perplexity"``: flow.metrics). Every step has its line. Each actor's
+statistics (``"statistics": {actor: {...}}``, cumulative counters) ride on the first step's line,
+then on one step line a second (``STATISTICS_EVERY_S``) and on the run's last step: gathering them
+costs more than a whole step on a fast GPU. Bad items the source skipped (``on_error="skip"``) ride
+on the same lines as ``"skipped": {"count", "examples"}`` once there are any, and the run ends with
+one ``{"event": "skipped", "step", "count", "examples"}`` line, so a user finds them without
+reading the log. The file is opened for appending and written a channel item at a time (a step or a
+chunk of steps, see actors.meter), so a resumed run continues it and a killed run loses at most one
+chunk's lines. A step's seconds come from when the device saw it done (``StepDone.finished``), not
+from when its chunk arrived. Each process's lines follow the ``{"event": "run", "run", "step",
+"resumed", "pid", "time"}`` record that claiming the file wrote (actors.outputs), so one run's
+lines never run on into another's.
 
 The sink also acts on the run's health checks (:mod:`actors.health`). It writes the first training
 batch's input range as ``{"event": "inputs", "step", "epoch", "rows", "min", "max", "mean",
@@ -51,7 +52,8 @@ from actors.messages import EvalDone, InputStatistics, Snapshot, StepDone
 from actors.meter import Meter
 from actors.progress import Progress, ProgressState, Rate
 from actors.statistics import ActorStatistics
-from flow.spec import Spec
+from flow.metrics import finish, summed
+from flow.spec import Model, Spec
 
 STATISTICS_EVERY_S = 1.0
 
@@ -71,6 +73,7 @@ def step_record(
     samples_per_second: float,
     elapsed: float,
     statistics: dict[str, ActorStatistics] | None = None,
+    model: Model | None = None,
 ) -> dict[str, Any]:
     """The metrics line for a training step.
 
@@ -79,6 +82,7 @@ def step_record(
         samples_per_second: recent throughput.
         elapsed: seconds since this process started the run.
         statistics: every actor's statistics now; None leaves them out of this line.
+        model: the model, whose metrics (``"top5"``, ``"mae"``, ...) the line carries; None: none.
 
     Returns:
         The record.
@@ -94,6 +98,9 @@ def step_record(
         "samples_per_second": round(samples_per_second, 3),
         "elapsed": round(elapsed, 6),
     }
+    if model is not None and done.rows:
+        values = finish(model, summed(model, done.metrics, done.rows), done.rows, done.loss)
+        record.update((name, _number(value)) for name, value in values.items())
     if statistics is not None:
         record["statistics"] = {name: s.as_dict() for name, s in statistics.items()}
     return record
@@ -116,6 +123,7 @@ def eval_record(done: EvalDone, elapsed: float) -> dict[str, Any]:
         "epoch": done.epoch,
         "loss": _number(done.loss),
         "accuracy": _number(done.accuracy),
+        **{name: _number(value) for name, value in done.metrics.items()},
         "samples": done.samples,
         "elapsed": round(elapsed, 6),
     }
@@ -167,6 +175,7 @@ class Sink:
     ) -> None:
         self.meter = meter
         self.spec = spec
+        self.model = spec.model if spec.model.metrics else None  # whose metrics the step lines carry
         self.total_steps = total_steps
         self.first_step = first_step
         self.all_statistics = statistics
@@ -243,7 +252,8 @@ class Sink:
             return
         message = health.nonfinite_message(item, continuing=False)
         # The file shows the step and why the run ended before the error unwinds the actors.
-        self._write(step_record(item, self.samples_per_second, time.monotonic() - self.started))
+        elapsed = time.monotonic() - self.started
+        self._write(step_record(item, self.samples_per_second, elapsed, None, self.model))
         self._write({"event": "error", "kind": "nonfinite", "step": item.step, "message": message})
         raise health.NonFiniteLoss(message, item.step, item.epoch, item.loss)
 
@@ -289,7 +299,7 @@ class Sink:
             if last or now >= self._next_statistics:
                 statistics = self.all_statistics()
                 self._next_statistics = now + STATISTICS_EVERY_S
-            record = step_record(item, self.samples_per_second, now - self.started, statistics)
+            record = step_record(item, self.samples_per_second, now - self.started, statistics, self.model)
             if statistics is not None and (skipped := self._skipped()):
                 record["skipped"] = skipped
             self._write(record)
@@ -305,7 +315,7 @@ class Sink:
             self._write(eval_record(item, elapsed))
             self.progress.note(
                 f"step {item.step}  epoch {item.epoch}  {item.split} loss {item.loss:.4f}  "
-                f"accuracy {item.accuracy:.4f}"
+                f"accuracy {item.accuracy:.4f}" + "".join(f"  {k} {v:.4f}" for k, v in item.metrics.items())
             )
         elif isinstance(item, InputStatistics):
             self._inputs(item)
@@ -327,7 +337,7 @@ class Sink:
         """Run the callbacks on the item just handled; stop the run when one of them asks."""
         if isinstance(item, StepDone):
             elapsed = (item.finished or time.monotonic()) - self.started
-            record = step_record(item, self.samples_per_second, elapsed)
+            record = step_record(item, self.samples_per_second, elapsed, None, self.model)
             method, arguments, done = "on_step", (record,), item.step + 1  # done: steps done
         elif isinstance(item, EvalDone):
             record = eval_record(item, time.monotonic() - self.started)

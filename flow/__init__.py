@@ -47,19 +47,20 @@ _EXPORTS = {
     "open_pipeline": "flow.runner",
     "run": "flow.runner",
     "predict": "flow.inference",
+    "generate": "flow.inference",
 }
 
 __all__ = [
     "ActorError", "CSVLogger", "Callback", "EarlyStopping", "FlowError", "NonFiniteLoss", "Plan", "PlanError",
-    "Problem", "RunResult", "SpecError", "check", "dumps", "load", "loads", "open_pipeline", "plan",
-    "predict", "run", "save", "summarize", "validate",
+    "Problem", "RunResult", "SpecError", "check", "dumps", "generate", "load", "loads", "open_pipeline",
+    "plan", "predict", "run", "save", "summarize", "validate",
 ]  # fmt: skip
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from flow.callbacks import Callback, CSVLogger, EarlyStopping
     from flow.codec import dumps, load, loads, save
     from flow.errors import FlowError, PlanError, Problem, SpecError
-    from flow.inference import predict
+    from flow.inference import generate, predict
     from flow.planning import Plan, plan
     from flow.runner import NonFiniteLoss, open_pipeline, run
     from flow.runtime import ActorError, RunResult

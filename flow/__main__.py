@@ -1,4 +1,4 @@
-"""Command line: ``python -m flow devices|check|plan|run|bench``.
+"""Command line: ``python -m flow devices|check|plan|run|generate|bench``.
 
 Each command is a thin shell over the library: it parses arguments, calls one function, prints,
 and returns an exit status (0 ok, 1 a problem with the input, 2 a usage error). A problem with the
@@ -140,6 +140,26 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from flow.generation import Sampling, settings_error
+
+    if problem := settings_error(args.tokens, Sampling(args.temperature, args.top_k, args.seed)):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    from flow.inference import generate
+    from flow.run_command import user_error
+
+    try:
+        print(generate(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    except Exception as error:
+        lines = user_error(error)
+        if lines is None:
+            raise
+        print("\n".join(f"error: {line}" for line in lines), file=sys.stderr)
+        return 1
+    return 0
+
+
 def program() -> str:
     """How vkflow was started, for its usage lines: the ``vkflow`` script or ``python -m flow``."""
     return "vkflow" if Path(sys.argv[0]).name == "vkflow" else "python -m flow"
@@ -186,6 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="train a spec file: run FILE [--resume DIR] [--quiet] ...")
     run.add_argument("rest", nargs=argparse.REMAINDER)
     run.set_defaults(handler=_run)
+    generate = commands.add_parser(
+        "generate", help="continue a prompt with a language model's checkpoint, sampled on the device"
+    )
+    generate.add_argument("checkpoint", help="a .ckpt file or a checkpoint directory (its newest)")
+    generate.add_argument("prompt")
+    generate.add_argument("--tokens", type=int, default=200, help="tokens to add (default 200)")
+    generate.add_argument("--temperature", type=float, default=1.0, help="> 0 (default 1.0)")
+    generate.add_argument("--top-k", type=int, default=None, help="draw among the K likeliest (default all)")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(handler=_generate)
     bench = commands.add_parser("bench", help="benchmark against PyTorch (bench/bench_mlp.py)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=_bench)

@@ -25,11 +25,13 @@ from flow.graph import (
     stages,
     unwrap,
 )
+from flow.metrics import metric_name, on_device
 from flow.model_graph import MODEL_INPUT
 from flow.optim import update_groups
 from flow.program import Launch, launch
 from flow.spec import Optimiser
 from flow.spec_model import (
+    MAE,
     Add,
     AvgPool2d,
     BatchNorm,
@@ -47,8 +49,10 @@ from flow.spec_model import (
     Model,
     PointwiseLoss,
     PositionalEmbedding,
+    Reshape,
     SelfAttention,
     Softmax,
+    TopK,
 )
 from shaders.registry import ACTIVATIONS, BINARY, LOSSES, REDUCE
 from shaders.tiles import conv_gemm_shape
@@ -221,7 +225,7 @@ class _Builder:
             g.emit(*(launch("copy_columns", (x, out), **block) for x, block in blocks))
         elif isinstance(layer, SelfAttention):
             saved.update(self._attention_forward(stage, layer, h, out))
-        elif isinstance(layer, Flatten | Dropout):
+        elif isinstance(layer, Flatten | Reshape | Dropout):
             # A reshape, or a dropout of p = 0 (the identity): a view in every program, no launch.
             base = g.tensors[h].view_of or h
             g.tensors[out] = TensorDecl(out, (b, *stage.out_shape), "float32", "work", view_of=base)
@@ -516,6 +520,7 @@ class _Builder:
                 # One launch for the rows and both totals (a classifier's few classes).
                 totals = ("loss", "correct", grad or output, "stepvals")
                 g.emit(launch("softmax_xent_totals", (output, labels, *totals), **dims))
+                self._metrics(output, labels, rows, cols, per_sample)
                 return grad
             loss_rows, correct_rows = g.add("loss_rows", (rows,)), g.add("correct_rows", (rows,))
             tail = (loss_rows, correct_rows, grad or loss_rows, "stepvals")
@@ -544,7 +549,26 @@ class _Builder:
             raise PlanError([Problem("model.loss", "training needs a loss (CrossEntropy, MSE, ...)")])
         total_sum = dict(rows=1, cols=rows, axis=1, fn=REDUCE["sum"])
         g.emit(*(launch("reduce", (t, total), **total_sum, alpha=a) for t, total, a in totals))
+        self._metrics(output, labels, rows, cols, per_sample if isinstance(loss, CrossEntropy) else 1)
         return grad
+
+    def _metrics(self, output: str, labels: str, rows: int, cols: int, per_sample: int) -> None:
+        """Each metric's kernel, summed into its io tensor ``metric:<name>`` (flow.metrics): TopK's
+        right rows counted (positions over per_sample), MAE's and RMSE's batch mean |d| and d^2 by
+        the pointwise loss kernel without a gradient. Padding rows add 0 to every one."""
+        for metric in on_device(self.model):
+            name = metric_name(metric)
+            hits = self.g.add(f"metric_rows:{name}", (rows,))
+            if isinstance(metric, TopK):
+                args = dict(rows=rows, cols=cols, per_sample=per_sample, k=metric.k)
+                self.g.emit(launch("topk", (output, labels, hits, "stepvals"), **args))
+            else:
+                code = LOSSES["L1" if isinstance(metric, MAE) else "MSE"]
+                args = dict(rows=rows, cols=cols, write_grad=0, fn=code, delta=1.0)
+                self.g.emit(launch("mse", (output, labels, hits, hits, "stepvals"), **args))
+            alpha = 1.0 / per_sample if isinstance(metric, TopK) else 1.0
+            total = dict(rows=1, cols=rows, axis=1, fn=REDUCE["sum"], alpha=alpha)
+            self.g.emit(launch("reduce", (hits, f"metric:{name}"), **total))
 
     # backward ------------------------------------------------------------------------------------
     def backward(self, grad_out: str) -> None:
@@ -708,7 +732,7 @@ class _Builder:
             if in_grad:
                 # The same mask, recomputed from its hash (cheaper than storing it), on the gradient.
                 g.emit(launch("dropout", (grad, "stepvals", in_grad), **self._dropout_params(stage, layer)))
-        elif isinstance(layer, Flatten | Dropout):
+        elif isinstance(layer, Flatten | Reshape | Dropout):
             if in_grad:
                 # The gradient of a reshape (or of an identity) is the gradient: a view, no launch.
                 base = g.tensors[grad].view_of or grad
@@ -750,6 +774,7 @@ def build_graph(
     total_params: int,
     precision: str = "float32",
     update: bool = True,
+    sample: dict[str, float] | None = None,
 ) -> Graph:
     """The launches of one program for one batch size.
 
@@ -764,6 +789,8 @@ def build_graph(
             accumulation).
         update: ``train`` ends with the optimiser's update (False: at the gradients, for a
             data-parallel member, whose update runs after the all-reduce).
+        sample: ``generate`` (forward, then sample_token's draw from the logits): its parameters
+            (flow.generation.sample_params).
 
     Returns:
         The graph: tensor declarations (work tensors only; the planner adds the rest) and groups.
@@ -772,6 +799,11 @@ def build_graph(
     graph.add("x", (batch, *model.input_shape), role="io")
     builder = _Builder(model, batch, graph, precision, training=program == "train")
     out = builder.forward("x")
+    if program == "generate":
+        assert sample is not None
+        cols = graph.tensors[out].shape[-1]
+        graph.emit(launch("sample_token", (out, "cursor", "token"), cols=cols, **sample))
+        return graph
     if program == "predict":
         cols = math.prod(graph.tensors[out].shape[1:]) if out != "x" else math.prod(model.input_shape)
         if isinstance(model.loss, CrossEntropy):  # probabilities over the last dimension

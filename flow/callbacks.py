@@ -17,9 +17,11 @@ import csv
 import io
 import math
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from flow.metrics import STEP_MEANS, metric_name
 from flow.spec import CrossEntropy, Spec
 
 if TYPE_CHECKING:  # the runtime's record; imported for the annotation only (flow's tiers)
@@ -54,7 +56,7 @@ class Callback:
         self.stop_reason = reason
 
 
-Monitor = Literal["val_loss", "val_accuracy"]
+Monitor = Literal["val_loss", "val_accuracy"] | str  # or "val_" and a metric's name: "val_top5", "val_mae"
 
 
 class EarlyStopping(Callback):
@@ -63,17 +65,21 @@ class EarlyStopping(Callback):
     a resumed one included.
 
     Args:
-        monitor: "val_loss" or "val_accuracy" (classification only).
+        monitor: "val_loss", "val_accuracy" (classification only) or one of the model's metrics
+            ("val_top5", "val_mae", "val_rmse", "val_perplexity").
         patience: rounds without improvement before stopping, >= 0 (0: the first such round stops).
         min_delta: the least change that counts as an improvement, >= 0.
-        mode: "min", "max", or "auto" (min for the loss, max for the accuracy).
+        mode: "min", "max", or "auto" (max for the accuracy and top-k, else min).
     """
 
     def __init__(
         self, monitor: Monitor = "val_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto"
     ) -> None:
-        if monitor not in ("val_loss", "val_accuracy"):
-            raise ValueError(f"EarlyStopping monitor must be 'val_loss' or 'val_accuracy', got {monitor!r}")
+        if not re.fullmatch(r"val_(loss|accuracy|top[0-9]+|mae|rmse|perplexity)", str(monitor)):
+            raise ValueError(
+                f"EarlyStopping monitor must be 'val_loss' or 'val_accuracy', got {monitor!r} (or 'val_' "
+                "and one of the model's metrics: 'val_top5', 'val_mae', 'val_rmse', 'val_perplexity')"
+            )
         if not isinstance(patience, int) or patience < 0:
             raise ValueError(f"EarlyStopping patience must be an int >= 0, got {patience!r}")
         if not (math.isfinite(min_delta) and min_delta >= 0):
@@ -81,7 +87,8 @@ class EarlyStopping(Callback):
         if mode not in ("auto", "min", "max"):
             raise ValueError(f"EarlyStopping mode must be 'auto', 'min' or 'max', got {mode!r}")
         self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
-        self.mode = mode if mode != "auto" else ("max" if monitor == "val_accuracy" else "min")
+        higher = monitor == "val_accuracy" or monitor.startswith("val_top")
+        self.mode = mode if mode != "auto" else ("max" if higher else "min")
         self.best: float | None = None
         self.best_step: int | None = None
         self.waited = 0
@@ -95,6 +102,9 @@ class EarlyStopping(Callback):
             )
         if self.monitor == "val_accuracy" and not isinstance(spec.model.loss, CrossEntropy):
             raise ValueError("EarlyStopping(monitor='val_accuracy') needs a classifier (CrossEntropy)")
+        named = {f"val_{metric_name(m)}" for m in spec.model.metrics}
+        if self.monitor not in ("val_loss", "val_accuracy", *named):
+            raise ValueError(f"EarlyStopping(monitor={self.monitor!r}) names none of model.metrics")
         self.best, self.best_step, self.waited = None, None, 0
 
     def improved(self, value: float) -> bool:
@@ -122,7 +132,9 @@ class CSVLogger(Callback):
     """Write a CSV row per validation round, as Keras' CSVLogger writes one per epoch: a run
     evaluates after each epoch by default, or every ``run.eval_every`` steps. Columns: ``epoch``
     (0-based), ``step`` (steps done), ``loss`` and ``accuracy`` (the mean over the training steps
-    since the previous row), ``val_loss``, ``val_accuracy``, ``lr`` (the last step's), ``elapsed``
+    since the previous row), then each model metric's (``top5``, ``mae``, ``rmse`` as the root of the
+    steps' mean square, ``perplexity`` as exp of their mean log), ``val_loss``, ``val_accuracy``, each
+    ``val_<metric>`` (the round's, e.g. ``val_top5``), ``lr`` (the last step's), ``elapsed``
     (seconds); a measure that does not exist is an empty cell. Each row is one flushed write, so a
     killed run leaves a valid CSV of whole rows. The test split's round is not a row.
 
@@ -145,25 +157,36 @@ class CSVLogger(Callback):
                 f"validation samples (data.split.val is {spec.data.split.val}): give it > 0"
             )
         self.on_end(None)  # the file of an earlier run that failed
-        self._fields, self._sums, self._lr = None, {"loss": [0.0, 0], "accuracy": [0.0, 0]}, None
+        self._names = [metric_name(m) for m in spec.model.metrics]
+        self._fields, self._sums, self._lr = None, self._fresh(), None
         if self.append and self.path.exists():
             with self.path.open(newline="") as existing:
                 self._fields = next(csv.reader(existing), None)
         self._file = self.path.open("a" if self.append else "w", newline="")
 
+    def _fresh(self) -> dict[str, list[float]]:
+        return {key: [0.0, 0] for key in ("loss", "accuracy", *self._names)}
+
     def on_step(self, record: dict[str, Any]) -> None:
         for key, total in self._sums.items():
-            if record[key] is not None:  # None: not finite, or no accuracy (regression)
-                total[0], total[1] = total[0] + record[key], total[1] + 1
+            value = record.get(key)  # None: not finite, no accuracy (regression), an empty step
+            if value is not None:
+                there = STEP_MEANS.get(key, (float, float))[0]
+                total[0], total[1] = total[0] + there(value), total[1] + 1
         self._lr = record["lr"]
 
     def on_eval(self, record: dict[str, Any]) -> None:
         if record["split"] != "val" or self._file is None:
             return
-        means = {key: total / count if count else None for key, (total, count) in self._sums.items()}
+        means = {
+            key: STEP_MEANS.get(key, (float, float))[1](total / count) if count else None
+            for key, (total, count) in self._sums.items()
+        }
+        vals = {f"val_{name}": record.get(name) for name in self._names}
         row = {"epoch": record["epoch"], "step": record["step"], **means, "val_loss": record["loss"],
-               "val_accuracy": record["accuracy"], "lr": self._lr, "elapsed": record["elapsed"]}  # fmt: skip
-        self._sums = {"loss": [0.0, 0], "accuracy": [0.0, 0]}
+               "val_accuracy": record["accuracy"], **vals, "lr": self._lr,
+               "elapsed": record["elapsed"]}  # fmt: skip
+        self._sums = self._fresh()
         lines = io.StringIO()
         if self._fields is None:
             self._fields = list(row)

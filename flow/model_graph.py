@@ -213,9 +213,8 @@ class _Expander:
 
     def check_used(self) -> None:
         read = {i for node in self.nodes for i in node.inputs}
-        last = len(self.nodes) - 1
-        for node in self.nodes[:-1]:
-            if node.index not in read and node.index != last:
+        for node in self.nodes[:-1]:  # the last node's output is the model's
+            if node.index not in read:
                 why = "nothing reads this layer's output, and only the last layer gives the model's output"
                 raise _Failed(Problem(node.where, why))
 

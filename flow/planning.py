@@ -23,6 +23,7 @@ from flow.autodiff import build_graph
 from flow.data_plan import DataPlan, ResidentData, SourceHeader, plan_data, resident_data
 from flow.device_facts import DeviceFacts, memory_budget
 from flow.errors import PlanError, Problem
+from flow.generation import Sampling, sample_params
 from flow.graph import (
     Graph,
     ParamDecl,
@@ -32,6 +33,7 @@ from flow.graph import (
     optimised_floats,
     parameters,
 )
+from flow.metrics import metric_name, on_device
 from flow.optim import CLIP_TENSORS, optimiser_state_names, update_groups
 from flow.parallel_plan import DataParallelPlan, MemberChoice, World, choose_members, plan_data_parallel
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
@@ -113,17 +115,20 @@ class DevicePlan:
     # A data-parallel member's update, apart from its train program (which then stops at the
     # gradients): it runs once the members' gradients are summed. None on a single device.
     apply: Program | None = None
+    # A generation plan's program: the forward, then the next token drawn on the device.
+    generate: Program | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """Every program kind this device runs."""
-        return PROGRAM_KINDS + (("apply",) if self.apply is not None else ())
+        extra = tuple(k for k in ("apply", "generate") if getattr(self, k) is not None)
+        return PROGRAM_KINDS + extra
 
     def program(self, kind: str) -> Program:
         """The ``train``, ``eval`` or ``predict`` program (for any row count up to the batch size),
         or a data-parallel member's ``apply``."""
-        if kind == "apply" and self.apply is not None:
-            return self.apply
+        if kind in ("apply", "generate") and getattr(self, kind) is not None:
+            return getattr(self, kind)
         if kind not in PROGRAM_KINDS:
             raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
         return self.programs[PROGRAM_KINDS.index(kind)]
@@ -277,6 +282,7 @@ def _io_tensors(model: Model, batch: int) -> list[TensorDecl]:
         TensorDecl("loss", (1,), "float32", "io"),
         TensorDecl("correct", (1,), "float32", "io"),
         TensorDecl("output", (batch, *out_shape), "float32", "io"),
+        *(TensorDecl(f"metric:{metric_name(m)}", (1,), "float32", "io") for m in on_device(model)),
     ]
 
 
@@ -319,6 +325,7 @@ def plan_device(
     *,
     batch: int | None = None,
     separate_update: bool = False,
+    sampling: Sampling | None = None,
 ) -> DevicePlan:
     """Plan one device that runs the whole model (data parallel replicas get one each).
 
@@ -335,6 +342,8 @@ def plan_device(
         batch: the rows the programs are recorded for (None: the spec's batch size).
         separate_update: a data-parallel member: the train program stops at the gradients, and
             the update is the ``apply`` program.
+        sampling: generation: the ``generate`` program draws a token from the logits at position
+            ``cursor[0]`` (io [position, step]) into io ``token`` (flow.generation).
 
     Returns:
         The device plan.
@@ -379,6 +388,8 @@ def plan_device(
     io = _io_tensors(model, batch)
     if resident is not None:  # the batch's sample indices, from which the first launch gathers it
         io.append(TensorDecl("idx", (batch,), "int32", "io"))
+    if sampling is not None:
+        io += [TensorDecl("cursor", (2,), "int32", "io"), TensorDecl("token", (1,), "int32", "io")]
     for decl in io:
         tensors.append(Tensor(decl.name, decl.shape, decl.dtype, "io", io_offset))
         io_offsets[decl.name] = io_offset
@@ -402,6 +413,11 @@ def plan_device(
         kind: build_graph(model, spec.optimiser, batch, kind, total_params, precision, update=update)
         for kind in PROGRAM_KINDS
     }
+    if sampling is not None:
+        sample = sample_params(sampling, infer_shapes(model)[-1][-1])
+        graphs["generate"] = build_graph(
+            model, None, batch, "generate", total_params, precision, sample=sample
+        )
     if resident is not None:
         for kind in ("train", "eval"):
             graphs[kind].groups.insert(0, [_gather_launch(resident, batch)])
@@ -463,6 +479,10 @@ def plan_device(
         optimised = optimised_floats(model, total_params)
         updating = Program("apply", with_barriers(update_groups(spec.optimiser, optimised)))
         apply = resolve_program(updating, facts, tuning)
+    generate = None
+    if sampling is not None:
+        drawing = Program("generate", with_barriers(graphs["generate"].groups))
+        generate = resolve_program(drawing, facts, tuning)
     return DevicePlan(
         device,
         model,
@@ -479,6 +499,7 @@ def plan_device(
         precision,
         resident,
         apply,
+        generate,
     )
 
 
@@ -507,6 +528,7 @@ def plan(
     world: World | None = None,
     speeds: tuple[float, ...] | None = None,
     bandwidth: float | None = None,
+    sampling: Sampling | None = None,
 ) -> Plan:
     """Turn a valid spec into the whole run's plan, before any device work.
 
@@ -520,7 +542,7 @@ def plan(
             trains data parallel over them (flow.parallel_plan), each with its own device plan.
         header: the source's header, when it has been opened: the data is then checked against
             the model and split, batched and scheduled (``Plan.data``).
-        mode: "train" or "predict".
+        mode: "train", "predict" or "generate" (with ``sampling``: see flow.generation).
         maps_inputs: whether the device maps its input slots into host memory (so batches can be
             read in place); default: any Vulkan device (the CPU backend copies).
         tuning: the device's measured GEMM tiles (shaders.gemm_tuning.load_table(facts.name)),
@@ -534,6 +556,7 @@ def plan(
             None: the plan records every member's programs for the whole batch, to measure them.
         bandwidth: with ``speeds``, the host all-reduce's bytes/s: members that would slow each step
             are left out (flow.parallel_plan.choose_members), and ``Plan.member_choice`` says why.
+        sampling: how a ``generate`` plan draws each token.
 
     Returns:
         The plan.
@@ -543,8 +566,8 @@ def plan(
         PlanError: it cannot be planned (a wiring mistake, a split with no training batch, a model
             over the memory budget, a feature the device lacks).
     """
-    if mode not in ("train", "predict"):
-        raise ValueError(f"mode must be 'train' or 'predict', got {mode!r}")
+    if mode not in ("train", "predict", "generate") or (mode == "generate") != (sampling is not None):
+        raise ValueError(f"mode must be 'train', 'predict' or 'generate' (with sampling), got {mode!r}")
     check(spec)
     world = world if world is not None and mode == "train" else World()
     if isinstance(facts, tuple) and len(facts) > 1 and speeds is not None and bandwidth is not None:
@@ -573,7 +596,7 @@ def plan(
     if resident is None and spec.data.placement == "device" and mode == "train":
         raise PlanError([Problem("data.placement", f"'device' asked for, but {why}")])
     try:
-        device_plan = plan_device(spec, device, budget, features, facts, tuning, resident)
+        device_plan = plan_device(spec, device, budget, features, facts, tuning, resident, sampling=sampling)
     except PlanError:
         if resident is None or spec.data.placement == "device":
             raise

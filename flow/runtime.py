@@ -117,6 +117,8 @@ class RunResult:
         stopped_early: why a callback stopped the run (None: it was not). ``steps`` and
             ``checkpoint`` are then the stop's checkpoint's (a few steps past the decision).
         stopped_at: the training steps done when the callback asked to stop (None: not stopped).
+        metrics: the last validation round's metrics by name ("top5", "mae", "rmse", "perplexity";
+            empty without a validation split or metrics); every round's are in ``evals[i].metrics``.
     """
 
     steps: int
@@ -138,6 +140,7 @@ class RunResult:
     warnings: tuple[str, ...] = ()
     stopped_early: str | None = None
     stopped_at: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 # -- effects ---------------------------------------------------------------------------------------
@@ -219,7 +222,7 @@ def start_engine(
     device = run_plan.devices[member]
     engine = Engine(device, backend)
     start = optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state, cursor)
-    kinds = ("train", "eval") if run_plan.mode == "train" else ("predict",)
+    kinds = ("train", "eval") if run_plan.mode == "train" else (run_plan.mode,)  # predict, generate
     if run_plan.mode == "train" and device.apply is not None:
         kinds += ("apply",)
     engine.prepare(kinds)
@@ -655,6 +658,7 @@ class Runtime:
             warnings=tuple(sink.warnings) if sink else (),
             stopped_early=self.stopped[1] if self.stopped else None,
             stopped_at=self.stopped[0] if self.stopped else None,
+            metrics=dict(vals[-1].metrics) if vals else {},
         )
 
     def skipped(self) -> tuple[int, tuple[str, ...]]:

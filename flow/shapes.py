@@ -25,6 +25,7 @@ from flow.spec_model import (
     MaxPool2d,
     Model,
     PositionalEmbedding,
+    Reshape,
     SelfAttention,
 )
 
@@ -84,9 +85,23 @@ def output_shape(layer: Layer, shape: Shape) -> Shape | str:
         return f"LayerNorm needs a (features,) or (channels, length) input, got {shape}; add a Flatten"
     if isinstance(layer, Flatten):
         return (math.prod(shape),)
+    if isinstance(layer, Reshape):
+        return reshaped(shape, tuple(layer.shape))
     if isinstance(layer, Embedding):
         return (*shape, layer.dim)
     return shape  # activations, dropout and normalisation keep the shape
+
+
+def reshaped(shape: Shape, target: Shape) -> Shape | str:
+    """``target`` with its -1 filled in, or why ``shape``'s values do not fill it."""
+    count, known = math.prod(shape), math.prod(d for d in target if d != -1)
+    if target.count(-1) == 1 and count % known == 0:
+        target = tuple(count // known if d == -1 else d for d in target)
+    if target.count(-1):
+        return f"Reshape to {target}: the {count} values of {shape} do not divide by {known}"
+    if math.prod(target) != count:
+        return f"Reshape to {target} needs {math.prod(target)} values a sample, not the {count} of {shape}"
+    return target
 
 
 def infer_shapes(model: Model) -> list[Shape]:

@@ -53,7 +53,9 @@ from flow.spec_data import (
 from flow.spec_model import (
     GELU,
     L1,
+    MAE,
     MSE,
+    RMSE,
     Add,
     AvgPool2d,
     BatchNorm1d,
@@ -73,14 +75,17 @@ from flow.spec_model import (
     Linear,
     MaxPool2d,
     Model,
+    Perplexity,
     PositionalEmbedding,
     ReLU,
     Repeat,
+    Reshape,
     Residual,
     SelfAttention,
     Sigmoid,
     Softmax,
     Tanh,
+    TopK,
 )
 
 SCHEMA_VERSION = 2
@@ -370,8 +375,8 @@ class Spec(Record):
 RECORDS: tuple[type, ...] = (
     Linear, Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool, BatchNorm1d, BatchNorm2d, LayerNorm,
     Dropout, Embedding, PositionalEmbedding, SelfAttention, Flatten, ReLU, LeakyReLU, Sigmoid, Tanh,
-    GELU, Softmax, Add, Concat, Residual, Repeat,
-    CrossEntropy, MSE, L1, Huber, BCEWithLogits, Init, Model,
+    GELU, Softmax, Add, Concat, Residual, Repeat, Reshape,
+    CrossEntropy, MSE, L1, Huber, BCEWithLogits, TopK, MAE, RMSE, Perplexity, Init, Model,
     Constant, StepLR, Cosine, SGD, Adam, AdamW,
     ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text,
     Normalize, Scale, RandomCrop, HorizontalFlip, Resize,

@@ -200,7 +200,9 @@ class Text(Record):
     boundary are left out. ``data.split.stratify`` does not apply.
 
     Attributes:
-        path: the file; not empty, and at least context + 1 tokens long.
+        path: the file; not empty, and at least context + 1 tokens long. ``stdlib:`` names a file
+            of Python's standard library: ``stdlib:pydoc_data/topics.py`` is 0.5 MB of English in
+            every Python install, which the examples use.
         level: "char" (default): the tokens are characters, the vocabulary the file's distinct
             characters in code-point order, so the file must be valid UTF-8. "byte": the tokens
             are the file's bytes, the vocabulary all 256 byte values.

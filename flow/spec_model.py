@@ -39,7 +39,8 @@ class LayerRecord(Record):
 
 @dataclass(frozen=True)
 class Linear(LayerRecord):
-    """A dense layer on a flat input: ``y = act(x @ W + b)``, with W [in, units].
+    """A dense layer: ``y = act(x @ W + b)``, with W [in, units], on a flat (in,) input or on
+    each position of a (positions, in) one (a transformer's tokens), as PyTorch's Linear.
 
     Attributes:
         units: outputs per sample, > 0.
@@ -211,6 +212,19 @@ class Flatten(LayerRecord):
 
 
 @dataclass(frozen=True)
+class Reshape(LayerRecord):
+    """Gives each sample the shape ``shape`` (row-major, as ``torch.reshape``): the values stay,
+    in order. A view: no launch, no copy.
+
+    Attributes:
+        shape: the new sample shape, its sizes > 0 with the input's count of values; one size may
+            be -1, which takes what the others leave.
+    """
+
+    shape: Shape
+
+
+@dataclass(frozen=True)
 class ReLU(LayerRecord):
     """``max(x, 0)`` elementwise, as a layer of its own (Linear and Conv2d can fuse it instead).
     NaN gives NaN on every backend, as in numpy and PyTorch."""
@@ -325,7 +339,7 @@ class Repeat(LayerRecord):
 Layer = (
     Linear | Conv2d | MaxPool2d | AvgPool2d | GlobalAvgPool | BatchNorm1d | BatchNorm2d | LayerNorm
     | Dropout | Embedding | PositionalEmbedding | SelfAttention | Flatten | ReLU | LeakyReLU
-    | Sigmoid | Tanh | GELU | Softmax | Add | Concat | Residual | Repeat
+    | Sigmoid | Tanh | GELU | Softmax | Add | Concat | Residual | Repeat | Reshape
 )  # fmt: skip
 # A block holds layers of every kind, itself included: the annotation the codec and validator read
 # can only name the union once it exists.
@@ -404,6 +418,43 @@ Loss = CrossEntropy | MSE | L1 | Huber | BCEWithLogits
 PointwiseLoss = MSE | L1 | Huber | BCEWithLogits
 
 
+# Metrics beside the loss (Model.metrics), computed on the device each step and reported as the
+# metrics file's keys and CSV columns "top5", "mae", ... ("val_top5" for the validation round).
+
+
+@dataclass(frozen=True)
+class TopK(Record):
+    """Top-k accuracy, for CrossEntropy only: the fraction of rows (positions, for per-token
+    labels) whose label's logit is among the ``k`` largest; a tie counts as right only when
+    strictly fewer than ``k`` logits are greater. Reported as ``top<k>``.
+
+    Attributes:
+        k: 1 <= k <= classes (default 5); TopK(1) is the accuracy.
+    """
+
+    k: int = 5
+
+
+@dataclass(frozen=True)
+class MAE(Record):
+    """Mean absolute error over every real row's outputs, for float-target losses (MSE, L1, Huber)."""
+
+
+@dataclass(frozen=True)
+class RMSE(Record):
+    """Root mean squared error, the square root of a whole round's (or epoch's) mean squared error
+    (not the mean of each step's), for float-target losses (MSE, L1, Huber)."""
+
+
+@dataclass(frozen=True)
+class Perplexity(Record):
+    """exp of the mean per-token cross-entropy over a round (a language model's perplexity), for
+    CrossEntropy only: from the summed loss, with no kernel of its own."""
+
+
+Metric = TopK | MAE | RMSE | Perplexity
+
+
 @dataclass(frozen=True, kw_only=True)
 class Init(Record):
     """How fresh weights are drawn; biases always start at 0.
@@ -433,6 +484,8 @@ class Model(Record):
             It is recorded and shown in summaries; every backend takes float32 inputs today, with
             the values of the module's input convention.
         init: how fresh weights are drawn (default ``Init()``: He, seed 0).
+        metrics: measures reported beside the loss, each at most once (default none): TopK(k),
+            MAE(), RMSE(), Perplexity(), as Keras' ``compile(metrics=[...])``.
     """
 
     input_shape: Shape
@@ -440,3 +493,4 @@ class Model(Record):
     loss: Loss | None
     input_dtype: Literal["float32", "float16", "uint8"] = "float32"
     init: Init = Init()
+    metrics: tuple[Metric, ...] = field(default=(), metadata=LATER)

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from flow.errors import did_you_mean
+from flow.metrics import metric_name
 from flow.model_graph import expand
 from flow.shapes import count_parameters
 from flow.spec import (
@@ -45,7 +46,9 @@ from flow.spec_data import (
     Text,
 )
 from flow.spec_model import (
+    L1,
     MAX_EMBEDDINGS,
+    MSE,
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
@@ -59,10 +62,13 @@ from flow.spec_model import (
     Linear,
     MaxPool2d,
     Model,
+    Perplexity,
     Repeat,
+    Reshape,
     Residual,
     SelfAttention,
     Softmax,
+    TopK,
 )
 
 
@@ -145,6 +151,12 @@ def _block(r: Rule) -> None:
         r.need("times", _positive, "must be > 0")
 
 
+def _reshape(r: Rule) -> None:
+    r.need("shape", _filled, "must not be empty")
+    r.need("shape", lambda s: all(d > 0 or d == -1 for d in s), "sizes must be > 0, or -1")
+    r.need("shape", lambda s: list(s).count(-1) <= 1, "may hold one -1 at most")
+
+
 def _attention(r: Rule) -> None:
     r.need("heads", _positive, "must be > 0")
 
@@ -200,8 +212,24 @@ def _init(r: Rule) -> None:
     r.need("seed", _non_negative, "must be >= 0")
 
 
+def _metrics(r: Rule, model: Model) -> None:
+    """Each metric against the loss (TopK and Perplexity: CrossEntropy; MAE, RMSE: a float target's
+    MSE, L1 or Huber), each once."""
+    seen: set[str] = set()
+    for i, metric in enumerate(model.metrics if "metrics" in r.clean and r.good("loss") else ()):
+        name = metric_name(metric)
+        wants = (CrossEntropy,) if isinstance(metric, TopK | Perplexity) else (MSE, L1, Huber)
+        if not isinstance(model.loss, wants):
+            needed = "a CrossEntropy" if CrossEntropy in wants else "an MSE, L1 or Huber"
+            r.add(f"metrics[{i}]", f"{type(metric).__name__} needs {needed} loss, got {show(model.loss)}")
+        if name in seen:
+            r.add(f"metrics[{i}]", f"{name} is already among the metrics")
+        seen.add(name)
+
+
 def _model(r: Rule) -> None:
     model: Model = r.obj
+    _metrics(r, model)
     r.need("input_shape", _filled, "must not be empty")
     r.need("input_shape", _sizes, "every size must be > 0")
     if not r.good("input_shape") or not isinstance(model.layers, tuple):
@@ -222,6 +250,9 @@ def _model(r: Rule) -> None:
     weights = model.loss.class_weights
     if last and r.good("loss") and weights is not None and len(weights) != last[-1]:
         r.add("loss.class_weights", f"must hold one weight per class ({last[-1]}), got {len(weights)}")
+    for i, metric in enumerate(model.metrics if "metrics" in r.clean and last else ()):
+        if isinstance(metric, TopK) and metric.k > last[-1]:
+            r.add(f"metrics[{i}].k", f"must be <= the classes ({last[-1]}), got {metric.k}")
     if layers and isinstance(layers[-1], Softmax):
         r.add(where, "remove this Softmax: CrossEntropy applies softmax itself, fused with the loss")
 
@@ -230,6 +261,10 @@ def _cross_entropy(r: Rule) -> None:
     r.need("label_smoothing", lambda s: 0 <= s <= 1, "must be in [0, 1]")
     r.need("class_weights", _filled, "must not be empty (None weighs every class 1)")
     r.need("class_weights", lambda ws: all(0 <= w < math.inf for w in ws), "each must be finite and >= 0")
+
+
+def _top_k(r: Rule) -> None:
+    r.need("k", _positive, "must be >= 1")
 
 
 def _huber(r: Rule) -> None:
@@ -521,11 +556,13 @@ RULES: dict[type, Callable[[Rule], None]] = {
     Dropout: _dropout,
     Embedding: _embedding,
     SelfAttention: _attention,
+    Reshape: _reshape,
     Residual: _block,
     Repeat: _block,
     Init: _init,
     CrossEntropy: _cross_entropy,
     Huber: _huber,
+    TopK: _top_k,
     Model: _model,
     Constant: _warmup,
     StepLR: _step_lr,

@@ -21,6 +21,7 @@ and the ``context // stride`` windows before each boundary, which reach across i
 from __future__ import annotations
 
 import os
+import sysconfig
 import time
 from collections.abc import Sequence
 
@@ -35,6 +36,19 @@ Vocabulary = str | bytes
 # The vocabulary each path was last opened with, so that a checkpoint saves the one the run trains
 # on without reading the file again (see opened_vocabulary).
 _opened: dict[tuple[str, str], Vocabulary] = {}
+
+
+# A path of this form names a file of the standard library, which every Python has: the bundled
+# English that the examples and tests train on (``stdlib:pydoc_data/topics.py``) wherever Python lives.
+STDLIB = "stdlib:"
+
+
+def resolve(path: str | os.PathLike) -> str | os.PathLike:
+    """The file a Text path names: ``stdlib:<relative path>`` inside the standard library,
+    anything else as it is."""
+    if isinstance(path, str) and path.startswith(STDLIB):
+        return os.path.join(sysconfig.get_paths()["stdlib"], path.removeprefix(STDLIB))
+    return path
 
 
 def read_ids(path: str | os.PathLike, level: str = "char") -> tuple[np.ndarray, Vocabulary]:
@@ -55,7 +69,7 @@ def read_ids(path: str | os.PathLike, level: str = "char") -> tuple[np.ndarray, 
     if level not in ("char", "byte"):
         raise ValueError(f"level must be 'char' or 'byte', got {level!r}")
     try:
-        with open(path, "rb") as file:
+        with open(resolve(path), "rb") as file:
             data = file.read()
     except OSError as error:
         raise LoaderError(where, f"cannot read text file ({error.strerror or error})") from error
@@ -184,7 +198,7 @@ class TextSource:
         self.num_classes: int | None = len(self.vocabulary)
         self.split_gap = context // stride
         self._stats = StatsRecorder()
-        self._stats.add(bytes_read=os.path.getsize(path), seconds=time.perf_counter() - t0)
+        self._stats.add(bytes_read=os.path.getsize(resolve(path)), seconds=time.perf_counter() - t0)
 
     def __len__(self) -> int:
         return int(self._x.shape[0])

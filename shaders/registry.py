@@ -645,6 +645,16 @@ _OPS: tuple[OpDef, ...] = (
     ),
     # n elements converted by mode (CASTS); float16 is packed two per 32-bit word.
     OpDef("cast", "cast.comp", ("X", "Y"), (("n", "u"), ("mode", "u")), _linear_groups("n")),
+    # Over the first n = stepvals[4] * per_sample rows: hits[r] = 1.0 when fewer than k logits are
+    # strictly greater than the label's (top-k accuracy; ties count as right), else and for padding 0.
+    OpDef(
+        "topk",
+        "topk.comp",
+        ("logits", "labels", "hits", "stepvals"),
+        (("rows", "u"), ("cols", "u"), ("per_sample", "u"), ("k", "u")),
+        _rows_groups,
+        local_size=(64, 1, 1),
+    ),
     # out[r] = argmax_c X[r, c] (first maximum), int32.
     OpDef(
         "argmax",
@@ -652,6 +662,16 @@ _OPS: tuple[OpDef, ...] = (
         ("X", "out"),
         (("rows", "u"), ("cols", "u")),
         _rows_groups,
+        local_size=(64, 1, 1),
+    ),
+    # token[0] = a token drawn from row cursor[0] of L [T, cols]: temperature, top-k, softmax and a
+    # counter-hash uniform of (seed, cursor[1]); one workgroup (a power of two: tree reductions).
+    OpDef(
+        "sample_token",
+        "sample_token.comp",
+        ("L", "cursor", "token"),
+        (("cols", "u"), ("top_k", "u"), ("seed", "u"), ("inv_temperature", "f")),
+        lambda p, local, spec: (1, 1, 1),
         local_size=(64, 1, 1),
     ),
     # gemm on tensor cores (GL_KHR_cooperative_matrix): same bindings, push constants and result,
@@ -743,6 +763,8 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "gather_rows": ("X", "Y"),
     "cast": ("Y",),
     "argmax": ("out",),
+    "sample_token": ("token",),
+    "topk": ("hits",),
     "gemm_coopmat": ("C",),
     "gemm_coopmat_f16": ("C",),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from actors.backend import run_program
+from flow.graph import label_shape
 from flow.planning import init_parameters
 from flow.shapes import infer_shapes
 from flow.spec import MSE, SGD, Data, Embedding, Model, Spec, Synthetic
@@ -28,7 +29,8 @@ def layer_batch(model: Model, rows: int, rng: np.random.Generator):
         x = rng.integers(0, model.layers[0].num_embeddings, x.shape).astype(np.float64)
     if isinstance(model.loss, MSE):
         return x, rng.standard_normal((rows, *infer_shapes(model)[-1]))
-    return x, rng.integers(0, 4, rows).astype(np.int32)
+    # One class id a sample, or one a position for a model with per-position outputs (T, classes).
+    return x, rng.integers(0, 4, label_shape(model, rows)[0]).astype(np.int32)
 
 
 def nudged_parameters(device, rng) -> dict[str, np.ndarray]:
@@ -93,3 +95,35 @@ def check_gradients_by_differences(model: Model, rng: np.random.Generator, probe
             down, _, _ = run_train_program(device, backend, shifted, x, y)
             numeric = (up - down) / (2 * eps)
             assert grads[name].reshape(-1)[index] == pytest.approx(numeric, rel=1e-5, abs=1e-8), (name, index)
+
+
+def check_partial_batch_matches_rows_alone(model: Model, rng: np.random.Generator, vulkan_backend) -> None:
+    """A batch of 4 real rows in a plan for 7, its padding full of large values (ids far out of
+    range for a model that starts with an Embedding: clamped on the GPU, ignored by the CPU): the
+    loss and every gradient on the float64 CPU backend and on Vulkan are those of a plan for
+    exactly the real rows."""
+    import pytest
+    from conftest import relative_error
+
+    from actors.cpu_backend import CpuBackend
+    from flow.planning import plan
+
+    rows, real = 7, 4
+    full = plan(layer_spec(model, batch=rows)).devices[0]
+    exact = plan(layer_spec(model, batch=real)).devices[0]
+    params = {k: v.astype(np.float32) for k, v in nudged_parameters(full, rng).items()}
+    x, y = layer_batch(model, rows, rng)
+    if model.layers and isinstance(model.layers[0], Embedding):
+        x[real:] = 1e6
+    else:
+        x[real:] = 50.0 * rng.standard_normal(x[real:].shape)
+    x = x.astype(np.float32)
+    reference = CpuBackend(precision="float64")
+    reference.open_layout(exact.layout)
+    loss, grads, _ = run_train_program(exact, reference, params, x[:real], y[:real], real)
+    for backend, tol in ((CpuBackend(precision="float64"), 1e-10), (vulkan_backend, 1e-4)):
+        backend.open_layout(full.layout)
+        got_loss, got, _ = run_train_program(full, backend, params, x, y, real)
+        assert got_loss == pytest.approx(loss, rel=max(tol, 1e-6))
+        for name, value in grads.items():
+            assert relative_error(got[name], value) <= tol, name

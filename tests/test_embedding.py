@@ -16,10 +16,8 @@ import pytest
 from conftest import relative_error
 from layer_programs import (
     check_gradients_by_differences,
-    layer_batch,
+    check_partial_batch_matches_rows_alone,
     layer_spec,
-    nudged_parameters,
-    run_train_program,
 )
 from oracles import embedding as oracle
 
@@ -204,22 +202,7 @@ def test_whole_model_gradients_match_finite_differences(model, rng):
 
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
 def test_partial_batch_on_cpu_and_vulkan_matches_its_rows_alone(model, rng, vulkan_backend):
-    rows, real = 7, 4
-    full = plan(layer_spec(model, batch=rows)).devices[0]
-    exact = plan(layer_spec(model, batch=real)).devices[0]
-    params = {k: v.astype(np.float32) for k, v in nudged_parameters(full, rng).items()}
-    x, y = layer_batch(model, rows, rng)
-    x[real:] = 1e6  # padding ids far out of range: clamped on the GPU, ignored by the CPU
-    x = x.astype(np.float32)
-    reference = CpuBackend(precision="float64")
-    reference.open_layout(exact.layout)
-    loss, grads, _ = run_train_program(exact, reference, params, x[:real], y[:real], real)
-    for backend, tol in ((CpuBackend(precision="float64"), 1e-10), (vulkan_backend, 1e-4)):
-        backend.open_layout(full.layout)
-        got_loss, got, _ = run_train_program(full, backend, params, x, y, real)
-        assert got_loss == pytest.approx(loss, rel=max(tol, 1e-6))
-        for name, value in grads.items():
-            assert relative_error(got[name], value) <= tol, name
+    check_partial_batch_matches_rows_alone(model, rng, vulkan_backend)
 
 
 def digit_pixel_ids(levels: int) -> tuple[np.ndarray, np.ndarray]:

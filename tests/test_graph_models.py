@@ -16,9 +16,9 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-from conftest import relative_error
 from layer_programs import (
     check_gradients_by_differences,
+    check_partial_batch_matches_rows_alone,
     layer_batch,
     layer_spec,
     nudged_parameters,
@@ -48,6 +48,7 @@ from flow.spec import (
     Normalize,
     PositionalEmbedding,
     Repeat,
+    Reshape,
     Residual,
     RunSettings,
     Spec,
@@ -105,8 +106,14 @@ SEQUENCE = Model(
     ),
     loss=MSE(),
 )
-MODELS = [RESIDUAL_MLP, BRANCHES, CONV_CONCAT, REPEATED, SEQUENCE]
-IDS = ["residual_mlp", "branches", "conv_concat", "repeated", "sequence"]
+# Each sample's 12 features as 3 positions of 4, a Linear per position, then flat again.
+RESHAPED = Model(
+    input_shape=(12,),
+    layers=(Reshape((3, -1)), Linear(5, activation="tanh"), Reshape((-1,)), Linear(4)),
+    loss=CrossEntropy(),
+)
+MODELS = [RESIDUAL_MLP, BRANCHES, CONV_CONCAT, REPEATED, SEQUENCE, RESHAPED]
+IDS = ["residual_mlp", "branches", "conv_concat", "repeated", "sequence", "reshaped"]
 
 
 def test_shapes_and_parameters_of_graph_models():
@@ -120,6 +127,14 @@ def test_shapes_and_parameters_of_graph_models():
     assert "layers[1][0].layers[0].layers[1].weight" in names
     assert "layers[1][1].layers[0].layers[0].bias" in names
     assert count_parameters(REPEATED) == 6 * 8 + 8 + 2 * (16 + 8 * 8 + 8) + 8 * 4 + 4
+
+
+def test_reshape_fills_its_minus_one_and_names_a_count_that_does_not_fit():
+    assert infer_shapes(RESHAPED)[:3] == [(3, 4), (3, 5), (15,)]
+    bad = Model(input_shape=(12,), layers=(Reshape((5, 3)), Linear(4)), loss=CrossEntropy())
+    assert _problems(bad) == [
+        ("model.layers[0]", "Reshape to (5, 3) needs 15 values a sample, not the 12 of (12,)")
+    ]
 
 
 def test_the_summary_counts_a_blocks_parameters_on_its_row():
@@ -214,24 +229,7 @@ def test_whole_graph_model_gradients_match_finite_differences(model, rng):
 
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
 def test_graph_models_on_vulkan_match_the_cpu(model, rng, vulkan_backend):
-    """The loss and every gradient of a partial batch (padding full of large values) on Vulkan and
-    on the float64 CPU backend, against the CPU running exactly the real rows."""
-    rows, real = 7, 4
-    full = plan(layer_spec(model, batch=rows)).devices[0]
-    exact = plan(layer_spec(model, batch=real)).devices[0]
-    params = {k: v.astype(np.float32) for k, v in nudged_parameters(full, rng).items()}
-    x, y = layer_batch(model, rows, rng)
-    x[real:] = 50.0 * rng.standard_normal(x[real:].shape)
-    x = x.astype(np.float32)
-    reference = CpuBackend(precision="float64")
-    reference.open_layout(exact.layout)
-    loss, grads, _ = run_train_program(exact, reference, params, x[:real], y[:real], real)
-    for backend, tol in ((CpuBackend(precision="float64"), 1e-10), (vulkan_backend, 1e-4)):
-        backend.open_layout(full.layout)
-        got_loss, got, _ = run_train_program(full, backend, params, x, y, real)
-        assert got_loss == pytest.approx(loss, rel=max(tol, 1e-6))
-        for name, value in grads.items():
-            assert relative_error(got[name], value) <= tol, name
+    check_partial_batch_matches_rows_alone(model, rng, vulkan_backend)
 
 
 def test_a_residual_block_computes_what_its_explicit_graph_does(rng):

@@ -14,14 +14,11 @@ import pytest
 from conftest import relative_error
 from layer_programs import (
     check_gradients_by_differences,
-    layer_batch,
+    check_partial_batch_matches_rows_alone,
     layer_spec,
-    nudged_parameters,
-    run_train_program,
 )
 
 import flow
-from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op
 from flow.codec import dumps, encode, load, loads, save
 from flow.planning import init_parameters, plan
@@ -159,14 +156,6 @@ SEQUENCE = Model(
 MODELS, IDS = [FLAT, SEQUENCE], ["flat", "sequence"]
 
 
-
-
-
-
-
-
-
-
 def test_shapes_parameters_and_initial_values():
     assert infer_shapes(SEQUENCE) == [(3, 5), (15,), (6,), (6,), (2,)]
     assert count_parameters(SEQUENCE) == 2 * 5 + (15 * 6 + 6) + 2 * 6 + (6 * 2 + 2)
@@ -212,24 +201,7 @@ def test_whole_model_gradients_match_finite_differences(model, rng):
 
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
 def test_partial_batch_on_cpu_and_vulkan_matches_its_rows_alone(model, rng, vulkan_backend):
-    """A batch of ``real`` rows in a plan for 7, its padding full of large values: the loss and
-    gradients are those of a plan for exactly those rows, on the CPU and on Vulkan."""
-    rows, real = 7, 4
-    full = plan(layer_spec(model, batch=rows)).devices[0]
-    exact = plan(layer_spec(model, batch=real)).devices[0]
-    params = {k: v.astype(np.float32) for k, v in nudged_parameters(full, rng).items()}
-    x, y = layer_batch(model, rows, rng)
-    x[real:] = 50.0 * rng.standard_normal(x[real:].shape)
-    x = x.astype(np.float32)
-    reference = CpuBackend(precision="float64")
-    reference.open_layout(exact.layout)
-    loss, grads, _ = run_train_program(exact, reference, params, x[:real], y[:real], real)
-    for backend, tol in ((CpuBackend(precision="float64"), 1e-10), (vulkan_backend, 1e-4)):
-        backend.open_layout(full.layout)
-        got_loss, got, _ = run_train_program(full, backend, params, x, y, real)
-        assert got_loss == pytest.approx(loss, rel=max(tol, 1e-6))
-        for name, value in grads.items():
-            assert relative_error(got[name], value) <= tol, name
+    check_partial_batch_matches_rows_alone(model, rng, vulkan_backend)
 
 
 def test_an_mlp_with_a_layer_norm_learns_the_digits(vulkan_backend):

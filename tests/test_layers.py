@@ -153,7 +153,7 @@ FLOW_TIERS: dict[str, int] = {
     # 1: pure decisions on records
     **dict.fromkeys(("codec", "validation", "spec_rules", "summary", "shapes", "model_graph", "graph"), 1),
     **dict.fromkeys(("autodiff", "optim", "planning", "data_plan", "pipeline_plan", "parallel_plan"), 1),
-    **dict.fromkeys(("plan_table", "preflight", "inputs"), 1),
+    **dict.fromkeys(("plan_table", "preflight", "inputs", "metrics", "generation"), 1),
     # 2: entry points: the only flow modules that run actors
     **dict.fromkeys(("__init__", "__main__", "runner", "runtime", "run_command", "inference", "testing"), 2),
     "callbacks": 2,  # user code the runtime calls; its on_end takes a RunResult
