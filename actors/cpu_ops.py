@@ -706,12 +706,24 @@ def embedding(arrays: list[np.ndarray], p: Params) -> None:
 
 def embedding_backward(arrays: list[np.ndarray], p: Params) -> None:
     ids, dy, stepvals, dw = arrays
-    v, d = int(p["V"]), int(p["D"])
+    v, d, chunks = int(p["V"]), int(p["D"]), max(int(p.get("chunks", 0)), 1)
     rows = _table_rows(ids, p, stepvals)[: _real_rows(stepvals, int(p["N"])) * int(p["S"])]
-    grad = np.zeros((v, d), dw.dtype)
-    # Unbuffered: a repeated id adds each of its rows, in order, as the shader's loop does.
-    np.add.at(grad, rows, dy[: rows.size * d].reshape(-1, d))
-    dw[: v * d] = grad.reshape(-1)
+    span = -(-int(p["N"]) * int(p["S"]) // chunks)
+    grad = np.zeros((chunks, v, d), dw.dtype)
+    for chunk in range(chunks):  # with chunks > 1: [chunks, V, D] partial sums, as the shader's
+        part = rows[chunk * span : (chunk + 1) * span]
+        # Unbuffered: a repeated id adds each of its rows, in order, as the shader's loop does.
+        np.add.at(grad[chunk], part, dy[chunk * span * d : (chunk * span + part.size) * d].reshape(-1, d))
+    dw[: chunks * v * d] = grad.reshape(-1)
+
+
+def embedding_chunk_sum(arrays: list[np.ndarray], p: Params) -> None:
+    w, dw = arrays
+    total, splits = int(p["total"]), int(p["splits"])
+    sum_ = np.zeros(total, dw.dtype)
+    for part in w[: splits * total].reshape(splits, total):  # in chunk order, as the shader's lane
+        sum_ += part
+    dw[:total] = sum_
 
 
 def sgd(arrays: list[np.ndarray], p: Params) -> None:
@@ -913,6 +925,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "dropout": dropout,
     "embedding": embedding,
     "embedding_backward": embedding_backward,
+    "embedding_chunk_sum": embedding_chunk_sum,
     "sgd": sgd,
     "adam": adam,
     "sgd_clip": _clipped(sgd),

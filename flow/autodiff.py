@@ -118,6 +118,17 @@ def conv_weight_splits(m: int, n: int, k: int) -> int:
     return max(1, min(wanted, k // CONV_SPLIT_MIN_K, CONV_MAX_SPLITS))
 
 
+def embedding_chunks(ids: int, rows: int, dim: int) -> int:
+    """Chunks of an Embedding's ids whose table gradients embedding_backward sums apart (one
+    workgroup per table row and chunk) for embedding_chunk_sum to add in chunk order: with a
+    small vocabulary (a char GPT's 84 rows, 16384 ids) one workgroup a row scanned every id.
+    1 for a large vocabulary (rows already spread the work); else at least 256 ids a chunk, at
+    most 64 chunks and an 8M-float (32 MB) workspace of chunks x rows x dim partial sums."""
+    if rows >= 1024:
+        return 1
+    return max(1, min(64, ids // 256, (8 << 20) // (rows * dim)))
+
+
 class _Builder:
     """Walks the stages once forward and once backward, emitting launches into a Graph."""
 
@@ -727,7 +738,14 @@ class _Builder:
             # The table's gradient alone: ids have none, and an Embedding is always the first layer.
             weight_grad = f"grad:{prefix}.weight"
             params = self._embedding_params(stage, layer)
-            g.emit(launch("embedding_backward", (h, grad, "stepvals", weight_grad), **params))
+            chunks = embedding_chunks(params["N"] * params["S"], params["V"], params["D"])
+            if chunks == 1:
+                g.emit(launch("embedding_backward", (h, grad, "stepvals", weight_grad), **params))
+            else:
+                partial = self.g.add(f"chunks:{weight_grad}", (chunks, params["V"], params["D"]))
+                g.emit(launch("embedding_backward", (h, grad, "stepvals", partial), chunks=chunks, **params))
+                total = params["V"] * params["D"]
+                g.emit(launch("embedding_chunk_sum", (partial, weight_grad), total=total, splits=chunks))
         elif isinstance(layer, Dropout) and layer.p > 0:
             if in_grad:
                 # The same mask, recomputed from its hash (cheaper than storing it), on the gradient.

@@ -597,14 +597,25 @@ _OPS: tuple[OpDef, ...] = (
         _EMBEDDING_PUSH,
         lambda p, local, spec: capped_groups(int(p["N"]) * int(p["S"]) * int(p["D"]), local[0]),
     ),
-    # dW[v, :] = sum of dY[i, :] over the real rows' ids i naming v; one workgroup per table row.
+    # dW[v, :] = sum of dY[i, :] over the real rows' ids i naming v; one workgroup per table row
+    # and chunk of ids (chunks > 1: dW is [chunks, V, D] partial sums for embedding_chunk_sum).
     OpDef(
         "embedding_backward",
         "embedding_backward.comp",
         ("ids", "dY", "stepvals", "dW"),
-        _EMBEDDING_PUSH,
-        lambda p, local, spec: capped_groups(int(p["V"]), 1),
+        (*_EMBEDDING_PUSH, ("chunks", "u")),
+        lambda p, local, spec: capped_groups(int(p["V"]) * max(int(p.get("chunks", 0)), 1), 1),
         local_size=(64, 1, 1),
+    ),
+    # dW = the sum of embedding_backward's chunks, added one lane per output in chunk order.
+    OpDef(
+        "embedding_chunk_sum",
+        "conv_splitk_sum.comp",
+        ("W", "dW"),
+        (("total", "u"), ("splits", "u")),
+        lambda params, local, spec: capped_groups(int(params["total"]), spec["OUTS"]),
+        spec=(("OUTS", 256), ("LANES", 1)),
+        local_from_spec=lambda s: (s["OUTS"], s["LANES"], 1),
     ),
     # In-place optimisers over a flat parameter range; step values [lr, 1-b1^t, 1-b2^t, t] per slot.
     OpDef("sgd", "sgd.comp", ("P", "G", "M", "stepvals"), _SGD_PUSH, _linear_groups("n")),
@@ -753,6 +764,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "dropout": ("Y",),
     "embedding": ("Y",),
     "embedding_backward": ("dW",),
+    "embedding_chunk_sum": ("dW",),
     "sgd": ("P", "M"),
     "adam": ("P", "M", "V"),
     "sgd_clip": ("P", "M"),

@@ -156,7 +156,7 @@ def test_the_layer_against_an_independent_oracle(causal, rng, vulkan_backend):
         backend = CpuBackend(precision="float64")
         backend.open_layout(device.layout)
         _, grads, _ = run_train_program(device, backend, params, x, y)
-        assert float(torch_loss) == pytest.approx(want_loss, rel=1e-10)
+        assert torch_loss.item() == pytest.approx(want_loss, rel=1e-10)
         for name, grad in grads.items():
             np.testing.assert_allclose(
                 grad, tensors[name.removeprefix("layers[0].")].grad.numpy(), rtol=1e-7, atol=1e-10

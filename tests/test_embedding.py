@@ -24,6 +24,7 @@ from oracles import embedding as oracle
 import flow
 from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op
+from flow.autodiff import embedding_chunks
 from flow.codec import dumps, encode, load, loads, save
 from flow.planning import init_parameters, plan
 from flow.shapes import count_parameters, infer_shapes
@@ -132,6 +133,76 @@ def test_a_gpu_clamps_an_id_outside_the_table(vulkan_backend, rng):
 
 
 # ---------------------------------------------------------------------------------------------
+# The table's gradient split over chunks of ids (a small vocabulary: one workgroup a row would
+# scan every id): embedding_backward's [chunks, V, D] partial sums, added in chunk order.
+
+
+def chunked_table_gradient(backend, ids, dy, v: int, real: int, chunks: int) -> np.ndarray:
+    (n, s), d = ids.shape, dy.shape[-1]
+    stepvals = np.array([0.0, 1.0, 1.0, 1.0, real, real], np.float32)
+    partial = np.full((chunks, v, d), np.nan, np.float32)
+    bindings = {"ids": ids.astype(np.float32), "dY": dy, "stepvals": stepvals, "dW": partial}
+    partial = run_op(backend, "embedding_backward", bindings, N=n, S=s, V=v, D=d, chunks=chunks)["dW"]
+    if chunks == 1:
+        return partial.reshape(v, d)
+    bindings = {"W": partial, "dW": np.full((v, d), np.nan, np.float32)}
+    return run_op(backend, "embedding_chunk_sum", bindings, total=v * d, splits=chunks)["dW"]
+
+
+def skewed_ids(rng, n: int, s: int, v: int, real: int) -> np.ndarray:
+    """Ids where one row (a text's space) takes most positions, padding samples out of range."""
+    ids = rng.integers(0, v, (n, s))
+    ids[rng.random((n, s)) < 0.8] = v // 2
+    ids[real:] = rng.choice([-7, v, 10 * v + 3], ids[real:].shape)
+    return ids
+
+
+# (N, S, V, D, real samples, chunks): chunks not aligned to samples, D past two passes of the 64
+# threads, more chunks than ids (the last ones empty), a partial batch, and no split.
+SPLIT_CASES = [
+    (16, 37, 7, 67, 13, 8),
+    (9, 31, 3, 130, 9, 5),
+    (5, 11, 13, 1, 2, 64),
+    (64, 16, 84, 38, 61, 64),
+    (8, 33, 84, 40, 6, 1),
+]
+
+
+@pytest.mark.parametrize("n,s,v,d,real,chunks", SPLIT_CASES)
+def test_the_chunked_table_gradient_matches_the_oracle(backend, rng, n, s, v, d, real, chunks):
+    ids = skewed_ids(rng, n, s, v, real)
+    dy = rng.standard_normal((n, s, d)).astype(np.float32)
+    dy[real:] = 1e3  # a gradient on padding samples must not reach the table
+    dw = chunked_table_gradient(backend, ids, dy, v, real, chunks)
+    _, dw_ref = oracle(ids[:real], np.zeros((v, d)), dy[:real])
+    assert relative_error(dw, dw_ref) <= 1e-6
+    np.testing.assert_array_equal(dw[np.setdiff1d(np.arange(v), ids[:real])], 0.0)
+
+
+def test_the_chunked_gpu_gradient_is_reproducible_and_the_cpu_one_to_the_bit(vulkan_backend, rng):
+    n, s, v, d, real, chunks = 32, 64, 11, 45, 29, 16
+    ids = skewed_ids(rng, n, s, v, real)
+    dy = rng.standard_normal((n, s, d)).astype(np.float32)
+    first, second = (chunked_table_gradient(vulkan_backend, ids, dy, v, real, chunks) for _ in range(2))
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(first, chunked_table_gradient(CpuBackend(), ids, dy, v, real, chunks))
+
+
+def test_chunks_are_chosen_from_the_shapes():
+    assert embedding_chunks(64 * 256, 84, 384) == 64  # a char GPT: 16384 ids, an 84-row table
+    assert embedding_chunks(4 * 5, 1000, 64) == 1  # too few ids to split
+    assert embedding_chunks(64 * 1024, 50257, 768) == 1  # a large vocabulary spreads the rows
+    assert embedding_chunks(2**20, 1000, 4096) == 2  # the workspace stays at most 32 MB
+    model = Model(input_shape=(256,), layers=(Embedding(20, 8), Flatten(), Linear(3)), loss=CrossEntropy())
+    launches = plan(layer_spec(model, 8)).devices[0].program("train").launches
+    split = [step for step in launches if step.op.startswith("embedding_")]
+    assert [(step.op, step.param_dict.get("chunks")) for step in split] == [
+        ("embedding_backward", 8),
+        ("embedding_chunk_sum", None),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
 # The layer in a model
 
 TOKENS = Model(
@@ -140,6 +211,8 @@ TOKENS = Model(
     loss=CrossEntropy(),
 )
 GRID = Model(input_shape=(2, 3), layers=(Embedding(4, 3), Flatten(), Linear(2)), loss=MSE())
+# 7 x 256 ids of a 5-row table: its gradient split into 7 chunks (4 in the plan for the real rows).
+CHUNKED = Model(input_shape=(256,), layers=(Embedding(5, 3), Flatten(), Linear(4)), loss=CrossEntropy())
 MODELS, IDS = [TOKENS, GRID], ["tokens", "grid"]
 
 
@@ -200,7 +273,7 @@ def test_whole_model_gradients_match_finite_differences(model, rng):
     check_gradients_by_differences(model, rng, probes=6)
 
 
-@pytest.mark.parametrize("model", MODELS, ids=IDS)
+@pytest.mark.parametrize("model", [*MODELS, CHUNKED], ids=[*IDS, "chunked"])
 def test_partial_batch_on_cpu_and_vulkan_matches_its_rows_alone(model, rng, vulkan_backend):
     check_partial_batch_matches_rows_alone(model, rng, vulkan_backend)
 

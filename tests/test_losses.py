@@ -117,7 +117,7 @@ def torch_loss(kind: str, y, t, **options):
         target = torch.tensor(np.asarray(t, np.float64))
     loss = fn(z, target)
     loss.backward()
-    return float(loss), z.grad.numpy()
+    return loss.item(), z.grad.numpy()
 
 
 def test_oracles_agree_with_torch(rng):
