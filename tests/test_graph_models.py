@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from layer_programs import (
     check_gradients_by_differences,
+    check_learns_the_digits,
     check_partial_batch_matches_rows_alone,
     layer_batch,
     layer_spec,
@@ -32,27 +33,19 @@ from flow.planning import plan
 from flow.shapes import count_parameters, infer_shapes
 from flow.spec import (
     MSE,
-    Adam,
     Add,
     Concat,
     Conv2d,
     CrossEntropy,
-    Data,
-    Devices,
-    Digits,
     Flatten,
     LayerNorm,
     Linear,
     MaxPool2d,
     Model,
-    Normalize,
     PositionalEmbedding,
     Repeat,
     Reshape,
     Residual,
-    RunSettings,
-    Spec,
-    Split,
     Tanh,
 )
 from flow.summary import summarize
@@ -280,17 +273,7 @@ def test_a_residual_mlp_learns_the_digits(vulkan_backend):
         ),
         loss=CrossEntropy(),
     )
-    spec = Spec(
-        model=model,
-        optimiser=Adam(lr=0.003),
-        data=Data(Digits(), batch_size=64, split=Split(train=0.8, val=0.2, stratify=True),
-                  preprocess=(Normalize((0.5,), (0.5,)),)),
-        devices=Devices("cpu"),
-        run=RunSettings(epochs=4),
-    )  # fmt: skip
-    result = flow.run(spec, backend=vulkan_backend)
-    assert result.evals[-1].loss < result.evals[0].loss
-    assert result.accuracy >= 0.9
+    check_learns_the_digits(model, vulkan_backend, epochs=4)
 
 
 def test_the_residual_example_trains_from_the_cli(tmp_path):

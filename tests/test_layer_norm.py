@@ -14,30 +14,22 @@ import pytest
 from conftest import relative_error
 from layer_programs import (
     check_gradients_by_differences,
+    check_learns_the_digits,
     check_partial_batch_matches_rows_alone,
     layer_spec,
 )
 
-import flow
 from actors.single_op import run_op
 from flow.codec import dumps, encode, load, loads, save
 from flow.planning import init_parameters, plan
 from flow.shapes import count_parameters, infer_shapes
 from flow.spec import (
     MSE,
-    Adam,
     CrossEntropy,
-    Data,
-    Devices,
-    Digits,
     Flatten,
     LayerNorm,
     Linear,
     Model,
-    Normalize,
-    RunSettings,
-    Spec,
-    Split,
 )
 from flow.validation import validate
 
@@ -210,14 +202,4 @@ def test_an_mlp_with_a_layer_norm_learns_the_digits(vulkan_backend):
         layers=(Flatten(), Linear(64), LayerNorm(), Linear(32, activation="relu"), LayerNorm(), Linear(10)),
         loss=CrossEntropy(),
     )
-    spec = Spec(
-        model=model,
-        optimiser=Adam(lr=0.003),
-        data=Data(Digits(), batch_size=64, split=Split(train=0.8, val=0.2, stratify=True),
-                  preprocess=(Normalize((0.5,), (0.5,)),)),
-        devices=Devices("cpu"),
-        run=RunSettings(epochs=4),
-    )  # fmt: skip
-    result = flow.run(spec, backend=vulkan_backend)
-    assert result.evals[-1].loss < result.evals[0].loss
-    assert result.accuracy >= 0.9
+    check_learns_the_digits(model, vulkan_backend, epochs=4)

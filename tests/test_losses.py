@@ -14,9 +14,8 @@ import math
 import numpy as np
 import pytest
 from conftest import relative_error
-from layer_programs import layer_spec, nudged_parameters, run_train_program
+from layer_programs import check_learns_the_digits, layer_spec, nudged_parameters, run_train_program
 
-import flow
 from actors.backend import run_program
 from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op
@@ -28,22 +27,14 @@ from flow.shapes import infer_shapes
 from flow.spec import (
     L1,
     MSE,
-    Adam,
     BCEWithLogits,
     CrossEntropy,
-    Data,
-    Devices,
-    Digits,
     Embedding,
     Flatten,
     Huber,
     LayerNorm,
     Linear,
     Model,
-    Normalize,
-    RunSettings,
-    Spec,
-    Split,
 )
 from flow.validation import validate
 from shaders.registry import LOSSES
@@ -507,17 +498,7 @@ def test_label_smoothing_learns_the_digits(vulkan_backend):
         layers=(Flatten(), Linear(64, activation="relu"), Linear(10)),
         loss=CrossEntropy(label_smoothing=0.1),
     )
-    spec = Spec(
-        model=model,
-        optimiser=Adam(lr=0.003),
-        data=Data(Digits(), batch_size=64, split=Split(train=0.8, val=0.2, stratify=True),
-                  preprocess=(Normalize((0.5,), (0.5,)),)),
-        devices=Devices("cpu"),
-        run=RunSettings(epochs=4),
-    )  # fmt: skip
-    result = flow.run(spec, backend=vulkan_backend)
-    assert result.evals[-1].loss < result.evals[0].loss
-    assert result.accuracy >= 0.9
+    check_learns_the_digits(model, vulkan_backend, epochs=4)
 
 
 def test_mse_is_unchanged():
