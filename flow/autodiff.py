@@ -26,7 +26,7 @@ from flow.graph import (
     unwrap,
 )
 from flow.metrics import metric_name, on_device
-from flow.model_graph import MODEL_INPUT
+from flow.model_graph import MODEL_INPUT, concat_axis
 from flow.optim import update_groups
 from flow.program import Launch, launch
 from flow.spec import Optimiser
@@ -227,10 +227,7 @@ class _Builder:
         elif isinstance(layer, PositionalEmbedding):
             g.emit(launch("add_rows", (h, f"{prefix}.weight", out), rows=b, cols=math.prod(stage.in_shape)))
         elif isinstance(layer, Add):
-            n = b * math.prod(stage.out_shape)
-            g.emit(launch("binary", (inputs[0], inputs[1], out), n=n, fn=BINARY["add"], a=1.0, b=0.0))
-            for more in inputs[2:]:  # in place: each element is read before it is written
-                g.emit(launch("binary", (out, more, out), n=n, fn=BINARY["add"], a=1.0, b=0.0))
+            self._add_all(inputs, out)
         elif isinstance(layer, Concat):
             blocks = zip(inputs, self._concat_blocks(stage), strict=True)
             g.emit(*(launch("copy_columns", (x, out), **block) for x, block in blocks))
@@ -330,7 +327,7 @@ class _Builder:
         ``outer`` rows of its inputs' columns side by side (axis and everything after it)."""
         layer = unwrap(stage.layer)[0]
         rank = len(stage.out_shape)
-        axis = layer.axis + rank if layer.axis < 0 else layer.axis
+        axis = concat_axis(layer, rank)
         rows = self.b * math.prod(stage.out_shape[:axis])
         width = math.prod(stage.out_shape[axis:])
         blocks, offset = [], 0
@@ -607,11 +604,16 @@ class _Builder:
         if len(parts) == 1:
             return parts[0]
         total = self.g.add(f"grad:{self.outputs[position]}", self.g.tensors[parts[0]].shape)
+        self._add_all(parts, total)
+        return total
+
+    def _add_all(self, parts: list[str], total: str) -> None:
+        """``total`` = the sum of two or more tensors of its shape, added in ``parts`` order (the
+        third on is added in place: binary.comp reads each element before it writes it)."""
         n = math.prod(self.g.tensors[total].shape)
         self.g.emit(launch("binary", (parts[0], parts[1], total), n=n, fn=BINARY["add"], a=1.0, b=0.0))
         for part in parts[2:]:
             self.g.emit(launch("binary", (total, part, total), n=n, fn=BINARY["add"], a=1.0, b=0.0))
-        return total
 
     def _grad_name(self, stage: Stage, j: int) -> str:
         """The gradient a stage passes to its ``j``-th input: ``grad:<input>`` when it is that
@@ -663,11 +665,7 @@ class _Builder:
                     bias_grad = None
                 else:
                     weight_grad, finish_weight = self._gemm((h, dz, h, dw), M=k, N=n, K=rows, trans_a=1)
-                    bias_grad = (
-                        launch("reduce", (dz, db), rows=rows, cols=n, axis=0, fn=REDUCE["sum"], alpha=1.0)
-                        if layer.bias
-                        else None
-                    )
+                    bias_grad = self._bias_grad(layer.bias, dz, db, rows, n)
                 input_grad, finish_input = (None, None)
                 if in_grad:
                     input_grad, finish_input = self._input_grad_gemm(position, dz, w, h, in_grad, k, n)

@@ -249,7 +249,7 @@ def node_shape(layer, in_shapes: tuple[Shape, ...], inputs: tuple[int, ...]) -> 
         )
     if isinstance(layer, Concat):
         rank = len(first)
-        axis = layer.axis + rank if layer.axis < 0 else layer.axis
+        axis = concat_axis(layer, rank)
         if not 0 <= axis < rank:
             return f"Concat's axis {layer.axis} is outside inputs of {rank} dimensions"
         others = [tuple(s[:axis] + s[axis + 1 :]) for s in in_shapes]
@@ -264,6 +264,11 @@ def node_shape(layer, in_shapes: tuple[Shape, ...], inputs: tuple[int, ...]) -> 
     if isinstance(layer, SelfAttention) and first[1] % layer.heads:
         return f"SelfAttention's {layer.heads} heads do not divide the {first[1]} features"
     return output_shape(layer, first)
+
+
+def concat_axis(layer: Concat, rank: int) -> int:
+    """A Concat's axis counted from the front of inputs of ``rank`` dimensions."""
+    return layer.axis + rank if layer.axis < 0 else layer.axis
 
 
 def parameter_count(nodes: list[Node]) -> int:
