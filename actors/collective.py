@@ -224,7 +224,10 @@ class Ranks:
 
     def abort(self, message: str, code: int = ABORT_CODE) -> None:
         """Print ``message``, then stop every rank of the job (MPI_Abort), from any thread."""
-        print(message, file=sys.stderr, flush=True)
+        # One write with its newline: the launcher forwards each rank's stderr as it comes, so a
+        # separate newline lets another rank's message join this line.
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
         time.sleep(FORWARD_S)
         self.comm.Abort(code)
 

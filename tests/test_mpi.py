@@ -259,7 +259,7 @@ def test_the_ranks_that_wait_name_the_rank_that_hangs(tmp_path):
     env = {"VKFLOW_CHECK_EVERY": "4", "VKFLOW_MPI_DEADLINE": "3", "PYTHONPATH": path}
     done, seconds = _mpiexec(tmp_path, 3, "rank.py", spec, "hangs", env=env, timeout=120)
     said = done.stdout + done.stderr
-    lines = re.findall(r"vkflow: rank (\d) of 3: (.*) did not answer within 3 s", said)
+    lines = re.findall(r"vkflow: rank (\d) of 3: (.*?) did not answer within 3 s", said)
     assert done.returncode != 0 and seconds < 30 and lines, said
     assert {rank for rank, _ in lines} <= {"0", "2"} and {who for _, who in lines} == {"rank 1"}, said
     assert checkpoints.load(tmp_path / "mpi" / "ckpt").cursor.step == 5, said
