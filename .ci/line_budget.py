@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Set 2026-11, when the library held about 14.2k non-blank lines (16.8k with blank ones): about 25%
 # room. Raise it on purpose, never to make CI pass. Raised to 21,000 in session 7 (2026-11-24), at
 # 17.9k, for issue 16's planned growth: models as graphs, attention, the Text source, more losses,
-# gradient clipping and generation (about 2k lines together).
-BUDGET = 21_000
+# gradient clipping and generation (about 2k lines together). Raised to 26,000 in session 8, at
+# 19.7k, for issue 14's model split across devices and issue 17's interop (safetensors, ONNX export
+# and import), report, progress and TensorBoard (about 4-5k lines together).
+BUDGET = 26_000
 PACKAGES = {"flow": "**/*.py", "actors": "**/*.py", "loaders": "**/*.py", "shaders": "*.py"}
 
 
