@@ -762,6 +762,8 @@ def _clipped(update: Callable[..., None]) -> Callable[..., None]:
 
     def kernel(arrays: list[np.ndarray], p: Params) -> None:
         *bound, clip = arrays
+        if clip[2] != 0:  # loss scaling found the gradients overflowed: the step changes nothing
+            return
         bound[1] = bound[1][: int(p["n"])] * clip[1]
         update(bound, p)
 
@@ -778,7 +780,31 @@ def grad_norm(arrays: list[np.ndarray], p: Params) -> None:
     dtype = y.dtype.type
     norm = dtype(np.sqrt(values.sum()))
     factor = dtype(p["max_norm"]) / (norm + dtype(1e-6))
-    y[:2] = norm, factor if factor < 1 else 1  # a NaN norm gives 1, as the shader's comparison
+    y[:3] = norm, factor if factor < 1 else 1, 0  # a NaN norm gives 1, as the shader's comparison
+
+
+def loss_scale_apply(arrays: list[np.ndarray], p: Params) -> None:
+    x, scale = arrays
+    x[: int(p["n"])] *= scale[0]
+
+
+def loss_scale_update(arrays: list[np.ndarray], p: Params) -> None:
+    """loss_scale_update.comp: the partials' sum (float64, as grad_norm's), the clip values with
+    the scale divided out, then the scale's state moved (flow.optim.LOSS_SCALE)."""
+    x, state, y = arrays
+    total = x[: int(p["n"])].astype(np.float64).sum()
+    dtype = y.dtype.type
+    scale = state[0]
+    finite = bool(np.isfinite(total))
+    with np.errstate(over="ignore", invalid="ignore"):
+        norm = dtype(np.sqrt(total)) / scale
+        factor = dtype(p["max_norm"]) / (norm + dtype(1e-6))
+    y[:3] = norm, (factor if factor < 1 else dtype(1)) / scale, 0 if finite else 1
+    if finite:
+        grow = state[1] + 1 >= int(p["growth_interval"])
+        state[:2] = (scale * 2 if grow and scale < 2.0**100 else scale), (0 if grow else state[1] + 1)
+    else:
+        state[:3] = scale / 2, 0, state[2] + 1
 
 
 def fill(arrays: list[np.ndarray], p: Params) -> None:
@@ -928,6 +954,8 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "embedding_chunk_sum": embedding_chunk_sum,
     "sgd": sgd,
     "adam": adam,
+    "loss_scale_apply": loss_scale_apply,
+    "loss_scale_update": loss_scale_update,
     "sgd_clip": _clipped(sgd),
     "adam_clip": _clipped(adam),
     "grad_norm": grad_norm,

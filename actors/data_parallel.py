@@ -40,7 +40,7 @@ from actors.messages import Batch, CheckpointMark, Cursor, Prediction, Snapshot,
 from actors.meter import Meter
 from actors.statistics import ActorStatistics
 from flow.graph import optimised_floats
-from flow.optim import device_learning_rate
+from flow.optim import LOSS_SCALE, device_learning_rate
 from flow.parallel_plan import DataParallelPlan
 from flow.spec_model import CrossEntropy
 
@@ -314,8 +314,12 @@ class DataParallelActor:
             host_all_reduce(sources, [leader.backend], across=across, scratch=self._scratch)
             wait_for_device(leader, leader.submit("apply", SLOT, 1, step), self.deadline_s)
             weights = leader.weights()
+            # The members never run the update, so they take the leader's loss scale as well.
+            scale = leader.backend.read(LOSS_SCALE) if leader.plan.loss_scale is not None else None
             for engine in self.engines[1:]:
                 engine.set_weights(weights)
+                if scale is not None:
+                    engine.backend.write(LOSS_SCALE, scale)
         self.reduce_s += time.perf_counter() - started
         return sums
 

@@ -28,7 +28,7 @@ from actors.backend import Backend
 from flow.inputs import token_id_error
 from flow.metrics import metric_name, on_device
 from flow.model_graph import expand
-from flow.optim import check_compatible, step_values
+from flow.optim import LOSS_SCALE, check_compatible, step_values
 from flow.planning import DevicePlan, init_parameters
 from flow.spec_model import CrossEntropy, Embedding
 
@@ -128,6 +128,8 @@ class Engine:
         self.backend.write("grads:all", np.zeros(total, np.float32))
         for state in self.plan.state_names:
             self.backend.write(f"state:{state}", np.zeros(total, np.float32))
+        if self.plan.loss_scale is not None:  # [scale, streak, skipped] (flow.optim.LOSS_SCALE)
+            self.backend.write(LOSS_SCALE, np.array([self.plan.loss_scale, 0, 0], np.float32))
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Every parameter, copied back to the host."""
@@ -138,6 +140,8 @@ class Engine:
         saved = {"params:all": self.backend.read("params:all")}
         for state in self.plan.state_names:
             saved[f"state:{state}"] = self.backend.read(f"state:{state}")
+        if self.plan.loss_scale is not None:
+            saved[LOSS_SCALE] = self.backend.read(LOSS_SCALE)
         return saved
 
     def load_state(self, saved: dict[str, np.ndarray]) -> None:
@@ -149,7 +153,8 @@ class Engine:
         """
         check_compatible(saved, self.plan.state_names, self.plan.total_params)
         for name, value in saved.items():
-            self.backend.write(name, value)
+            if name != LOSS_SCALE or self.plan.loss_scale is not None:  # else: initialise's stays
+                self.backend.write(name, value)
 
     # -- a data-parallel member's weights ---------------------------------------------------------
     def weights(self) -> np.ndarray:

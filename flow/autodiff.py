@@ -27,7 +27,7 @@ from flow.graph import (
 )
 from flow.metrics import metric_name, on_device
 from flow.model_graph import MODEL_INPUT, concat_axis
-from flow.optim import update_groups
+from flow.optim import LOSS_SCALE, update_groups
 from flow.program import Launch, launch
 from flow.spec import Optimiser
 from flow.spec_model import (
@@ -791,6 +791,7 @@ def build_graph(
     precision: str = "float32",
     update: bool = True,
     sample: dict[str, float] | None = None,
+    loss_scaled: bool = False,
 ) -> Graph:
     """The launches of one program for one batch size.
 
@@ -834,8 +835,11 @@ def build_graph(
     grad = builder.loss(out, "y", write_grad=program == "train")
     if program == "train":
         assert grad is not None and optimiser is not None
+        if loss_scaled:
+            n = math.prod(graph.tensors[grad].shape)
+            graph.emit(launch("loss_scale_apply", (grad, LOSS_SCALE), n=n))
         builder.backward(grad)
         if update:
-            for group in update_groups(optimiser, optimised_floats(model, total_params)):
+            for group in update_groups(optimiser, optimised_floats(model, total_params), loss_scaled):
                 graph.emit(*group)
     return graph

@@ -32,7 +32,36 @@ PARAMS = "params:all"
 # min(1, clip_norm / (norm + 1e-6))], and the update's _clip variant scales each gradient by the
 # second. The planner puts CLIP_TENSORS (name, floats) in a "clip" arena.
 CLIP_PARTS = 256
-CLIP_TENSORS = (("clip:partials", CLIP_PARTS), ("clip:norm", 2))
+# clip:norm = [norm, factor, skip]: skip = 1 makes the _clip update leave every weight and state
+# as it is (only loss scaling sets it, on gradients that overflowed).
+CLIP_TENSORS = (("clip:partials", CLIP_PARTS), ("clip:norm", 3))
+
+# Dynamic loss scaling (RunSettings.loss_scale), torch.amp.GradScaler's rule kept on the device with
+# no read-back: the train program multiplies the loss's gradient by scale (loss_scale_apply); the
+# update's loss_scale_update joins grad_norm's partial sums into the unscaled norm, writes clip:norm
+# with the factor divided by scale (so the _clip update sees the true gradients, clipped where
+# clip_norm is set) and skip = 1 where the sum is not finite, then moves the state: halve on a skip,
+# double after LOSS_SCALE_GROWTH good steps in a row. With a power-of-two scale every product in
+# the backward pass is scaled exactly, so float32 results do not change.
+LOSS_SCALE = "loss_scale:state"  # [scale, good steps in a row, steps skipped], checkpointed
+LOSS_SCALE_FLOATS = 3
+LOSS_SCALE_GROWTH = 2000
+AUTO_LOSS_SCALE = 65536.0
+
+
+def initial_loss_scale(loss_scale: str | float, precision: str) -> float | None:
+    """The scale a run starts from, or None when it does not scale its loss.
+
+    Args:
+        loss_scale: RunSettings.loss_scale ("auto", "off" or a number > 0).
+        precision: RunSettings.precision.
+
+    Returns:
+        AUTO_LOSS_SCALE for "auto" in "mixed" precision, the number given, else None.
+    """
+    if loss_scale == "off" or (loss_scale == "auto" and precision != "mixed"):
+        return None
+    return AUTO_LOSS_SCALE if loss_scale == "auto" else float(loss_scale)
 
 
 def learning_rate(optimiser: Optimiser, step: int) -> float:
@@ -126,7 +155,7 @@ def optimiser_state_names(optimiser: Optimiser) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
-def update_launch(optimiser: Optimiser, total: int) -> Launch:
+def update_launch(optimiser: Optimiser, total: int, scaled: bool = False) -> Launch:
     """One launch that updates every parameter in the flat arena (padding included: its gradient
     is always zero, so it stays zero). Hyperparameters that never change are push constants; the
     schedule's values come from ``stepvals`` (:func:`step_values`).
@@ -134,15 +163,17 @@ def update_launch(optimiser: Optimiser, total: int) -> Launch:
     Args:
         optimiser: the spec's optimiser.
         total: floats in the flat parameter arena.
+        scaled: the gradients carry a loss scale (the _clip variant divides it out).
 
     Returns:
-        The ``sgd`` or ``adam`` launch (``sgd_clip``, ``adam_clip`` with clip_norm set: they
-            also read ``clip:norm``).
+        The ``sgd`` or ``adam`` launch (``sgd_clip``, ``adam_clip`` with clip_norm set or a loss
+            scale: they also read ``clip:norm``).
 
     Raises:
         PlanError: an optimiser with no update kernel.
     """
-    clip = ("_clip", ("clip:norm",)) if getattr(optimiser, "clip_norm", None) is not None else ("", ())
+    clipped = scaled or getattr(optimiser, "clip_norm", None) is not None
+    clip = ("_clip", ("clip:norm",)) if clipped else ("", ())
     if isinstance(optimiser, SGD):
         # Without momentum the kernel never reads its buffer, so the gradients stand in for the
         # arena that plain SGD does not allocate.
@@ -171,24 +202,36 @@ def update_launch(optimiser: Optimiser, total: int) -> Launch:
     raise PlanError([Problem("optimiser", f"unknown optimiser {type(optimiser).__name__}")])
 
 
-def update_groups(optimiser: Optimiser, total: int) -> list[list[Launch]]:
+def update_groups(optimiser: Optimiser, total: int, scaled: bool = False) -> list[list[Launch]]:
     """The update's launches in dependent groups (a barrier between each): the update alone, or
-    with clip_norm set, the two grad_norm passes before it (see CLIP_PARTS).
+    with clip_norm set or a loss scale, the two passes over the gradients before it (see
+    CLIP_PARTS and LOSS_SCALE).
 
     Args:
         optimiser: the spec's optimiser.
         total: floats at the start of the flat arenas that the optimiser updates.
+        scaled: the run scales its loss (initial_loss_scale is not None).
 
     Returns:
         [[update]], or [[partial sums], [norm and factor], [update]].
     """
-    update = update_launch(optimiser, total)
-    if optimiser.clip_norm is None:
+    update = update_launch(optimiser, total, scaled)
+    if optimiser.clip_norm is None and not scaled:
         return [[update]]
-    max_norm = float(optimiser.clip_norm)
+    max_norm = math.inf if optimiser.clip_norm is None else float(optimiser.clip_norm)
+    if scaled:
+        join = launch(
+            "loss_scale_update",
+            ("clip:partials", LOSS_SCALE, "clip:norm"),
+            n=CLIP_PARTS,
+            max_norm=max_norm,
+            growth_interval=LOSS_SCALE_GROWTH,
+        )
+    else:
+        join = launch("grad_norm", ("clip:partials", "clip:norm"), n=CLIP_PARTS, max_norm=max_norm)
     return [
         [launch("grad_norm", ("grads:all", "clip:partials"), n=total, parts=CLIP_PARTS)],
-        [launch("grad_norm", ("clip:partials", "clip:norm"), n=CLIP_PARTS, max_norm=max_norm)],
+        [join],
         [update],
     ]
 
@@ -225,11 +268,16 @@ def check_compatible(
     problems = []
     if missing := sorted(expected - set(saved)):
         problems.append(f"missing {', '.join(missing)}")
-    if extra := sorted(set(saved) - expected):
+    # The loss scale's state may come or go: a run that scales without it starts from its first
+    # scale, and one that does not scale has no use for it (Engine.load_state).
+    if extra := sorted(set(saved) - expected - {LOSS_SCALE}):
         problems.append(f"extra {', '.join(extra)}")
     for name in sorted(expected & set(saved)):
         array = saved[name]
         if array.dtype != np.float32 or array.size != total_params:
             problems.append(f"{name} is {array.dtype} x {array.size}, needs float32 x {total_params}")
+    scale = saved.get(LOSS_SCALE)
+    if scale is not None and (scale.dtype != np.float32 or scale.size != LOSS_SCALE_FLOATS):
+        problems.append(f"{LOSS_SCALE} is {scale.dtype} x {scale.size}, needs float32 x {LOSS_SCALE_FLOATS}")
     if problems:
         raise ValueError("checkpoint does not fit this model and optimiser: " + "; ".join(problems))

@@ -34,7 +34,14 @@ from flow.graph import (
     parameters,
 )
 from flow.metrics import metric_name, on_device
-from flow.optim import CLIP_TENSORS, optimiser_state_names, update_groups
+from flow.optim import (
+    CLIP_TENSORS,
+    LOSS_SCALE,
+    LOSS_SCALE_FLOATS,
+    initial_loss_scale,
+    optimiser_state_names,
+    update_groups,
+)
 from flow.parallel_plan import DataParallelPlan, MemberChoice, World, choose_members, plan_data_parallel
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
 from flow.program import (
@@ -117,6 +124,7 @@ class DevicePlan:
     apply: Program | None = None
     # A generation plan's program: the forward, then the next token drawn on the device.
     generate: Program | None = None
+    loss_scale: float | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -377,8 +385,10 @@ def plan_device(
     tensors.append(Tensor("grads:all", (total_params,), "float32", "grads", 0))
     for state in state_names:
         tensors.append(Tensor(f"state:{state}", (total_params,), "float32", f"state:{state}", 0))
-    clip_bytes = 0  # clipping by global norm: its partial sums and [norm, factor] (flow.optim)
-    for name, floats in CLIP_TENSORS if spec.optimiser.clip_norm is not None else ():
+    loss_scale = initial_loss_scale(spec.run.loss_scale, spec.run.precision)
+    clip_bytes = 0
+    clipping = CLIP_TENSORS if spec.optimiser.clip_norm is not None or loss_scale is not None else ()
+    for name, floats in (*clipping, *(((LOSS_SCALE, LOSS_SCALE_FLOATS),) if loss_scale else ())):
         tensors.append(Tensor(name, (floats,), "float32", "clip", clip_bytes))
         clip_bytes = align_up(clip_bytes + floats * 4)
 
@@ -410,7 +420,9 @@ def plan_device(
         )
     update = not separate_update
     graphs = {
-        kind: build_graph(model, spec.optimiser, batch, kind, total_params, precision, update=update)
+        kind: build_graph(
+            model, spec.optimiser, batch, kind, total_params, precision, update, loss_scaled=bool(loss_scale)
+        )
         for kind in PROGRAM_KINDS
     }
     if sampling is not None:
@@ -477,7 +489,7 @@ def plan_device(
     if separate_update:
         # The optimised range stops before BatchNorm's running statistics (flow.graph).
         optimised = optimised_floats(model, total_params)
-        updating = Program("apply", with_barriers(update_groups(spec.optimiser, optimised)))
+        updating = Program("apply", with_barriers(update_groups(spec.optimiser, optimised, bool(loss_scale))))
         apply = resolve_program(updating, facts, tuning)
     generate = None
     if sampling is not None:
@@ -500,6 +512,7 @@ def plan_device(
         resident,
         apply,
         generate,
+        loss_scale,
     )
 
 

@@ -333,6 +333,13 @@ class RunSettings(Record):
         on_nonfinite: a training step whose loss is NaN or infinite (the run diverged, or the
             data holds NaN): "raise" (default) stops the run with an error naming the step;
             "continue" warns once and trains on.
+        loss_scale: dynamic loss scaling, as torch.amp.GradScaler: the loss's gradient is
+            multiplied by a scale kept on the device, so float16 GEMM operands keep small
+            gradients; a step whose gradients overflow is skipped and halves the scale, and 2000
+            good steps in a row double it. "auto" (default): on, from 65536, with "mixed"
+            precision, off with "float32"; "off": never; a number > 0: on from that scale in
+            either precision (a power of two changes no float32 result). The scale, its streak
+            and the skipped steps are checkpointed (``loss_scale:state``).
     """
 
     epochs: int | None = 1
@@ -347,6 +354,7 @@ class RunSettings(Record):
     # with float32 accumulation; weights, gradients and optimiser state stay float32.
     precision: Literal["float32", "mixed"] = "float32"
     on_nonfinite: Literal["raise", "continue"] = "raise"
+    loss_scale: Literal["auto", "off"] | float = field(default="auto", metadata=LATER)
 
 
 @dataclass(frozen=True, kw_only=True)

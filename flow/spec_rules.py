@@ -529,6 +529,11 @@ def _run(r: Rule) -> None:
     r.need("keep_checkpoints", _positive, "must be > 0 (or null to keep every checkpoint)")
     _path(r, "checkpoint_dir")
     _path(r, "metrics_file")
+    r.need(
+        "loss_scale",
+        lambda v: isinstance(v, str) or (v > 0 and math.isfinite(v)),
+        'must be "auto", "off" or a finite number > 0',
+    )
     obj = r.obj
     if r.good("epochs", "steps") and obj.epochs is None and obj.steps is None:
         r.add("", "set epochs or steps: with neither the run never ends")

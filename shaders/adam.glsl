@@ -4,7 +4,8 @@
 //   M = beta1 * M + (1 - beta1) * g;  V = beta2 * V + (1 - beta2) * g^2
 //   P -= lr * (M / (1-beta1^t)) / (sqrt(V / (1-beta2^t)) + eps)
 // The body of adam.comp and, with CLIP defined, of adam_clip.comp, which first scales every G by
-// clip[1] (grad_norm's factor: clipping by global norm).
+// clip[1] (grad_norm's factor: clipping by global norm; loss_scale_update's, the loss scale
+// divided out) and skips the step where clip[2] is set.
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -33,6 +34,9 @@ void main() {
     float bias1 = stepvals[1];
     float bias2 = stepvals[2];
 #ifdef CLIP
+    if (clip[2] != 0.0) {
+        return;  // loss scaling found the gradients overflowed: this step changes nothing
+    }
     float scale = clip[1];
 #endif
     uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;

@@ -5,8 +5,9 @@
 //   shared-memory tree.
 // parts == 0 (one workgroup): s = the sum of the partials X[0..n), then Y[0] = sqrt(s) (the norm)
 //   and Y[1] = min(1, max_norm / (sqrt(s) + 1e-6)), torch.nn.utils.clip_grad_norm_'s factor, which
-//   sgd_clip and adam_clip scale every gradient by. A NaN norm gives 1 and an infinite one 0, so a
-//   non-finite gradient still reaches the weights and the loss, as without clipping.
+//   sgd_clip and adam_clip scale every gradient by, and Y[2] = 0 (skip nothing: see
+//   loss_scale_update.comp). A NaN norm gives 1 and an infinite one 0, so a non-finite gradient
+//   still reaches the weights and the loss, as without clipping.
 // The tree halves the workgroup size, which must be a power of two (the registry's 256).
 #version 450
 
@@ -50,6 +51,7 @@ void main() {
             float factor = pc.max_norm / (norm + 1e-6);
             Y[0] = norm;
             Y[1] = factor < 1.0 ? factor : 1.0;
+            Y[2] = 0.0;
         }
     }
 }

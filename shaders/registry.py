@@ -639,6 +639,14 @@ _OPS: tuple[OpDef, ...] = (
         (("n", "u"), ("parts", "u"), ("max_norm", "f")),
         lambda p, local, spec: (max(1, int(p.get("parts", 0))), 1, 1),
     ),
+    OpDef("loss_scale_apply", "loss_scale_apply.comp", ("X", "S"), (("n", "u"),), _linear_groups("n")),
+    OpDef(
+        "loss_scale_update",
+        "loss_scale_update.comp",
+        ("X", "S", "Y"),
+        (("n", "u"), ("max_norm", "f"), ("growth_interval", "u")),
+        lambda p, local, spec: (1, 1, 1),
+    ),
     OpDef("fill", "fill.comp", ("X",), (("n", "u"), ("value", "f")), _linear_groups("n")),
     # Copies n 32-bit elements (float32, int32 or uint32) bit for bit.
     OpDef("copy", "copy.comp", ("X", "Y"), (("n", "u"),), _linear_groups("n")),
@@ -770,6 +778,8 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "sgd_clip": ("P", "M"),
     "adam_clip": ("P", "M", "V"),
     "grad_norm": ("Y",),
+    "loss_scale_apply": ("X",),
+    "loss_scale_update": ("S", "Y"),
     "fill": ("X",),
     "copy": ("Y",),
     "gather_rows": ("X", "Y"),

@@ -5,7 +5,8 @@
 // lr comes from stepvals[0] ([lr, 1-beta1^t, 1-beta2^t, t]), so a schedule needs no re-recording.
 // M is not touched when momentum == 0, so any buffer may be bound there.
 // The body of sgd.comp and, with CLIP defined, of sgd_clip.comp, which first scales every G by
-// clip[1] (grad_norm's factor: clipping by global norm).
+// clip[1] (grad_norm's factor: clipping by global norm; loss_scale_update's, the loss scale
+// divided out) and skips the step where clip[2] is set.
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -27,16 +28,22 @@ layout(push_constant) uniform Push {
 void main() {
     float lr = stepvals[0];
 #ifdef CLIP
+    if (clip[2] != 0.0) {
+        return;  // loss scaling found the gradients overflowed: this step changes nothing
+    }
     float scale = clip[1];
 #endif
     uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
     for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
         float p = P[i];
+        // precise: no fused multiply-add, so the gradient is rounded once before the decay is
+        // added with or without a clip factor (a loss scale divided out then gives sgd.comp's bits).
 #ifdef CLIP
-        float g = G[i] * scale + pc.weight_decay * p;
+        precise float g = G[i] * scale;
 #else
-        float g = G[i] + pc.weight_decay * p;
+        precise float g = G[i];
 #endif
+        g = g + pc.weight_decay * p;
         if (pc.momentum != 0.0) {
             float m = pc.momentum * M[i] + g;
             M[i] = m;
