@@ -333,10 +333,16 @@ def _conv_dims(p: Params) -> tuple[int, ...]:
     return tuple(int(p[k]) for k in ("N", "C", "H", "W", "K", "R", "S", "stride", "pad", "OH", "OW"))
 
 
+def _pad_h(p: Params) -> int:
+    """The zeros above and below the input: none for a Conv1d's (C, 1, L) (push field one_d)."""
+    return 0 if p.get("one_d") else int(p["pad"])
+
+
 def _im2col(x: np.ndarray, p: Params) -> np.ndarray:
     """[N, C, H, W] -> [N, OH, OW, C, R, S] windows (zero padded)."""
     n, c, h, w, _k, r, s, stride, pad, oh, ow = _conv_dims(p)
-    padded = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    pad_h = _pad_h(p)
+    padded = np.pad(x, ((0, 0), (0, 0), (pad_h, pad_h), (pad, pad)))
     cols = np.empty((n, oh, ow, c, r, s), dtype=x.dtype)
     for i in range(r):
         for j in range(s):
@@ -364,13 +370,14 @@ def conv2d_backward_data(arrays: list[np.ndarray], p: Params) -> None:
         : k * c * r * s
     ].reshape(k, c * r * s)
     grad_cols = grad_cols.reshape(n, oh, ow, c, r, s)
-    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=dx.dtype)
+    pad_h = _pad_h(p)
+    padded = np.zeros((n, c, h + 2 * pad_h, w + 2 * pad), dtype=dx.dtype)
     for i in range(r):
         for j in range(s):
             padded[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += grad_cols[
                 ..., i, j
             ].transpose(0, 3, 1, 2)
-    dx[: n * c * h * w] = padded[:, :, pad : pad + h, pad : pad + w].reshape(-1)
+    dx[: n * c * h * w] = padded[:, :, pad_h : pad_h + h, pad : pad + w].reshape(-1)
 
 
 def conv2d_backward_weight(arrays: list[np.ndarray], p: Params) -> None:
@@ -488,6 +495,16 @@ def copy_columns(arrays: list[np.ndarray], p: Params) -> None:
     source = x[: rows * int(p["x_width"])].reshape(rows, -1)
     target = y[: rows * int(p["y_width"])].reshape(rows, -1)
     target[:, int(p["y_offset"]) : int(p["y_offset"]) + cols] = source[:, int(p["x_offset"]) :][:, :cols]
+
+
+def bmm(arrays: list[np.ndarray], p: Params) -> None:
+    x, w, y = arrays
+    z, m, n, k = (int(p[key]) for key in ("batch", "M", "N", "K"))
+    a = x[: z * m * k].reshape((z, k, m) if p.get("trans_a") else (z, m, k))
+    b = w[: z * k * n].reshape((z, n, k) if p.get("trans_b") else (z, k, n))
+    a = a.transpose(0, 2, 1) if p.get("trans_a") else a
+    b = b.transpose(0, 2, 1) if p.get("trans_b") else b
+    y[: z * m * n] = np.matmul(a, b).astype(y.dtype, copy=False).reshape(-1)
 
 
 def add_rows(arrays: list[np.ndarray], p: Params) -> None:
@@ -937,6 +954,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "broadcast_rows": broadcast_rows,
     "copy_columns": copy_columns,
     "add_rows": add_rows,
+    "bmm": bmm,
     "batchnorm_stats": batchnorm_stats,
     "batchnorm": batchnorm,
     "batchnorm_backward_reduce": batchnorm_backward_reduce,

@@ -46,7 +46,7 @@ import trio
 from trio.lowlevel import ParkingLot, enable_ki_protection
 
 from actors.engine import Engine
-from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Snapshot, StepDone
+from actors.messages import Batch, CheckpointMark, Cursor, EvalDone, Prediction, Profile, Snapshot, StepDone
 from actors.meter import MAX_CHUNK, Meter
 from flow.metrics import finish, on_device, summed
 from flow.optim import device_learning_rate
@@ -224,6 +224,8 @@ class DeviceActor:
         slots: the engine's input slots, shared with a producer that fills them in place; None: the
             actor's own, and every batch is copied in.
         deadline_s: the longest a submission may take before the run stops (DeviceHung).
+        profile: after the last step, send the train program's launch times (actors.messages.Profile;
+            the engine times them once ``engine.profile()`` was called).
     """
 
     def __init__(
@@ -234,9 +236,11 @@ class DeviceActor:
         inline: bool = False,
         slots: InputSlots | None = None,
         deadline_s: float = DEVICE_DEADLINE_S,
+        profile: bool = False,
     ) -> None:
         self.meter = meter
         self.engine = engine
+        self.profile = profile
         self.deadline_s = deadline_s
         self.thread_waits = 0  # waits for a step that outlasted the spin and went to a thread
         self.optimiser = engine.plan.optimiser
@@ -346,6 +350,8 @@ class DeviceActor:
         loss, correct = (math.nan, 0.0) if empty else self.engine.loss_and_correct(job.slot)
         metrics = () if empty else self.engine.metric_values(job.slot)
         if batch.split == "train":
+            if not empty:
+                self.engine.note_step(job.slot)  # profiling: the launch times, before the slot is reused
             rows, finished = batch.rows, time.monotonic()
             position, lr = batch.position, job.lr
             return StepDone(batch.step, batch.epoch, position, loss, correct, rows, lr, finished, metrics)
@@ -381,9 +387,9 @@ class DeviceActor:
                     try:
                         job = await pending.receive()
                     except trio.EndOfChannel:
-                        return
+                        return await self._send_profile()
                 except trio.EndOfChannel:
-                    return
+                    return await self._send_profile()
                 if isinstance(job, _InFlight):
                     with meter.busy():  # waiting for the device counts: the device is working
                         if job.ticket is not None:
@@ -399,6 +405,14 @@ class DeviceActor:
                     await self._snapshot(job)
                 elif job.message is not None:
                     await meter.send(job.message)
+
+    async def _send_profile(self) -> None:
+        """RunSettings(profile=True): the launch times, after the last step (actors.messages.Profile)."""
+        if not self.profile:
+            return
+        launches = self.engine.launch_times()
+        note = "" if self.engine.profiling else f"{self.engine.backend.facts.name} has no timestamp queries"
+        await self.meter.send(Profile(launches, self.engine.profiled_steps, note))
 
     async def run(self) -> None:
         """Run until the inbox ends and every submitted step is reported; then close the outboxes."""

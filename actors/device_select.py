@@ -3,11 +3,35 @@ else the CPU backend with a message that says why and how to get a driver.
 
 Choosing stays apart from reporting: the functions here return the fallback message and the caller
 decides how to show it (``flow.runtime`` logs its first line; ``flow.runtime.open_backend`` is the one
-public ``open_backend``)."""
+public ``open_backend``). What ``"auto"`` picks is flow.device_choice's rule, from the facts alone."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 from actors.backend import Backend, DeviceFacts
+from flow.device_choice import AutoChoice, choose_auto
+
+# What "auto" means on this machine when set: a device index, part of a name, or "cpu". The test
+# suite sets it to 0 (tests/conftest.py) so that its runs under "auto" keep exercising lavapipe,
+# which the rule would pass over for the faster numpy backend.
+AUTO_ENV = "VKFLOW_AUTO_DEVICE"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The devices a spec's ``select`` names, and what to tell the user about the choice.
+
+    Attributes:
+        facts: each device's facts, in the spec's order.
+        reason: why "auto" chose its device (shown by ``flow plan`` and the run's summary), else "".
+        warning: a fallback to the CPU because there is no Vulkan, else "".
+    """
+
+    facts: tuple[DeviceFacts, ...]
+    reason: str = ""
+    warning: str = ""
 
 
 def list_devices() -> tuple[list[DeviceFacts], str]:
@@ -38,7 +62,7 @@ def select_facts(select: int | str = "auto") -> tuple[DeviceFacts, str]:
     and refused, before any device work.
 
     Args:
-        select: "cpu", "auto" (the best Vulkan device, else the CPU), a device index or a name.
+        select: "cpu", "auto" (:func:`auto_choice`), a Vulkan device index or a name.
 
     Returns:
         (facts, message): message explains a fallback to the CPU, else is empty.
@@ -50,6 +74,9 @@ def select_facts(select: int | str = "auto") -> tuple[DeviceFacts, str]:
 
     if select == "cpu":
         return cpu_facts(), ""
+    if select == "auto":
+        choice = auto_choice()
+        return choice.facts, choice.reason if choice.fallback else ""
     try:
         from actors.vulkan import VulkanUnavailable, select_device
     except ImportError as error:
@@ -62,6 +89,42 @@ def select_facts(select: int | str = "auto") -> tuple[DeviceFacts, str]:
         if select != "auto":
             raise LookupError(f"device {select!r} asked for, but Vulkan is unavailable: {error}") from error
         return cpu_facts(), f"{error}; using the CPU (numpy) backend"
+
+
+def auto_choice() -> AutoChoice:
+    """What ``"auto"`` picks here: flow.device_choice's rule over the Vulkan devices and the CPU
+    backend, or the device :data:`AUTO_ENV` names.
+
+    Raises:
+        LookupError: :data:`AUTO_ENV` names a device that is not there.
+    """
+    from actors.cpu_backend import cpu_facts
+
+    named = os.environ.get(AUTO_ENV, "").strip()
+    if named and named != "auto":
+        facts, _ = select_facts(int(named) if named.isdigit() else named)
+        return AutoChoice(facts, f"auto: {facts.name} (the environment's {AUTO_ENV}={named})")
+    devices, missing = list_devices()
+    return choose_auto(devices, cpu_facts(), missing)
+
+
+def select(choices: tuple[int | str, ...]) -> Selection:
+    """:func:`select_group`, with the reason for an "auto" choice.
+
+    Args:
+        choices: ``Devices.choices``.
+
+    Returns:
+        The selection.
+
+    Raises:
+        LookupError: an explicit index or name that matches no Vulkan device.
+    """
+    if choices == ("auto",):
+        choice = auto_choice()
+        return Selection((choice.facts,), choice.reason, choice.reason if choice.fallback else "")
+    facts, warning = select_group(choices)
+    return Selection(facts, "", warning)
 
 
 def select_group(choices: tuple[int | str, ...]) -> tuple[tuple[DeviceFacts, ...], str]:

@@ -71,6 +71,9 @@ class Engine:
         self.slots = device_plan.slots
         backend.open_layout(device_plan.layout, slots=self.slots)
         self._handles: dict[tuple[str, int, int], int] = {}
+        self.profiling = False  # RunSettings(profile=True): see profile()
+        self._pools: dict[int, object] = {}  # slot -> the timestamp pool of its train program
+        self._launch_ns: list[np.ndarray] = []  # per completed train step, each launch's GPU ns
         # Only a classifier counts correct answers; for regression the count is not a number.
         self.has_accuracy = isinstance(device_plan.model.loss, CrossEntropy)
         self.metric_tensors = tuple(f"metric:{metric_name(m)}" for m in on_device(device_plan.model))
@@ -169,8 +172,40 @@ class Engine:
     def _handle(self, kind: str, slot: int) -> int:
         key = (kind, slot)
         if key not in self._handles:
-            self._handles[key] = self.backend.record(self.plan.program(kind), slot)
+            program = self.plan.program(kind)
+            if kind == "train" and self.profiling:  # a timestamp before the first launch and after each
+                pool = self._pools[slot] = self.backend.timestamp_pool(len(program.launches) + 1)
+                self._handles[key] = self.backend.record(program, slot, timestamps=pool)
+            else:
+                self._handles[key] = self.backend.record(program, slot)
         return self._handles[key]
+
+    # -- RunSettings(profile=True) ------------------------------------------------------------------
+    def profile(self, on: bool = True) -> None:
+        """Time each launch of the train program from now on (before :meth:`prepare`), where the
+        backend has timestamp queries (:attr:`profiling` says whether it does)."""
+        self.profiling = on and callable(getattr(self.backend, "timestamp_pool", None))
+
+    def note_step(self, slot: int) -> None:
+        """Keep the launch times of the train step just completed on ``slot`` (profiling only)."""
+        pool = self._pools.get(slot)
+        if pool is not None:
+            self._launch_ns.append(np.diff(self.backend.read_timestamps_ns(pool)))
+
+    @property
+    def profiled_steps(self) -> int:
+        """The train steps whose launch times :meth:`note_step` kept."""
+        return len(self._launch_ns)
+
+    def launch_times(self) -> tuple[tuple[str, str, float], ...]:
+        """(``<position>:<op>``, op, median seconds) per launch of the train program, over the
+        steps :meth:`note_step` kept; () before any."""
+        if not self._launch_ns:
+            return ()
+        medians = np.median(np.stack(self._launch_ns), axis=0) / 1e9
+        launches = self.plan.program("train").launches
+        timed = zip(launches, medians, strict=True)
+        return tuple((f"{i}:{item.op}", item.op, float(t)) for i, (item, t) in enumerate(timed))
 
     def prepare(self, kinds: tuple[str, ...] = ("train", "eval", "predict")) -> None:
         """Record the programs of ``kinds`` for every slot up front, so no step records: with

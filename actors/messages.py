@@ -218,4 +218,21 @@ def unpack(item: object) -> tuple:
     return item if type(item) is Chunk else (item,)
 
 
-Message = Batch | CheckpointMark | StepDone | EvalDone | InputStatistics | Snapshot | Prediction
+@dataclass(frozen=True)
+class Profile:
+    """RunSettings(profile=True): the GPU time of each launch of the training step, from timestamp
+    queries, sent by the device once its last step is done.
+
+    Attributes:
+        launches: (name, op, median seconds) per launch of the train program, in program order;
+            the name is ``<position>:<op>``.
+        steps: the training steps timed.
+        note: why nothing was timed (the backend has no timestamp queries), else "".
+    """
+
+    launches: tuple[tuple[str, str, float], ...]
+    steps: int
+    note: str = ""
+
+
+Message = Batch | CheckpointMark | StepDone | EvalDone | InputStatistics | Snapshot | Prediction | Profile

@@ -175,7 +175,9 @@ class Meter:
         self._out = 0
         self._spent = [0.0, 0.0, 0.0]  # seconds busy, blocked, idle (see ActorStatistics)
         self._active = [0, 0, 0]  # blocks in each state now (the actor's tasks may overlap)
-        self._mark: float | None = None  # the last change of state; None before the first, after close
+        self._mark: float | None = None  # the last change of state; None before the start, after close
+        self._started: float | None = None  # when the actor started (entered the meter, or its first state)
+        self._ended: float | None = None
         self._inbox_peak = 0
         self._outbox_peak = 0
         self._local: deque[Any] = deque()  # the current chunk's messages not yet handed out
@@ -317,6 +319,8 @@ class Meter:
         """Add the time since the last change of state to the state the actor was in: busy if any
         of its tasks was, else blocked, else idle; in none (its own code between waits): busy."""
         now = self._clock()
+        if self._started is None:
+            self._started = now
         if self._mark is not None:
             busy, blocked, idle = self._active
             state = BUSY if busy or not (blocked or idle) else BLOCKED if blocked else IDLE
@@ -329,13 +333,15 @@ class Meter:
         actor's clock stops."""
         if self._mark is not None:
             self._accrue()
-            self._mark = None
+            self._mark, self._ended = None, self._mark
         for outbox in self.outboxes:
             outbox.close()
         if self.inbox is not None:
             self.inbox.close()
 
     async def __aenter__(self) -> Meter:
+        if self._started is None:  # the actor's lifetime begins: its own code counts as busy
+            self._accrue()
         return self
 
     async def __aexit__(self, exc_type: type | None, *exc: object) -> None:
@@ -358,8 +364,10 @@ class Meter:
         if self.inbox is not None and not self._sample_inbox:
             inbox_peak = max(inbox_peak, _peak(self.inbox) or 0)
         outbox_peak = max(self._outbox_peak, max((_peak(o) or 0 for o in self.outboxes), default=0))
+        started, ended = self._started, self._ended if self._mark is None else self._mark
         return ActorStatistics(
             name=self.name,
+            seconds=ended - started if started is not None and ended is not None else 0.0,
             items_in=self._in,
             items_out=self._out,
             busy_seconds=self._spent[BUSY],

@@ -1,9 +1,15 @@
-"""Progress on a terminal: one self-rewriting line with steps, samples/s, loss, accuracy and ETA.
+"""Progress of a training run on stderr: a tqdm bar on a terminal, plain lines elsewhere.
 
-Formatting is pure (:func:`format_line`, :func:`eta_seconds`, :class:`Rate`); :class:`Progress`
-only decides whether and when to draw. It draws on a TTY, at most ``per_second`` times a second
-so a fast run spends nothing on it, and is quiet otherwise (logs and CI get the metrics file, not
-carriage returns).
+On a terminal (``mode="bar"``) a tqdm bar shows steps, elapsed time and ETA, then loss, accuracy
+and samples/s (and each device's, in a data-parallel run); it takes the terminal's width, so it
+never wraps, and lines such as evaluations are printed above it (tqdm.write). Off a terminal (logs,
+CI, a pipe: ``mode="lines"``) it prints one plain line when an epoch begins, every ``every_s``
+seconds and at the last step, and the evaluation lines as they come. ``mode="off"`` prints nothing
+(``run --quiet``).
+
+Formatting is pure (:func:`plain_line`, :func:`postfix`, :func:`eta_seconds`, :class:`Rate`);
+:class:`Progress` only decides whether and when to draw, and the sink asks :meth:`Progress.due`
+before building a state, so a fast run spends nothing on it between draws.
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Literal, TextIO
+
+from tqdm import tqdm
+
+Mode = Literal["bar", "lines", "off"]
 
 
 @dataclass(frozen=True)
 class ProgressState:
-    """What the line shows.
+    """What the progress shows.
 
     Attributes:
         step: steps done.
@@ -27,6 +37,9 @@ class ProgressState:
         accuracy: the last evaluation accuracy, if any.
         elapsed: seconds since the run (or resume) started.
         done_at_start: steps already done when this process started (for the ETA).
+        epoch: the epoch of the last step (0-based), if known.
+        devices: each device's samples/s in a data-parallel run (since the run began); empty for
+            one device.
     """
 
     step: int
@@ -36,6 +49,8 @@ class ProgressState:
     accuracy: float | None = None
     elapsed: float = 0.0
     done_at_start: int = 0
+    epoch: int | None = None
+    devices: tuple[float, ...] = ()
 
 
 def eta_seconds(state: ProgressState) -> float | None:
@@ -53,36 +68,43 @@ def eta_seconds(state: ProgressState) -> float | None:
     return max(0.0, (state.total - state.step) * state.elapsed / done)
 
 
-def _clock(seconds: float | None) -> str:
-    if seconds is None:
-        return "--:--"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
-
-
-def format_line(state: ProgressState, width: int = 24) -> str:
-    """The progress line.
+def postfix(state: ProgressState) -> str:
+    """The measures after the bar: ``loss 0.4321  acc 0.9521  5120 samples/s`` and, for several
+    devices, ``per device 2600, 2520``.
 
     Args:
         state: what to show.
-        width: characters in the bar.
 
     Returns:
-        e.g. ``[#########...............] 120/690 steps  5120 samples/s  loss 0.4321  acc 0.9521  ETA 00:05``.
+        The text.
     """
-    fraction = min(1.0, state.step / state.total) if state.total > 0 else 1.0
-    filled = int(round(fraction * width))
-    parts = [
-        f"[{'#' * filled}{'.' * (width - filled)}] {state.step}/{state.total} steps",
-        f"{state.samples_per_second:.0f} samples/s",
-    ]
+    parts = []
     if state.loss is not None:
         parts.append(f"loss {state.loss:.4f}")
     if state.accuracy is not None:
         parts.append(f"acc {state.accuracy:.4f}")
-    parts.append(f"ETA {_clock(eta_seconds(state))}")
+    parts.append(f"{state.samples_per_second:.0f} samples/s")
+    if state.devices:
+        parts.append("per device " + ", ".join(f"{speed:.0f}" for speed in state.devices))
     return "  ".join(parts)
+
+
+def plain_line(state: ProgressState) -> str:
+    """A line for a log: ``step 120/690  epoch 2  elapsed 00:10  ETA 00:45  loss 0.4321 ...``.
+
+    Args:
+        state: what to show.
+
+    Returns:
+        The line, without a newline.
+    """
+    eta = eta_seconds(state)
+    parts = [f"step {state.step}/{state.total}"]
+    if state.epoch is not None:
+        parts.append(f"epoch {state.epoch}")
+    parts.append(f"elapsed {tqdm.format_interval(state.elapsed)}")
+    parts.append(f"ETA {'--:--' if eta is None else tqdm.format_interval(eta)}")
+    return "  ".join(parts) + "  " + postfix(state)
 
 
 class Rate:
@@ -119,66 +141,110 @@ class Rate:
         return self._samples / span if span > 0 else 0.0
 
 
+class _Bar(tqdm):
+    """tqdm without its monitor thread: the sink redraws the bar itself, a few times a second."""
+
+    monitor_interval = 0
+
+
+_BAR_FORMAT = (
+    "{n_fmt}/{total_fmt} |{bar:12}| {elapsed}<{remaining}{postfix}"  # tqdm puts ", " before a postfix
+)
+
+
 class Progress:
-    """Draws the progress line (see the module docstring).
+    """Draws the progress (see the module docstring).
 
     Args:
         stream: where; default stderr.
-        enabled: force on or off; default: on when ``stream`` is a TTY.
-        per_second: most redraws per second.
+        enabled: False prints nothing (``mode="off"``); True or None (default) draw.
+        per_second: most redraws of the bar per second.
+        every_s: seconds between plain lines (besides one as each epoch begins).
+        mode: "bar", "lines" or "off"; default: a bar when ``stream`` is a terminal, else lines.
+        width: the bar line's width in characters; default: the terminal's, as it changes.
     """
 
     def __init__(
-        self, stream: TextIO | None = None, enabled: bool | None = None, per_second: float = 10.0
+        self,
+        stream: TextIO | None = None,
+        enabled: bool | None = None,
+        per_second: float = 10.0,
+        every_s: float = 30.0,
+        mode: Mode | None = None,
+        width: int | None = None,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
-        isatty = getattr(self.stream, "isatty", None)
-        self.enabled = bool(isatty and isatty()) if enabled is None else enabled
-        self._interval = 1.0 / per_second
-        self._last = -1e9
-        self._drawn = False
+        if enabled is False:
+            mode = "off"
+        elif mode is None:
+            isatty = getattr(self.stream, "isatty", None)
+            mode = "bar" if isatty and isatty() else "lines"
+        self.mode: Mode = mode
+        self.enabled = mode != "off"
+        self.width = width
+        self._interval = 1.0 / per_second if mode == "bar" else every_s
+        self._last = time.monotonic() if mode == "lines" else -1e9  # a first line after every_s
+        self._epoch: int | None = None  # the epoch of the last step seen (lines: a new one prints)
+        self._bar: tqdm | None = None
 
-    def due(self, force: bool = False) -> bool:
+    def due(self, force: bool = False, epoch: int | None = None) -> bool:
         """Whether :meth:`update` would draw now: lets a caller skip building the state.
 
         Args:
             force: a forced update (e.g. the last step).
+            epoch: the step's epoch: the first step of a new one draws a plain line.
 
         Returns:
-            True when enabled and forced or an interval has passed since the last draw.
+            True when enabled and forced, an interval has passed since the last draw, or (lines) an
+            epoch begins.
         """
-        return self.enabled and (force or time.monotonic() - self._last >= self._interval)
+        if not self.enabled:
+            return False
+        if self.mode == "lines" and epoch is not None and epoch != self._epoch:
+            first, self._epoch = self._epoch is None, epoch
+            if not first:
+                return True
+        return force or time.monotonic() - self._last >= self._interval
 
     def update(self, state: ProgressState, force: bool = False) -> None:
-        """Redraw, unless drawn less than an interval ago.
+        """Draw ``state``: redraw the bar, or print a plain line. Ask :meth:`due` first.
 
         Args:
             state: what to show.
-            force: draw even within the interval (e.g. the last step).
+            force: unused (the caller's :meth:`due` decided); kept for callers that pass it.
         """
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._last < self._interval):
+        if not self.enabled:
             return
-        self._last = now
-        self.stream.write("\r" + format_line(state) + "\x1b[K")
-        self.stream.flush()
-        self._drawn = True
+        self._last = time.monotonic()
+        if self.mode == "lines":
+            self.stream.write(plain_line(state) + "\n")
+            self.stream.flush()
+            return
+        if self._bar is None:
+            self._bar = _Bar(
+                total=state.total, initial=state.done_at_start, file=self.stream, unit="step",
+                bar_format=_BAR_FORMAT, ncols=self.width, dynamic_ncols=self.width is None, leave=True,
+            )  # fmt: skip
+        self._bar.n = state.step
+        self._bar.set_postfix_str(postfix(state), refresh=False)
+        self._bar.refresh()
 
     def note(self, text: str) -> None:
-        """Print a line above the progress line (evaluations, checkpoints).
+        """Print a line above the bar, or as a plain line (evaluations, checkpoints).
 
         Args:
             text: the line.
         """
         if not self.enabled:
             return
-        self.stream.write("\r\x1b[K" + text + "\n")
-        self.stream.flush()
-        self._last = -1e9  # redraw the bar at the next update
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)  # clears the bar, prints, redraws it below
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
     def close(self) -> None:
-        """End the line so later output starts on a fresh one."""
-        if self.enabled and self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
+        """Leave the bar's last state on its own line, so later output starts on a fresh one."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

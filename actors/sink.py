@@ -48,7 +48,7 @@ import trio
 
 from actors import checkpoint as checkpoints
 from actors import health
-from actors.messages import EvalDone, InputStatistics, Snapshot, StepDone
+from actors.messages import EvalDone, InputStatistics, Profile, Snapshot, StepDone
 from actors.meter import Meter
 from actors.progress import Progress, ProgressState, Rate
 from actors.statistics import ActorStatistics
@@ -198,6 +198,7 @@ class Sink:
         # What the run reports at the end.
         self.last_step: StepDone | None = None
         self.evals: list[EvalDone] = []
+        self.profile: Profile | None = None  # RunSettings(profile=True): the launch times
         self.final: Snapshot | None = None
         self.checkpoint: Path | None = None
         self._metrics = None
@@ -272,6 +273,9 @@ class Sink:
             accuracy=self.evals[-1].accuracy if self.evals else None,
             elapsed=time.monotonic() - self.started,
             done_at_start=self.first_step,
+            epoch=self.last_step.epoch if self.last_step else None,
+            # A data-parallel run's device actor reports each member's samples/s.
+            devices=tuple(getattr(self.all_statistics().get("device"), "member_samples_per_s", ())),
         )
 
     async def _save(self, snapshot: Snapshot) -> Path:
@@ -303,7 +307,7 @@ class Sink:
             if statistics is not None and (skipped := self._skipped()):
                 record["skipped"] = skipped
             self._write(record)
-        if self.progress.due(force=last):  # building the state costs: only when it is drawn
+        if self.progress.due(force=last, epoch=item.epoch):  # building the state costs: only when drawn
             self.progress.update(self._state(), force=last)
 
     async def _handle(self, item: Any) -> None:
@@ -319,6 +323,11 @@ class Sink:
             )
         elif isinstance(item, InputStatistics):
             self._inputs(item)
+        elif isinstance(item, Profile):
+            self.profile = item
+            launches = [{"name": name, "op": op, "seconds": seconds} for name, op, seconds in item.launches]
+            note = {"note": item.note} if item.note else {}
+            self._write({"event": "profile", "steps": item.steps, "launches": launches, **note})
         elif isinstance(item, Snapshot):
             if item.final:
                 self.final = item

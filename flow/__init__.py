@@ -15,7 +15,13 @@ The package is in three tiers, each importing only those below it (tests/test_la
 
 Every name below is loaded on first use (PEP 562), so ``import flow.spec`` stays a records-only
 import (no trio, no Vulkan, no msgpack), while ``dir(flow)`` and ``help(flow)`` still list and
-document the whole API.
+document the whole API (``flow.__all__``), among it:
+
+- run a spec: ``run``, ``RunResult``, ``open_pipeline`` (inside trio), ``NonFiniteLoss``,
+  ``ActorError``; callbacks ``Callback``, ``EarlyStopping``, ``CSVLogger``;
+- use a trained model: ``predict``, ``generate``;
+- specs as data: ``check``, ``validate``, ``summarize``, ``plan``, ``Plan``, ``save``, ``load``,
+  ``dumps``, ``loads``; errors ``FlowError``, ``SpecError``, ``PlanError``, ``Problem``.
 """
 
 from __future__ import annotations
@@ -42,18 +48,24 @@ _EXPORTS = {
     "CSVLogger": "flow.callbacks",
     "Callback": "flow.callbacks",
     "EarlyStopping": "flow.callbacks",
+    "TensorBoardLogger": "flow.tensorboard_logger",
     "NonFiniteLoss": "flow.runner",
     "RunResult": "flow.runtime",
     "open_pipeline": "flow.runner",
     "run": "flow.runner",
     "predict": "flow.inference",
     "generate": "flow.inference",
+    "export_safetensors": "flow.safetensors_io",
+    "with_weights": "flow.safetensors_io",
+    "export_onnx": "flow.onnx_io",
+    "import_onnx": "flow.onnx_io",
 }
 
 __all__ = [
     "ActorError", "CSVLogger", "Callback", "EarlyStopping", "FlowError", "NonFiniteLoss", "Plan", "PlanError",
     "Problem", "RunResult", "SpecError", "check", "dumps", "generate", "load", "loads", "open_pipeline",
-    "plan", "predict", "run", "save", "summarize", "validate",
+    "plan", "predict", "run", "save", "summarize", "TensorBoardLogger", "validate",
+    "export_safetensors", "with_weights", "export_onnx", "import_onnx",
 ]  # fmt: skip
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
@@ -61,10 +73,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from flow.codec import dumps, load, loads, save
     from flow.errors import FlowError, PlanError, Problem, SpecError
     from flow.inference import generate, predict
+    from flow.onnx_io import export_onnx, import_onnx
     from flow.planning import Plan, plan
     from flow.runner import NonFiniteLoss, open_pipeline, run
     from flow.runtime import ActorError, RunResult
+    from flow.safetensors_io import export_safetensors, with_weights
     from flow.summary import summarize
+    from flow.tensorboard_logger import TensorBoardLogger
     from flow.validation import check, validate
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m flow devices|check|plan|run|generate|bench``.
+"""Command line: ``python -m flow devices|check|plan|run|generate|export|predict|bench``.
 
 Each command is a thin shell over the library: it parses arguments, calls one function, prints,
 and returns an exit status (0 ok, 1 a problem with the input, 2 a usage error). A problem with the
@@ -87,7 +87,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from flow.data_plan import header_of
-    from flow.runtime import plan_on, selected_group
+    from flow.runtime import plan_on, select_devices
     from loaders import LoaderError, open_source
 
     spec = _report(args.file, lambda: load(args.file))
@@ -104,19 +104,22 @@ def _plan(args: argparse.Namespace) -> int:
         with contextlib.closing(source):
             header = header_of(source)
     try:
-        group = selected_group(spec.devices)
+        selection = select_devices(spec.devices)
     except LookupError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    group = selection.facts
     facts = group if len(group) > 1 else group[0]
     the_plan = _report(args.file, lambda: plan_on(spec, facts, header=header, budget=args.budget))
     if the_plan is None:
         return 1
     if args.json:
-        print(json.dumps(the_plan.as_dict(), indent=1))
+        print(json.dumps({**the_plan.as_dict(), "device_choice": selection.reason}, indent=1))
         return 0
     from flow.plan_table import format_plan
 
+    if selection.reason:  # why "auto" chose the device the plan is for
+        print(f"device choice: {selection.reason}")
     print(format_plan(the_plan))
     return 0
 
@@ -128,15 +131,23 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import runpy
+    import types
 
     script = Path(__file__).resolve().parent.parent / "bench" / "bench_mlp.py"
     if not script.exists():
         print("bench/bench_mlp.py not found: the benchmarks ship with the source tree, not the wheel")
         return 2
-    sys.argv = [str(script), *args.rest]
+    # Run as __main__ by hand: runpy would set argv[0] to the script, and its usage line would say
+    # bench_mlp.py rather than the command the user typed.
+    sys.argv = [f"{program()} bench", *args.rest]
     sys.path.insert(0, str(script.parent))  # the benchmark imports its sibling modules (common, bench_gemm)
-    runpy.run_path(str(script), run_name="__main__")
+    module = types.ModuleType("__main__")
+    module.__file__ = str(script)
+    outer, sys.modules["__main__"] = sys.modules["__main__"], module
+    try:
+        exec(compile(script.read_text(), str(script), "exec"), module.__dict__)
+    finally:
+        sys.modules["__main__"] = outer
     return 0
 
 
@@ -160,9 +171,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_run(args: argparse.Namespace) -> int:
+    from flow.report import ReportError, write_report
+
+    try:
+        paths = write_report(args.run_dir, args.out)
+    except (ReportError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print("\n".join(str(path) for path in paths))
+    return 0
+
+
 def program() -> str:
     """How vkflow was started, for its usage lines: the ``vkflow`` script or ``python -m flow``."""
     return "vkflow" if Path(sys.argv[0]).name == "vkflow" else "python -m flow"
+
+
+# The name on the package index ("vkflow" there is another project); the script is still `vkflow`.
+DISTRIBUTION = "vkflow-ml"
 
 
 def version() -> str:
@@ -171,7 +198,7 @@ def version() -> str:
     from importlib.metadata import version as installed
 
     try:
-        return installed("vkflow")
+        return installed(DISTRIBUTION)
     except PackageNotFoundError:
         return "unknown (not installed)"
 
@@ -216,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--top-k", type=int, default=None, help="draw among the K likeliest (default all)")
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(handler=_generate)
+    from flow.predict_command import add_commands
+
+    add_commands(commands)  # export, predict
+    report = commands.add_parser("report", help="plot a run's metrics: report.png, report.html, report.json")
+    report.add_argument("run_dir", help="the run's directory (its checkpoint_dir) or its metrics file")
+    report.add_argument("--out", metavar="DIR", help="where to write (default: next to the metrics file)")
+    report.set_defaults(handler=_report_run)
     bench = commands.add_parser("bench", help="benchmark against PyTorch (bench/bench_mlp.py)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=_bench)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from flow.autodiff_matmul import matmul_backward, matmul_dims, matmul_forward
 from flow.errors import PlanError, Problem
 from flow.graph import (
     CLASS_WEIGHTS,
@@ -37,7 +38,8 @@ from flow.spec_model import (
     BatchNorm,
     BCEWithLogits,
     Concat,
-    Conv2d,
+    Conv,
+    Conv1d,
     CrossEntropy,
     Dropout,
     Embedding,
@@ -45,6 +47,7 @@ from flow.spec_model import (
     GlobalAvgPool,
     LayerNorm,
     Linear,
+    MatMul,
     MaxPool2d,
     Model,
     PointwiseLoss,
@@ -63,7 +66,7 @@ EPILOGUE_DERIVATIVES = frozenset({"relu", "leaky_relu", "sigmoid", "tanh"})
 
 
 # The layers with parameters of their own.
-TRAINED = Linear | Conv2d | BatchNorm | LayerNorm | Embedding | PositionalEmbedding | SelfAttention
+TRAINED = Linear | Conv | BatchNorm | LayerNorm | Embedding | PositionalEmbedding | SelfAttention
 
 
 # Up to this many classes, one workgroup computes the cross-entropy rows and the batch totals
@@ -133,7 +136,13 @@ class _Builder:
     """Walks the stages once forward and once backward, emitting launches into a Graph."""
 
     def __init__(
-        self, model: Model, batch: int, graph: Graph, precision: str = "float32", training: bool = False
+        self,
+        model: Model,
+        batch: int,
+        graph: Graph,
+        precision: str = "float32",
+        training: bool = False,
+        part: tuple[int, int] | None = None,
     ) -> None:
         self.model, self.b, self.g = model, batch, graph
         # BatchNorm normalises by the batch's statistics when training, else by its running ones.
@@ -144,7 +153,10 @@ class _Builder:
         self.fused_bias_grads = {} if self.mixed else fused_bias_grads(model)
         # Stage positions whose activation backward an input-gradient GEMM already applied.
         self.activation_done: set[int] = set()
-        self.outputs: list[str] = []  # stage position -> its output tensor
+        # A pipeline stage's part of the model (flow.stage_plan): the stages at positions lo..hi-1,
+        # whose input ``x`` is the output of the stage at lo - 1 (the only tensor that crosses).
+        self.lo, self.hi = part if part is not None else (0, len(self.stages))
+        self.outputs: list[str] = [""] * (self.lo - 1) + ["x"] * (self.lo > 0)  # position -> its output
         # How many stages read each stage's output (a gradient read by several is their sum).
         self.readers = [0] * len(self.stages)
         for stage in self.stages:
@@ -154,7 +166,8 @@ class _Builder:
 
     # forward ---------------------------------------------------------------------------------
     def forward(self, x: str) -> str:
-        for position, stage in enumerate(self.stages):
+        for position in range(self.lo, self.hi):
+            stage = self.stages[position]
             inputs = [x if i == MODEL_INPUT else self.outputs[i] for i in stage.inputs]
             self.outputs.append(self._forward_stage(position, stage, inputs))
         return self.outputs[-1] if self.outputs else x
@@ -167,7 +180,7 @@ class _Builder:
         saved = {"input": h, "output": out}
         act_code = ACTIVATIONS[stage.activation]
         # GELU's derivative needs its input, so the epilogue stops before it and a unary applies it.
-        split_gelu = stage.activation == "gelu" and isinstance(layer, Linear | Conv2d)
+        split_gelu = stage.activation == "gelu" and isinstance(layer, Linear | Conv)
         target = g.add(f"pre[{stage.index}]", (b, *stage.out_shape)) if split_gelu else out
         epilogue = ACTIVATIONS["none"] if split_gelu else act_code
         if isinstance(layer, Linear):
@@ -184,7 +197,7 @@ class _Builder:
             )
             g.emit(main)
             g.emit(finish)
-        elif isinstance(layer, Conv2d):
+        elif isinstance(layer, Conv):
             w, bias = f"{prefix}.weight", f"{prefix}.bias"
             g.emit(
                 launch(
@@ -228,6 +241,9 @@ class _Builder:
             g.emit(launch("add_rows", (h, f"{prefix}.weight", out), rows=b, cols=math.prod(stage.in_shape)))
         elif isinstance(layer, Add):
             self._add_all(inputs, out)
+        elif isinstance(layer, MatMul):
+            saved["other"] = inputs[1]
+            g.emit(matmul_forward(layer, matmul_dims(layer, b, stage.in_shapes), h, inputs[1], out))
         elif isinstance(layer, Concat):
             blocks = zip(inputs, self._concat_blocks(stage), strict=True)
             g.emit(*(launch("copy_columns", (x, out), **block) for x, block in blocks))
@@ -294,8 +310,9 @@ class _Builder:
         rows = self._rows(self.stages[position])
         fusable = (
             previous is not None
+            and source >= self.lo  # a stage on another device applies its own derivative
             and previous.activation in EPILOGUE_DERIVATIVES
-            and isinstance(unwrap(previous.layer)[0], Linear | Conv2d)
+            and isinstance(unwrap(previous.layer)[0], Linear | Conv)
             and self.saved[source]["output"] == h
             and self.readers[source] == 1
             and not self.mixed
@@ -421,7 +438,11 @@ class _Builder:
             else None
         )
 
-    def _conv_params(self, stage: Stage, layer: Conv2d) -> dict[str, int]:
+    def _conv_params(self, stage: Stage, layer: Conv) -> dict[str, int]:
+        if isinstance(layer, Conv1d):  # (C, L) as an image (C, 1, L), a kernel 1 x kernel_size
+            (c, length), (k, out) = stage.in_shape, stage.out_shape
+            geometry = dict(C=c, H=1, W=length, K=k, R=1, S=layer.kernel_size, OH=1, OW=out, one_d=1)
+            return dict(N=self.b, stride=layer.stride, pad=layer.padding, **geometry)
         c, h, w = stage.in_shape
         k, oh, ow = stage.out_shape
         return dict(
@@ -580,15 +601,14 @@ class _Builder:
 
     # backward ------------------------------------------------------------------------------------
     def backward(self, grad_out: str) -> None:
-        """Each stage's backward in reverse order, from the loss's gradient. Only stages on a path
-        from a trained parameter to the loss run; a stage's output gradient is the sum of what its
-        readers pass back, added in reader order (so every run sums alike)."""
-        needs: list[bool] = []
-        for stage in self.stages:
-            trained = isinstance(unwrap(stage.layer)[0], TRAINED)
-            needs.append(trained or any(i != MODEL_INPUT and needs[i] for i in stage.inputs))
-        passed: dict[int, list[str]] = {len(self.stages) - 1: [grad_out]} if self.stages else {}
-        for position in range(len(self.stages) - 1, -1, -1):
+        """Each stage's backward in reverse order, from the loss's gradient (a pipeline stage's:
+        from its output's gradient ``grad_out``, and it ends by copying its input's gradient into
+        io ``dx`` where the stage before needs one). Only stages on a path from a trained
+        parameter to the loss run; a stage's output gradient is the sum of what its readers pass
+        back, added in reader order (so every run sums alike)."""
+        needs = backward_needs(self.stages)
+        passed: dict[int, list[str]] = {self.hi - 1: [grad_out]} if self.hi > self.lo else {}
+        for position in range(self.hi - 1, self.lo - 1, -1):
             parts = passed.get(position)
             if not needs[position] or not parts:
                 continue
@@ -598,6 +618,9 @@ class _Builder:
             for source, in_grad in zip(stage.inputs, in_grads, strict=True):
                 if in_grad:
                     passed.setdefault(source, []).append(in_grad)
+        if self.lo > 0 and needs[self.lo - 1]:
+            dx = self._sum(self.lo - 1, passed[self.lo - 1])
+            self.g.emit(launch("copy", (dx, "dx"), n=math.prod(self.g.tensors[dx].shape)))
 
     def _sum(self, position: int, parts: list[str]) -> str:
         """The gradient of a stage's output from what its readers passed back."""
@@ -638,6 +661,12 @@ class _Builder:
             blocks = zip(grads, self._concat_blocks(stage), want, strict=True)
             g.emit(*(self._take_columns(grad, dx, block) for dx, block, wanted in blocks if wanted))
             return [dx if wanted else None for dx, wanted in zip(grads, want, strict=True)]
+        if isinstance(layer, MatMul):
+            grads = [g.add(self._grad_name(stage, j), (b, *s)) if wanted else None
+                     for j, (s, wanted) in enumerate(zip(stage.in_shapes, want, strict=True))]  # fmt: skip
+            dims = matmul_dims(layer, b, stage.in_shapes)
+            g.emit(*matmul_backward(layer, dims, saved["input"], saved["other"], grad, *grads))
+            return grads
         if isinstance(layer, PositionalEmbedding):
             # The table's gradient sums the batch; the input's is the output's, passed on as it is.
             cols, dw = math.prod(stage.in_shape), f"grad:{prefix}.weight"
@@ -646,7 +675,7 @@ class _Builder:
         h = saved["input"]
         in_grad = g.add(self._grad_name(stage, 0), g.tensors[h].shape) if want[0] else None
         count = b * math.prod(stage.out_shape)
-        if isinstance(layer, Linear | Conv2d):
+        if isinstance(layer, Linear | Conv):
             dz = grad
             if stage.activation is not None and position not in self.activation_done:
                 dz = g.add(f"grad:pre[{stage.index}]", (b, *stage.out_shape))
@@ -680,8 +709,8 @@ class _Builder:
                         "channel_sum",
                         (dz, db),
                         N=b,
-                        K=layer.channels,
-                        HW=stage.out_shape[1] * stage.out_shape[2],
+                        K=stage.out_shape[0],
+                        HW=math.prod(stage.out_shape[1:]),
                     )
                     if layer.bias
                     else None,
@@ -775,6 +804,16 @@ class _Builder:
         return [in_grad]
 
 
+def backward_needs(model_stages: list[Stage]) -> list[bool]:
+    """For each stage position, whether the backward pass reaches it: it has trained parameters,
+    or reads a stage that does (so its output's gradient is needed)."""
+    needs: list[bool] = []
+    for stage in model_stages:
+        trained = isinstance(unwrap(stage.layer)[0], TRAINED)
+        needs.append(trained or any(i != MODEL_INPUT and needs[i] for i in stage.inputs))
+    return needs
+
+
 def _activation_backward(
     activation: str, grad: str, saved: str, out: str, count: int, slope: float
 ) -> Launch:
@@ -792,6 +831,7 @@ def build_graph(
     update: bool = True,
     sample: dict[str, float] | None = None,
     loss_scaled: bool = False,
+    part: tuple[int, int] | None = None,
 ) -> Graph:
     """The launches of one program for one batch size.
 
@@ -808,14 +848,28 @@ def build_graph(
             data-parallel member, whose update runs after the all-reduce).
         sample: ``generate`` (forward, then sample_token's draw from the logits): its parameters
             (flow.generation.sample_params).
+        loss_scaled: ``train`` multiplies the loss's gradient by the loss scale and its update
+            divides it out (flow.optim.LOSS_SCALE).
+        part: a pipeline stage's stage positions [lo, hi) (flow.stage_plan): its input ``x`` is
+            the output of the stage before lo; a part before the last copies its output into io
+            ``output`` and (``train``) then runs its backward from io ``dy``, from the group
+            ``Graph.backward_from``; every part but the first ends ``train`` by writing its
+            input's gradient to io ``dx``. A part never updates.
 
     Returns:
         The graph: tensor declarations (work tensors only; the planner adds the rest) and groups.
     """
     graph = Graph()
-    graph.add("x", (batch, *model.input_shape), role="io")
-    builder = _Builder(model, batch, graph, precision, training=program == "train")
+    builder = _Builder(model, batch, graph, precision, training=program == "train", part=part)
+    first = builder.stages[builder.lo] if builder.lo > 0 else None
+    graph.add("x", (batch, *(first.in_shape if first else model.input_shape)), role="io")
     out = builder.forward("x")
+    if builder.hi < len(builder.stages):  # a pipeline stage before the last
+        graph.emit(launch("copy", (out, "output"), n=math.prod(graph.tensors[out].shape)))
+        if program == "train":
+            graph.backward_from = len(graph.groups)
+            builder.backward(graph.add("dy", graph.tensors[out].shape, role="io"))
+        return graph
     if program == "generate":
         assert sample is not None
         cols = graph.tensors[out].shape[-1]
@@ -839,7 +893,7 @@ def build_graph(
             n = math.prod(graph.tensors[grad].shape)
             graph.emit(launch("loss_scale_apply", (grad, LOSS_SCALE), n=n))
         builder.backward(grad)
-        if update:
+        if update and part is None:
             for group in update_groups(optimiser, optimised_floats(model, total_params), loss_scaled):
                 graph.emit(*group)
     return graph

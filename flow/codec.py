@@ -23,7 +23,7 @@ import numpy as np
 
 from flow.errors import Problem, SpecError, did_you_mean
 from flow.spec import READABLE_SCHEMAS, SCHEMA_VERSION, Spec, file_key
-from flow.spec_data import NDArray
+from flow.spec_data import Function, NDArray, Readable
 from flow.validation import alternatives, validate
 
 _JSON = (".json",)
@@ -32,6 +32,14 @@ _IN_MEMORY = (
     "holds an array in memory, which a spec file cannot hold: write the data with "
     "np.savez('data.npz', x=x, y=y) and use Arrays(path='data.npz')"
 )
+_IN_PYTHON = (
+    "holds a Python {what}, which a spec file cannot hold (run this spec with flow.run from Python): "
+    "{fix}"
+)
+_FIXES = {
+    "object": "for a file, write the data with np.savez('data.npz', x=x, y=y), use Arrays(path='data.npz')",
+    "function": "for a file, use built-in transforms (Normalize, Scale, RandomCrop, HorizontalFlip, Resize)",
+}
 
 
 def _declared_float(annotation: Any) -> bool:
@@ -97,6 +105,11 @@ def _encode(value: Any, annotation: Any, path: str, arrays: bool = False) -> Any
             data = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
             return {"array": str(value.dtype), "shape": list(value.shape), "sha256": data}
         raise SpecError([Problem(path, _IN_MEMORY)])
+    if isinstance(value, Readable | Function):
+        what = "object" if isinstance(value, Readable) else "function"
+        if arrays:  # for digest(): only its kind can be compared
+            return {"python": f"{type(value).__module__}.{type(value).__qualname__}"}
+        raise SpecError([Problem(path, _IN_PYTHON.format(what=f"{what} ({value!r:.60})", fix=_FIXES[what]))])
     raise SpecError([Problem(path, f"cannot encode a {type(value).__name__}: {value!r}")])
 
 

@@ -225,6 +225,8 @@ class DataPlan:
         rank: this process's rank in an MPI job: its samplers give its part of every batch.
         world: the number of ranks (1 without MPI).
         mapped: the source is memory-mapped (see :attr:`reads_ahead`).
+        val_batches: the validation batches each evaluation reads, the first ones
+            (``run.limit_val_batches``); None: all of them.
     """
 
     samples: int
@@ -239,6 +241,7 @@ class DataPlan:
     world: int = 1
     block: int | None = None
     mapped: bool = False
+    val_batches: int | None = None
 
     @property
     def reads_ahead(self) -> bool:
@@ -262,6 +265,8 @@ class DataPlan:
             The sampler, or None.
         """
         indices = self.splits[split]
+        if split == "val" and self.val_batches is not None:
+            indices = indices[: self.val_batches * self.batch_size]
         if not indices.size:
             return None
         if split == "train":
@@ -279,11 +284,13 @@ class DataPlan:
         for name in SPLITS:
             sampler = self.sampler(name)
             size = int(self.splits[name].size)
+            if name == "val" and self.val_batches is not None:
+                size = min(size, self.val_batches * self.batch_size)
             full, tail = divmod(size, self.batch_size)
             if name == "train" and self.drop_last:
                 tail = 0
             splits[name] = {
-                "samples": size,
+                "samples": int(self.splits[name].size),
                 "batches": sampler.batches_per_epoch() if sampler else 0,
                 "last_batch_rows": tail or (self.batch_size if full else 0),
             }
@@ -301,6 +308,7 @@ class DataPlan:
             "steps": schedule.total_steps,
             "batches_per_epoch": schedule.batches_per_epoch,
             "eval_every": schedule.eval_every if schedule.has_val else None,
+            "val_batches": self.val_batches,
             "checkpoint_every": schedule.checkpoint_every,
             "on_device": None if self.resident is None else self.resident.as_dict(),
             "blocks": blocks,
@@ -329,7 +337,7 @@ def data_problems(
     """
     problems = []
     transforms = (*spec.data.preprocess, *spec.data.augment)
-    reshaping = any(type(t).__name__ in ("Resize", "RandomCrop") for t in transforms)
+    reshaping = any(type(t).__name__ in ("Resize", "RandomCrop", "Lambda") for t in transforms)
     if not reshaping and tuple(sample_shape) != tuple(spec.model.input_shape):
         problems.append(
             Problem(
@@ -441,7 +449,26 @@ def plan_data(spec: Spec, header: SourceHeader, rank: int = 0, world: int = 1) -
         world=world,
         block=block_samples(header) if data.shuffle == "blocks" else None,
         mapped=header.mapped,
+        val_batches=val_batches(run.limit_val_batches, parts["val"].size, data.batch_size),
     )
+
+
+def val_batches(limit: int | float | None, samples: int, batch_size: int) -> int | None:
+    """The validation batches each evaluation reads under ``run.limit_val_batches``.
+
+    Args:
+        limit: batches (an int), a fraction of them (a float; at least one batch), or None.
+        samples: samples in the validation split.
+        batch_size: rows a batch.
+
+    Returns:
+        The number of batches, None when every batch is read (no limit, or one past them).
+    """
+    batches = -(-samples // batch_size)
+    if limit is None:
+        return None
+    wanted = limit if isinstance(limit, int) else max(1, int(batches * limit))
+    return wanted if wanted < batches else None
 
 
 def block_samples(header: SourceHeader) -> int:

@@ -18,7 +18,8 @@ from flow.spec_model import (
     GELU,
     BatchNorm1d,
     BatchNorm2d,
-    Conv2d,
+    Conv,
+    Conv1d,
     Embedding,
     LayerNorm,
     LeakyReLU,
@@ -92,6 +93,8 @@ class Stage:
 class Graph:
     tensors: dict[str, TensorDecl] = field(default_factory=dict)
     groups: list[list[Launch]] = field(default_factory=list)
+    # A pipeline stage's train graph (flow.stage_plan): the group its backward starts at.
+    backward_from: int | None = None
 
     def add(
         self,
@@ -137,7 +140,7 @@ def stages(model: Model) -> list[Stage]:
         if (
             activation is not None
             and previous is not None
-            and isinstance(previous.layer, Linear | Conv2d)
+            and isinstance(previous.layer, Linear | Conv)
             and previous.activation is None
             and readers[source] == 1
         ):
@@ -149,7 +152,7 @@ def stages(model: Model) -> list[Stage]:
             )
             position[node.index] = position[source]
             continue
-        own = getattr(layer, "activation", None) if isinstance(layer, Linear | Conv2d) else activation
+        own = getattr(layer, "activation", None) if isinstance(layer, Linear | Conv) else activation
         inputs = tuple(position[i] for i in node.inputs)
         result.append(
             Stage(
@@ -158,6 +161,13 @@ def stages(model: Model) -> list[Stage]:
         )
         position[node.index] = len(result) - 1
     return result
+
+
+def conv_kernel(layer: Conv) -> tuple[int, tuple[int, ...]]:
+    """A convolution's output channels and kernel shape: (k, k) for Conv2d, (k,) for Conv1d."""
+    if isinstance(layer, Conv1d):
+        return layer.out_channels, (layer.kernel_size,)
+    return layer.channels, (layer.kernel, layer.kernel)
 
 
 def _with_slope(layer, activation_layer):
@@ -200,21 +210,14 @@ def parameters(model: Model) -> list[ParamDecl]:
             params.append(ParamDecl(f"{prefix}.weight", (fan_in, fan_out), fan_in, fan_out, False))
             if layer.bias:
                 params.append(ParamDecl(f"{prefix}.bias", (fan_out,), fan_in, fan_out, True))
-        elif isinstance(layer, Conv2d):
+        elif isinstance(layer, Conv):
             c = stage.in_shape[0]
-            area = layer.kernel * layer.kernel
-            shape = (layer.channels, c, layer.kernel, layer.kernel)
-            params.append(ParamDecl(f"{prefix}.weight", shape, c * area, layer.channels * area, False))
+            out, kernel = conv_kernel(layer)
+            area = math.prod(kernel)
+            shape = (out, c, *kernel)
+            params.append(ParamDecl(f"{prefix}.weight", shape, c * area, out * area, False))
             if layer.bias:
-                params.append(
-                    ParamDecl(
-                        f"{prefix}.bias",
-                        (layer.channels,),
-                        c * area,
-                        layer.channels * area,
-                        True,
-                    )
-                )
+                params.append(ParamDecl(f"{prefix}.bias", (out,), c * area, out * area, True))
         elif isinstance(layer, BatchNorm1d | BatchNorm2d):
             c = stage.in_shape[0]
             params.append(ParamDecl(f"{prefix}.weight", (c,), c, c, False, constant=1.0))

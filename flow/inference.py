@@ -36,6 +36,10 @@ def _load_model(
     path = Path(model)
     if path.suffix in (".json", ".msgpack", ".mpk"):
         return load_spec(path), None
+    if path.suffix == ".onnx":  # an ONNX model, its ops read as vkflow layers (flow.onnx_import)
+        from flow.onnx_io import import_onnx
+
+        return import_onnx(path)
     saved = checkpoints.load(path)
     return saved.spec, saved.state
 
@@ -50,7 +54,8 @@ def predict(
     """Predictions from a trained model, through the device's predict program.
 
     Args:
-        model: a checkpoint (file, directory or loaded), or a spec (file or record: fresh weights).
+        model: a checkpoint (file, directory or loaded), a spec (file or record: fresh weights),
+            or an ONNX file (``.onnx``: its ops as vkflow layers, see flow.onnx_io).
         data: inputs [n, *input_shape] or one sample [*input_shape] of real numbers (bools and
             ints are cast to float32, complex is refused: see flow.inputs), or a source spec record
             (e.g. ``Digits()``: every sample, in index order). The spec's ``data.preprocess`` is

@@ -18,6 +18,7 @@ from flow.spec_model import (
     Add,
     Concat,
     Embedding,
+    MatMul,
     Model,
     PositionalEmbedding,
     Repeat,
@@ -151,6 +152,11 @@ class _Expander:
     def _inputs(self, layers: tuple, j: int, at: str, previous: int, visible: dict[str, int], where: str):
         layer = layers[j]
         joins = isinstance(layer, Add | Concat)
+        if isinstance(layer, MatMul) and (layer.inputs is None or len(layer.inputs) != 2):
+            got = "none" if layer.inputs is None else len(layer.inputs)
+            raise _Failed(Problem(f"{at}.inputs", f"MatMul multiplies two layers: name them, got {got}"))
+        if isinstance(layer, MatMul):
+            return tuple(self._resolve(layers, j, at, name, visible, where) for name in layer.inputs)
         if layer.inputs is None:
             if joins:
                 raise _Failed(
@@ -257,6 +263,8 @@ def node_shape(layer, in_shapes: tuple[Shape, ...], inputs: tuple[int, ...]) -> 
             shapes = " and ".join(map(str, in_shapes))
             return f"Concat along axis {layer.axis} needs inputs that agree elsewhere, got {shapes}"
         return (*first[:axis], sum(s[axis] for s in in_shapes), *first[axis + 1 :])
+    if isinstance(layer, MatMul):
+        return matmul_shape(layer, in_shapes)
     if isinstance(layer, Embedding) and inputs[0] != MODEL_INPUT:
         return _NOT_FIRST
     if isinstance(layer, PositionalEmbedding | SelfAttention) and len(first) != 2:
@@ -264,6 +272,19 @@ def node_shape(layer, in_shapes: tuple[Shape, ...], inputs: tuple[int, ...]) -> 
     if isinstance(layer, SelfAttention) and first[1] % layer.heads:
         return f"SelfAttention's {layer.heads} heads do not divide the {first[1]} features"
     return output_shape(layer, first)
+
+
+def matmul_shape(layer: MatMul, in_shapes: tuple[Shape, ...]) -> Shape | str:
+    """A MatMul's output shape, (..., M, N), or why its two inputs do not multiply."""
+    a, b = in_shapes
+    if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2]:
+        why = "MatMul needs two inputs (..., M, K) and (..., K, N) with equal leading dimensions"
+        return f"{why}, got {a} and {b}"
+    rows, inner = (b[-1], b[-2]) if layer.transpose_b else (b[-2], b[-1])
+    if a[-1] != rows:
+        side = "(..., N, K) under transpose_b" if layer.transpose_b else "(..., K, N)"
+        return f"MatMul's inputs {a} and {b} do not multiply: the second must be {side} with K = {a[-1]}"
+    return (*a[:-1], inner)
 
 
 def concat_axis(layer: Concat, rank: int) -> int:

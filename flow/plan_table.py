@@ -6,6 +6,25 @@ from __future__ import annotations
 
 from flow.planning import Plan
 from flow.program import Barrier
+from flow.stage_plan import StagePlan
+
+
+def stage_lines(stages: StagePlan) -> list[str]:
+    """A model split over devices: each stage's layers and device, the micro-batches and the
+    1F1B order each stage runs them in (F3: micro-batch 3's forward, B3 its backward)."""
+    lines = [
+        f"model split into {len(stages.members)} pipeline stages ({stages.placement} placement): "
+        f"{stages.micro_batches} micro-batch(es) of up to {stages.micro_rows} rows a batch of "
+        f"{stages.batch}, activations forward and gradients back through the host (credit edges), "
+        "one update a batch"
+    ]
+    orders = stages.as_dict()["schedule"]
+    for s, (name, (start, stop)) in enumerate(zip(stages.members, stages.layers, strict=True)):
+        lines.append(
+            f"  stage {s} on {name}: layers[{start}:{stop}], {stages.slots[s]} micro-batch(es) in flight; "
+            f"{orders[s]}"
+        )
+    return lines
 
 
 def format_plan(plan: Plan) -> str:
@@ -41,6 +60,8 @@ def format_plan(plan: Plan) -> str:
                 f"last batch {split['last_batch_rows']} rows"
             )
         every = f"every {data['eval_every']} steps" if data["eval_every"] else "after each epoch"
+        if data["val_batches"] is not None:
+            every += f" on the first {data['val_batches']:,} validation batches (run.limit_val_batches)"
         evaluation = every if data["splits"]["val"]["samples"] else "none (no validation split)"
         checkpoints = f"every {data['checkpoint_every']} steps" if data["checkpoint_every"] else "at the end"
         lines.append(
@@ -73,6 +94,8 @@ def format_plan(plan: Plan) -> str:
             )
         for i, name in enumerate(parallel.members):
             lines.append(f"  [{i}] {name}: {parallel.rows[i]} rows, programs for {parallel.capacity[i]}")
+    if plan.stages is not None:
+        lines += stage_lines(plan.stages)
     choice, devices = plan.member_choice, plan.spec.devices
     if choice is not None:  # measured: who was kept, who left out, and the predicted steps
         lines.append(f"devices measured before the first step: {choice.sentence()}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import msgpack
 import numpy as np
@@ -63,6 +64,9 @@ from flow.validation import check
 from shaders.registry import op as op_def
 from shaders.registry import resolve_program
 from shaders.tiles import GemmTable
+
+if TYPE_CHECKING:
+    from flow.stage_plan import StagePlan
 
 PROGRAM_KINDS = ("train", "eval", "predict")
 
@@ -124,19 +128,25 @@ class DevicePlan:
     apply: Program | None = None
     # A generation plan's program: the forward, then the next token drawn on the device.
     generate: Program | None = None
+    # The loss scale a training run starts from (flow.optim.LOSS_SCALE); None: no loss scaling.
     loss_scale: float | None = None
+    # A pipeline stage's own programs by name (flow.stage_plan): forward, backward, apply.
+    stage_programs: tuple[Program, ...] = ()
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """Every program kind this device runs."""
         extra = tuple(k for k in ("apply", "generate") if getattr(self, k) is not None)
-        return PROGRAM_KINDS + extra
+        return PROGRAM_KINDS + extra + tuple(p.name for p in self.stage_programs)
 
     def program(self, kind: str) -> Program:
         """The ``train``, ``eval`` or ``predict`` program (for any row count up to the batch size),
         or a data-parallel member's ``apply``."""
         if kind in ("apply", "generate") and getattr(self, kind) is not None:
             return getattr(self, kind)
+        for staged in self.stage_programs:
+            if staged.name == kind:
+                return staged
         if kind not in PROGRAM_KINDS:
             raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
         return self.programs[PROGRAM_KINDS.index(kind)]
@@ -165,6 +175,8 @@ class Plan:
     # Which of the spec's devices a data-parallel run keeps, and why (once they are measured): a
     # single one kept trains as a plain device, so ``parallel`` is then None.
     member_choice: MemberChoice | None = None
+    # A model split over the devices as pipeline stages (flow.stage_plan): one device plan a stage.
+    stages: StagePlan | None = None
 
     def as_dict(self) -> dict:
         """The plan as plain data (for JSON, msgpack and tables)."""
@@ -175,7 +187,7 @@ class Plan:
             "devices": [_device_dict(d) for d in self.devices],
             "parallel": self.parallel.as_dict() if self.parallel is not None else None,
             "member_choice": self.member_choice.as_dict() if self.member_choice is not None else None,
-        }
+        } | ({"stages": self.stages.as_dict()} if self.stages is not None else {})
 
     def dumps(self) -> bytes:
         """Canonical msgpack bytes: the same spec always gives the same bytes."""
@@ -219,7 +231,7 @@ def _device_dict(device: DevicePlan) -> dict:
                     for s in p.steps
                 ],
             }
-            for p in (*device.programs, *((device.apply,) if device.apply is not None else ()))
+            for p in (*device.programs, *((device.apply,) if device.apply else ()), *device.stage_programs)
         ],
     }
 
@@ -385,6 +397,8 @@ def plan_device(
     tensors.append(Tensor("grads:all", (total_params,), "float32", "grads", 0))
     for state in state_names:
         tensors.append(Tensor(f"state:{state}", (total_params,), "float32", f"state:{state}", 0))
+    # Clipping by global norm and loss scaling: the partial sums, [norm, factor, skip] and the
+    # scale's state (flow.optim).
     loss_scale = initial_loss_scale(spec.run.loss_scale, spec.run.precision)
     clip_bytes = 0
     clipping = CLIP_TENSORS if spec.optimiser.clip_norm is not None or loss_scale is not None else ()
@@ -583,6 +597,13 @@ def plan(
         raise ValueError(f"mode must be 'train', 'predict' or 'generate' (with sampling), got {mode!r}")
     check(spec)
     world = world if world is not None and mode == "train" else World()
+    if spec.devices.stages is not None and mode == "train" and not isinstance(facts, DeviceFacts):
+        from flow.stage_plan import plan_stages  # it plans each stage with this module's parts
+
+        if world.size > 1:
+            message = "a model split into stages trains in one process; MPI ranks train data parallel"
+            raise PlanError([Problem("devices.stages", message)])
+        return plan_stages(spec, facts, tuning if isinstance(tuning, tuple) else None, budget, header)
     if isinstance(facts, tuple) and len(facts) > 1 and speeds is not None and bandwidth is not None:
         moved = 4 * sum(math.prod(p.shape) for p in parameters(spec.model))  # a member's gradients
         choice = choose_members(facts, spec.data.batch_size, spec.devices, world, speeds, bandwidth, moved)
@@ -669,7 +690,7 @@ def _plan_data_parallel(
     return Plan(spec=spec, mode=mode, devices=devices, pipeline=pipeline, data=data, parallel=parallel)
 
 
-def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.ndarray]:
+def init_parameters(device: DevicePlan | list[ParamDecl], scheme: str, seed: int) -> dict[str, np.ndarray]:
     """Initial values of every parameter, seeded, identical on every backend.
 
     He: normal(0, sqrt(2 / fan_in)); Xavier: uniform(+-sqrt(6 / (fan_in + fan_out))). Biases start
@@ -677,7 +698,7 @@ def init_parameters(device: DevicePlan, scheme: str, seed: int) -> dict[str, np.
     """
     rng = np.random.default_rng(seed)
     values = {}
-    for p in device.parameters:
+    for p in device.parameters if isinstance(device, DevicePlan) else device:
         if p.values is not None:  # a CrossEntropy's class weights
             values[p.name] = np.asarray(p.values, np.float32).reshape(p.shape)
         elif p.constant is not None:  # BatchNorm's scale and running statistics: no draw

@@ -27,6 +27,7 @@ from flow.errors import FlowError
 from flow.parallel_plan import world_from_env
 from flow.runner import run
 from flow.runtime import ActorError, RunResult
+from flow.tensorboard_logger import TensorBoardLogger
 from loaders.errors import LoaderError
 
 
@@ -40,6 +41,8 @@ def summary(result: RunResult) -> str:
         The lines, joined.
     """
     lines = [f"device: {result.device}", f"steps: {result.steps} (epochs {result.epochs})"]
+    if result.device_choice:
+        lines.insert(1, f"device choice: {result.device_choice}")
     if result.stopped_early is not None:
         lines.append(f"stopped early after step {result.stopped_at}: {result.stopped_early}")
     if result.loss is not None:
@@ -94,7 +97,8 @@ def user_error(error: BaseException, spec_file: str = "") -> list[str] | None:
 
 
 def callbacks_of(args: argparse.Namespace) -> list[Callback]:
-    """The callbacks of ``--early-stopping`` and ``--csv``; a ValueError names a flag's bad value."""
+    """The callbacks of ``--early-stopping``, ``--csv`` and ``--tensorboard``; a ValueError names a
+    flag's bad value (or a missing package)."""
     callbacks: list[Callback] = []
     if (text := args.early_stopping) is not None:
         monitor, colon, patience = text.partition(":")
@@ -106,6 +110,11 @@ def callbacks_of(args: argparse.Namespace) -> list[Callback]:
             raise ValueError(f"--early-stopping: {error}") from None
     if args.csv is not None and world_from_env(os.environ).rank == 0:  # one writer for an MPI job
         callbacks.append(CSVLogger(args.csv, append=args.resume is not None))
+    if args.tensorboard is not None and world_from_env(os.environ).rank == 0:
+        try:
+            callbacks.append(TensorBoardLogger(args.tensorboard))
+        except ImportError as error:  # the extra is not installed: say how to install it
+            raise ValueError(f"--tensorboard: {error}") from None
     return callbacks
 
 
@@ -134,10 +143,13 @@ def main_run(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--device", metavar="SELECT", help="override devices.select: cpu, auto, an index or a name"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress line: only the summary and errors")
+    quiet = "no progress (bar or lines) and no log: only the summary and errors"
+    parser.add_argument("--quiet", action="store_true", help=quiet)
     stop = "stop when MONITOR (val_loss or val_accuracy) has not improved for PATIENCE evaluations"
     parser.add_argument("--early-stopping", metavar="MONITOR:PATIENCE", help=stop)
     parser.add_argument("--csv", metavar="PATH", help="a CSV row per validation round (--resume appends)")
+    tensorboard = "write TensorBoard event files to DIR: the metrics file's scalars (needs tensorboardX)"
+    parser.add_argument("--tensorboard", metavar="DIR", help=tensorboard)
     args = parser.parse_args(list(argv))
     try:
         callbacks = callbacks_of(args)

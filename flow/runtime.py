@@ -46,13 +46,14 @@ from actors.data_parallel import DataParallelActor, measure_all_reduce, measure_
 from actors.device import DEVICE_DEADLINE_S, DeviceActor, InputSlots
 from actors.engine import Engine
 from actors.loader import Loader, jobs
-from actors.messages import Cursor, EvalDone, InputStatistics, Snapshot
+from actors.messages import Cursor, EvalDone, InputStatistics, Profile, Snapshot
 from actors.meter import HookList, Hooks, Meter
 from actors.optimiser import OptimiserActor
 from actors.outputs import Outputs, open_outputs
 from actors.preprocess import Preprocess
 from actors.progress import Progress
 from actors.sink import Sink
+from actors.stages import StagedActor
 from actors.statistics import ActorStatistics
 from flow.callbacks import Callback
 from flow.codec import digest
@@ -62,7 +63,9 @@ from flow.optim import describe_optimiser
 from flow.parallel_plan import World, world_from_env
 from flow.pipeline_plan import ActorPlan
 from flow.planning import Plan, plan
-from flow.spec import Devices, Spec
+from flow.safetensors_io import read_weights
+from flow.spec import Devices, RunSettings, Spec
+from flow.stage_plan import fresh_state, stage_state
 from flow.validation import check
 from shaders import gemm_tuning
 
@@ -103,6 +106,7 @@ class RunResult:
         metrics_file: the metrics file, if any.
         parameters: the final weights by parameter name.
         device: the device's name.
+        device_choice: why ``Devices("auto")`` chose it (flow.device_choice); "" for other choices.
         seconds: wall time of this process's run, setup included.
         statistics: every actor's final statistics.
         resumed_from: the step the run resumed at (0 for a fresh run).
@@ -119,6 +123,8 @@ class RunResult:
         stopped_at: the training steps done when the callback asked to stop (None: not stopped).
         metrics: the last validation round's metrics by name ("top5", "mae", "rmse", "perplexity";
             empty without a validation split or metrics); every round's are in ``evals[i].metrics``.
+        profile: with ``RunSettings(profile=True)``, each training launch's median GPU time
+            (actors.messages.Profile); None otherwise.
     """
 
     steps: int
@@ -130,6 +136,7 @@ class RunResult:
     metrics_file: str | None
     parameters: dict[str, np.ndarray] = field(repr=False)
     device: str = ""
+    device_choice: str = ""
     seconds: float = 0.0
     statistics: dict[str, ActorStatistics] = field(default_factory=dict, repr=False)
     resumed_from: int = 0
@@ -141,6 +148,7 @@ class RunResult:
     stopped_early: str | None = None
     stopped_at: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    profile: Profile | None = None
 
 
 # -- effects ---------------------------------------------------------------------------------------
@@ -148,7 +156,7 @@ class RunResult:
 
 def selected_group(devices: Devices) -> tuple[DeviceFacts, ...]:
     """The facts of every device ``devices.select`` asks for, without opening any: one for "cpu",
-    "auto" (the best Vulkan device, else the CPU with a one-line warning), an index or a name;
+    "auto" (flow.device_choice's rule; a one-line warning when there is no Vulkan), an index or a name;
     each listed one for a list; every Vulkan device and the CPU for "all".
 
     Args:
@@ -160,10 +168,22 @@ def selected_group(devices: Devices) -> tuple[DeviceFacts, ...]:
     Raises:
         LookupError: a named Vulkan device that cannot be had.
     """
-    group, message = device_select.select_group(devices.choices)
-    if message:
-        logger.warning("vkflow: %s", message.splitlines()[0])
-    return group
+    return select_devices(devices).facts
+
+
+def select_devices(devices: Devices) -> device_select.Selection:
+    """:func:`selected_group` with the reason for an "auto" choice (logged: as a warning when it
+    fell back to the CPU for want of Vulkan, else as information).
+
+    Raises:
+        LookupError: a named Vulkan device that cannot be had.
+    """
+    selection = device_select.select(devices.choices)
+    if selection.warning:
+        logger.warning("vkflow: %s", selection.warning.splitlines()[0])
+    elif selection.reason:
+        logger.info("vkflow: %s", selection.reason)
+    return selection
 
 
 def selected_facts(devices: Devices) -> DeviceFacts:
@@ -220,18 +240,33 @@ def start_engine(
     """
     spec = run_plan.spec
     device = run_plan.devices[member]
+    from_file = spec.model.init.from_file if state is None else None  # read before the device
+    imported = read_weights(spec.model, from_file) if from_file is not None else {}
     engine = Engine(device, backend)
+    split = run_plan.stages
+    if split is not None:  # a stage takes its part of the whole model's state (flow.stage_plan)
+        state = stage_state(split, member, state if state is not None else fresh_state(spec, split))
+        own = {p.name for p in device.parameters}
+        imported = {name: value for name, value in imported.items() if name in own}
     start = optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state, cursor)
+    for name, value in imported.items():  # fresh weights from the file instead of drawn ones
+        backend.write(name, value)
     kinds = ("train", "eval") if run_plan.mode == "train" else (run_plan.mode,)  # predict, generate
     if run_plan.mode == "train" and device.apply is not None:
         kinds += ("apply",)
+    # RunSettings(profile=True) times a single device's train steps (actors.device.DeviceActor).
+    alone = len(run_plan.devices) == 1 and split is None
+    engine.profile(spec.run.profile and run_plan.mode == "train" and alone)
+    if split is not None:
+        kinds = split.kinds(member)
+        backend.write("acc:all", np.zeros(device.total_params, np.float32))  # the gradients' sum
     engine.prepare(kinds)
     return engine, start
 
 
 def open_backend(devices: Devices) -> Backend:
-    """Open the backend ``devices.select`` asks for: "cpu", "auto" (the best Vulkan device, else the
-    CPU with a one-line warning), or a Vulkan device by index or name.
+    """Open the backend ``devices.select`` asks for: "cpu", "auto" (flow.device_choice's rule; a
+    one-line warning when there is no Vulkan), or a Vulkan device by index or name.
 
     Args:
         devices: the spec's devices.
@@ -266,6 +301,14 @@ class _Relay:
         return self.meter.statistics()
 
 
+def metrics_file_of(run: RunSettings) -> str | None:
+    """Where a run writes its metrics: ``run.metrics_file``, else ``metrics.jsonl`` in the run's own
+    folder (its ``checkpoint_dir``), else nowhere."""
+    if run.metrics_file is not None or run.checkpoint_dir is None:
+        return run.metrics_file
+    return str(Path(run.checkpoint_dir) / "metrics.jsonl")
+
+
 class Runtime:
     """Everything a pipeline holds: the opened resources, the actors and their channels."""
 
@@ -280,10 +323,12 @@ class Runtime:
         callbacks: Sequence[Callback] = (),
     ) -> None:
         self.spec = spec
+        self.metrics_file = metrics_file_of(spec.run)
         self.mode = mode
         self.saved = saved
         self.backend = backend
         self.owns_backend = backend is None
+        self.device_choice = ""  # why "auto" chose the device, for the result
         self.members: list[Backend] = []  # a data-parallel run's other devices (opened here)
         self.member_engines: list[Engine] = []  # every member's engine, the first included
         self.hooks = HookList(hooks) if hooks else None
@@ -346,7 +391,7 @@ class Runtime:
             if self.world.size > 1:  # first: from here on, a failure on this rank aborts them all
                 self.ranks = await trio.to_thread.run_sync(Ranks, self.world)
             if self.writes:
-                paths = (spec.run.checkpoint_dir, spec.run.metrics_file)
+                paths = (spec.run.checkpoint_dir, self.metrics_file)
                 self.outputs = open_outputs(self.run_id, *paths, start)
             if self.ranks is not None:
                 agreed = (digest(spec), start or 0)  # arrays by their bytes: a repr elides them
@@ -360,7 +405,8 @@ class Runtime:
             facts = self.backend.facts
             maps_inputs = callable(getattr(self.backend, "write_into", None))
         else:
-            group = await trio.to_thread.run_sync(selected_group, spec.devices)
+            selection = await trio.to_thread.run_sync(select_devices, spec.devices)
+            self.device_choice, group = selection.reason, selection.facts
             facts = group if len(group) > 1 else group[0]
             maps_inputs = None  # as the plan assumes for the facts' kind
         self.plan = plan_on(spec, facts, self.world, header=header, mode=self.mode, maps_inputs=maps_inputs)
@@ -518,6 +564,10 @@ class Runtime:
                 inline=self.inline,
                 host_rows=self._host_rows if self.stored is not None else None,
             )
+        if actor.kind == "device" and self.plan.stages is not None:
+            engines, stages, start = self.member_engines, self.plan.stages, self.start_cursor
+            self.device = StagedActor(meter, engines, stages, start, self.inline, device_deadline())
+            return self.device
         if actor.kind == "device" and self.plan.parallel is not None:
             self.device = DataParallelActor(
                 meter, self.member_engines, self.plan.parallel, self.start_cursor, self.inline, self.ranks,
@@ -527,7 +577,7 @@ class Runtime:
         if actor.kind == "device":
             self.device = DeviceActor(
                 meter, self.engine, self.start_cursor, inline=self.inline, slots=self.slots,
-                deadline_s=device_deadline(),
+                deadline_s=device_deadline(), profile=self.mode == "train" and spec.run.profile,
             )
             return self.device
         if actor.kind == "optimiser" and self.mode == "train":
@@ -542,7 +592,7 @@ class Runtime:
                 self.statistics,
                 describe_optimiser(spec.optimiser, self.engine.plan.state_names),
                 spec.run.checkpoint_dir if writes else None,
-                spec.run.metrics_file if writes else None,
+                self.metrics_file if writes else None,
                 self.progress if writes else Progress(enabled=False),
                 keep=spec.run.keep_checkpoints,
                 run=self.run_id,
@@ -645,9 +695,12 @@ class Runtime:
             accuracy=accuracy,
             evals=evals,
             checkpoint=str(checkpoint) if checkpoint else None,
-            metrics_file=self.spec.run.metrics_file,
-            parameters=self.engine.parameters() if self.engine else {},
+            metrics_file=self.metrics_file,
+            parameters=(self.device if isinstance(self.device, StagedActor) else self.engine).parameters()
+            if self.engine
+            else {},
             device=" + ".join(b.facts.name for b in (self.backend, *self.members)) if self.backend else "",
+            device_choice=self.device_choice,
             seconds=time.monotonic() - self.started,
             statistics=self.statistics(),
             resumed_from=self.start_cursor.step,
@@ -659,6 +712,7 @@ class Runtime:
             stopped_early=self.stopped[1] if self.stopped else None,
             stopped_at=self.stopped[0] if self.stopped else None,
             metrics=dict(vals[-1].metrics) if vals else {},
+            profile=sink.profile if sink else None,
         )
 
     def skipped(self) -> tuple[int, tuple[str, ...]]:

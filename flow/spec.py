@@ -37,10 +37,12 @@ from flow.spec_data import (
     CSV,
     IDX,
     Arrays,
+    Custom,
     Data,
     Digits,
     HorizontalFlip,
     ImageFolder,
+    Lambda,
     Normalize,
     RandomCrop,
     RawBinary,
@@ -62,6 +64,7 @@ from flow.spec_model import (
     BatchNorm2d,
     BCEWithLogits,
     Concat,
+    Conv1d,
     Conv2d,
     CrossEntropy,
     Dropout,
@@ -73,6 +76,7 @@ from flow.spec_model import (
     LayerNorm,
     LeakyReLU,
     Linear,
+    MatMul,
     MaxPool2d,
     Model,
     Perplexity,
@@ -225,8 +229,10 @@ class Devices(Record):
     """Which devices run the model.
 
     Attributes:
-        select: one device: "auto" (default: the best Vulkan device, else the CPU with a
-            warning), "cpu" (the numpy backend), a Vulkan device index >= 0, or a substring of a
+        select: one device: "auto" (default: the best hardware Vulkan device, discrete >
+            integrated > virtual, else the CPU backend, which also beats a software Vulkan device
+            such as lavapipe; see flow.device_choice), "cpu" (the numpy backend), a Vulkan device
+            index >= 0 (0: the first listed by ``flow devices``, lavapipe included), or a substring of a
             device's name. Several, trained data parallel: a list of those (a device may appear
             twice: two logical devices on one GPU), or "all" (every Vulkan device and the CPU).
         shares: with a list, the relative share of each global batch each device takes, in the
@@ -237,6 +243,14 @@ class Devices(Record):
             False, or explicit ``shares``, keeps every device.
         memory_fraction: the share of each device's memory the run may plan for, in (0, 1]
             (default 0.9).
+        stages: with a list, split the model over the devices as pipeline stages instead of
+            training data parallel (flow.stage_plan): "auto" places the layers greedily in order
+            under each device's memory budget; a tuple gives the device (its place in the list,
+            non-decreasing) of each top-level layer, e.g. (0, 0, 1, 1). None (default): data
+            parallel.
+        micro_batches: with stages, the micro-batches each batch is cut into (a 1F1B schedule
+            runs them through the stages; their gradients are summed, then one update), in
+            [1, batch size] (default 1).
     """
 
     select: int | str | tuple[int | str, ...] = "auto"
@@ -244,6 +258,8 @@ class Devices(Record):
     shares: tuple[float, ...] | None = None
     drop_slow: bool = True
     memory_fraction: float = 0.9
+    stages: Literal["auto"] | tuple[int, ...] | None = field(default=None, metadata=LATER)
+    micro_batches: int = field(default=1, metadata=LATER)
 
     @property
     def choices(self) -> tuple[int | str, ...]:
@@ -314,6 +330,10 @@ class RunSettings(Record):
             both set the run stops at whichever comes first.
         eval_every: steps between evaluations of the validation split, > 0; None (default): after
             each epoch. Nothing is evaluated without a validation split.
+        limit_val_batches: how much of the validation split each evaluation reads, as Lightning's
+            ``limit_val_batches``: an int > 0 is that many batches, a float in (0, 1] that fraction
+            of its batches (at least one); the first ones, in the split's order, so every round
+            scores the same samples. None (default): all of it.
         checkpoint_dir: the folder checkpoints go to (the newest ``keep_checkpoints`` are kept,
             and the end of the run always writes one); None (default): no checkpoints. A run owns
             it: a fresh run refuses a folder that holds another run's checkpoints, and two live
@@ -322,7 +342,8 @@ class RunSettings(Record):
             only at the end.
         metrics_file: a JSON-lines file each step, evaluation, checkpoint and warning appends an
             event to (``"inputs"``: the first training batch's range after preprocessing;
-            ``"warning"``: what looks wrong); None (default): none. Each process's lines begin
+            ``"warning"``: what looks wrong); None (default): ``metrics.jsonl`` in the run's own
+            folder, ``checkpoint_dir``, when there is one, else none. Each process's lines begin
             with a ``"run"`` event naming the run; a fresh run refuses a file another run began.
         keep_checkpoints: how many checkpoints to keep, the newest, > 0 (default 3); None keeps
             every one.
@@ -340,11 +361,17 @@ class RunSettings(Record):
             precision, off with "float32"; "off": never; a number > 0: on from that scale in
             either precision (a power of two changes no float32 result). The scale, its streak
             and the skipped steps are checkpointed (``loss_scale:state``).
+        profile: time every launch of the training step on the GPU with timestamp queries and
+            write their medians to the metrics file as one ``{"event": "profile", "launches":
+            [{"name", "op", "seconds"}]}`` line at the end (``python -m flow report`` plots it);
+            a single-device run on Vulkan (the CPU backend has no timestamps: the line says so).
     """
 
     epochs: int | None = 1
     steps: int | None = None  # when both are set, the run stops at whichever comes first
     eval_every: int | None = None  # in steps; None: after each epoch
+    # Batches, or a fraction of them; None: all. Left out of files at its default (spec_base.LATER).
+    limit_val_batches: int | float | None = field(default=None, metadata=LATER)
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None  # in steps
     metrics_file: str | None = None
@@ -355,6 +382,7 @@ class RunSettings(Record):
     precision: Literal["float32", "mixed"] = "float32"
     on_nonfinite: Literal["raise", "continue"] = "raise"
     loss_scale: Literal["auto", "off"] | float = field(default="auto", metadata=LATER)
+    profile: bool = field(default=False, metadata=LATER)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,11 +411,11 @@ class Spec(Record):
 RECORDS: tuple[type, ...] = (
     Linear, Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool, BatchNorm1d, BatchNorm2d, LayerNorm,
     Dropout, Embedding, PositionalEmbedding, SelfAttention, Flatten, ReLU, LeakyReLU, Sigmoid, Tanh,
-    GELU, Softmax, Add, Concat, Residual, Repeat, Reshape,
+    GELU, Softmax, Add, Concat, Residual, Repeat, Reshape, Conv1d, MatMul,
     CrossEntropy, MSE, L1, Huber, BCEWithLogits, TopK, MAE, RMSE, Perplexity, Init, Model,
     Constant, StepLR, Cosine, SGD, Adam, AdamW,
-    ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text,
-    Normalize, Scale, RandomCrop, HorizontalFlip, Resize,
+    ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text, Custom,
+    Normalize, Scale, RandomCrop, HorizontalFlip, Resize, Lambda,
     Split, Data, Devices, Node, Edge, Pipeline, RunSettings, Spec,
 )  # fmt: skip
 

@@ -221,7 +221,56 @@ class Text(Record):
     stride: int = 1
 
 
-Source = ImageFolder | CSV | RawBinary | IDX | Synthetic | Digits | Arrays | Text
+class _ReadableType(type):
+    def __instancecheck__(cls, value: Any) -> bool:
+        return hasattr(type(value), "__len__") and callable(getattr(value, "read", None))
+
+
+class Readable(metaclass=_ReadableType):
+    """Any object with ``__len__`` and ``read(indices)``, as a field's type (see :class:`Custom`)."""
+
+    described = "an object with __len__ and read(indices)"
+
+
+class _FunctionType(type):
+    def __instancecheck__(cls, value: Any) -> bool:
+        return callable(value) and not isinstance(value, Record | type)
+
+
+class Function(metaclass=_FunctionType):
+    """A Python callable, as a field's type (see :class:`Lambda`)."""
+
+    described = "a function"
+
+
+@dataclass(frozen=True, eq=False)
+class Custom(Record):
+    """Samples from a Python object, for a run from Python: ``Custom(obj)``, where ``len(obj)`` is
+    the number of samples and ``obj.read(indices) -> (x, y)`` gives the samples at a sequence of
+    indices (any order, repeats allowed): x ``[len(indices), *sample_shape]`` of real numbers (uint8
+    divided by 255, others cast to float32) and y ``[len(indices)]`` integer class ids >= 0 or
+    ``[len(indices), k]`` float targets. ``obj.labels`` (an array or a method), when there, gives
+    every label at once; else they are read once when the run opens the source. Reads run in a
+    worker thread. A spec holding one cannot be saved (nor write checkpoints, which embed it):
+    write the data to files for that (``np.savez`` and ``Arrays(path=...)``).
+
+    Attributes:
+        source: the object.
+        name: what messages call it (default "custom").
+    """
+
+    source: Readable
+    _: KW_ONLY
+    name: str = "custom"
+
+    def __eq__(self, other: object) -> bool:  # the object is the same only when it is the same object
+        return type(other) is Custom and (id(self.source), self.name) == (id(other.source), other.name)
+
+    def __hash__(self) -> int:
+        return hash((id(self.source), self.name))
+
+
+Source = ImageFolder | CSV | RawBinary | IDX | Synthetic | Digits | Arrays | Text | Custom
 
 # Preprocessing and augmentation
 
@@ -294,7 +343,36 @@ class Resize(Record):
     size: tuple[int, int]
 
 
-Transform = Normalize | Scale | RandomCrop | HorizontalFlip | Resize
+@dataclass(frozen=True, eq=False)
+class Lambda(Record):
+    """A transform from a Python function, for a run from Python: ``fn(x)`` takes a float32 batch
+    ``[n, *sample_shape]`` and returns n samples of real numbers (cast to float32), of any shape the
+    model takes. In ``data.preprocess`` it runs on every batch (so the data streams from the host);
+    in ``data.augment`` on training batches only. With ``random=True`` it is called ``fn(x, rng)``
+    with the batch's numpy Generator, seeded from ``data.seed`` and the batch's place, so a resumed
+    run draws what an uninterrupted one would. A spec holding one cannot be saved.
+
+    Attributes:
+        fn: the function.
+        random: pass the batch's generator as a second argument (default False).
+        name: what messages call it (default "lambda").
+    """
+
+    fn: Function
+    _: KW_ONLY
+    random: bool = False
+    name: str = "lambda"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Lambda:
+            return False
+        return (self.fn, self.random, self.name) == (other.fn, other.random, other.name)
+
+    def __hash__(self) -> int:
+        return hash((self.random, self.name))  # functions compare by identity, bound methods not
+
+
+Transform = Normalize | Scale | RandomCrop | HorizontalFlip | Resize | Lambda
 
 # The split and the data
 
@@ -325,7 +403,7 @@ class Data(Record):
     """Where the samples come from and how they are batched.
 
     Attributes:
-        source: ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays or Text; each gives
+        source: ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text or Custom; each gives
             float32 samples by the module's convention (8-bit data in [0, 1]).
         batch_size: samples per batch, > 0 (default 64).
         shuffle: reshuffle the training samples each epoch (default True). "blocks": for data

@@ -79,6 +79,31 @@ class Conv2d(LayerRecord):
 
 
 @dataclass(frozen=True)
+class Conv1d(LayerRecord):
+    """A 1-D convolution over (C, L) inputs, as PyTorch's ``Conv1d(C, out_channels, kernel_size)``
+    (weights [out_channels, C, kernel_size]); output (out_channels, OL) with
+    ``OL = (L + 2 * padding - kernel_size) // stride + 1``. It runs on Conv2d's kernels, as a
+    convolution of height 1.
+
+    Attributes:
+        out_channels: output channels, > 0.
+        kernel_size: kernel length, > 0.
+        stride: step between windows, > 0 (default 1).
+        padding: zeros added on each end, >= 0 (default 0).
+        bias: whether a learned bias per output channel is added (default True).
+        activation: as Linear's, fused into the convolution (default None).
+    """
+
+    out_channels: int
+    kernel_size: int
+    _: KW_ONLY
+    stride: int = 1
+    padding: int = 0
+    bias: bool = True
+    activation: Activation | None = None
+
+
+@dataclass(frozen=True)
 class MaxPool2d(LayerRecord):
     """The maximum of each square window of a (C, H, W) input, per channel, without padding. NaN
     counts above every number, so a window holding NaN gives NaN.
@@ -310,6 +335,20 @@ class Concat(LayerRecord):
     axis: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class MatMul(LayerRecord):
+    """The matrix product of its two inputs per sample, as ``torch.matmul`` on (..., M, K) and
+    (..., K, N): (..., M, N), their leading dimensions equal (no broadcasting). Name both in
+    ``inputs``; no parameters of its own.
+
+    Attributes:
+        transpose_b: the second input is (..., N, K) and is transposed first: ``a @ b^T``
+            (attention's scores, ``q @ k^T``) (default False).
+    """
+
+    transpose_b: bool = False
+
+
 @dataclass(frozen=True)
 class Residual(LayerRecord):
     """``x + f(x)``, f its layers in order (a block of its own: names inside it are local): the
@@ -339,7 +378,7 @@ class Repeat(LayerRecord):
 Layer = (
     Linear | Conv2d | MaxPool2d | AvgPool2d | GlobalAvgPool | BatchNorm1d | BatchNorm2d | LayerNorm
     | Dropout | Embedding | PositionalEmbedding | SelfAttention | Flatten | ReLU | LeakyReLU
-    | Sigmoid | Tanh | GELU | Softmax | Add | Concat | Residual | Repeat | Reshape
+    | Sigmoid | Tanh | GELU | Softmax | Add | Concat | Residual | Repeat | Reshape | Conv1d | MatMul
 )  # fmt: skip
 # A block holds layers of every kind, itself included: the annotation the codec and validator read
 # can only name the union once it exists.
@@ -351,6 +390,8 @@ Block = Residual | Repeat
 MAX_EMBEDDINGS = 1 << 24
 # The layers that normalise by batch statistics and keep running ones.
 BatchNorm = BatchNorm1d | BatchNorm2d
+# The convolutions: Conv1d runs as a Conv2d of height 1.
+Conv = Conv2d | Conv1d
 
 # Losses and the model
 
@@ -463,10 +504,14 @@ class Init(Record):
         scheme: "he" (default): normal with std ``sqrt(2 / fan_in)``, for relu-like activations;
             "xavier": uniform in ``+-sqrt(6 / (fan_in + fan_out))``, for tanh and sigmoid.
         seed: the generator's seed, >= 0 (default 0): the same seed gives the same weights.
+        from_file: a ``.safetensors`` file to start from instead (default None: drawn), named and
+            shaped as the equivalent PyTorch model's state_dict (see flow.safetensors_io), as
+            ``python -m flow export`` writes it. Resuming a checkpoint takes its weights instead.
     """
 
     scheme: Literal["he", "xavier"] = "he"
     seed: int = 0
+    from_file: str | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True, kw_only=True)

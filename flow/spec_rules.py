@@ -34,9 +34,11 @@ from flow.spec_data import (
     CSV,
     IDX,
     Arrays,
+    Custom,
     Data,
     HorizontalFlip,
     ImageFolder,
+    Lambda,
     Normalize,
     RandomCrop,
     RawBinary,
@@ -52,6 +54,7 @@ from flow.spec_model import (
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
+    Conv1d,
     Conv2d,
     CrossEntropy,
     Dropout,
@@ -171,6 +174,12 @@ def _conv2d(r: Rule) -> None:
     r.need("padding", _non_negative, "must be >= 0")
 
 
+def _conv1d(r: Rule) -> None:
+    for name in ("out_channels", "kernel_size", "stride"):
+        r.need(name, _positive, "must be > 0")
+    r.need("padding", _non_negative, "must be >= 0")
+
+
 def _max_pool(r: Rule) -> None:
     r.need("kernel", _positive, "must be > 0")
     r.need("stride", _positive, "must be > 0")
@@ -210,6 +219,7 @@ def _embedding(r: Rule) -> None:
 
 def _init(r: Rule) -> None:
     r.need("seed", _non_negative, "must be >= 0")
+    r.need("from_file", lambda v: v.endswith(".safetensors"), "must name a .safetensors file")
 
 
 def _metrics(r: Rule, model: Model) -> None:
@@ -455,6 +465,31 @@ def _devices(r: Rule) -> None:
             if not share > 0:
                 r.add(f"shares[{i}]", f"must be > 0, got {share!r}")
     r.need("memory_fraction", lambda f: 0 < f <= 1, "must be in (0, 1]")
+    _stages(r, select)
+
+
+def _stages(r: Rule, select) -> None:
+    """A model split over the devices (flow.stage_plan): what the devices alone can say; the
+    layers' count and the places a model can be cut are checked where the model is planned."""
+    stages = r.obj.stages if r.good("stages") else None
+    r.need("micro_batches", lambda m: m >= 1, "must be >= 1")
+    if stages is None:
+        if r.good("micro_batches") and r.obj.micro_batches != 1:
+            r.add("micro_batches", "needs stages: micro-batches go through a model split over devices")
+        return
+    if not (isinstance(select, tuple) and len(select) > 1) and select != "all":
+        r.add("stages", "needs a list of two or more devices in select (or 'all'), one a stage")
+    if r.obj.shares is not None:
+        r.add("shares", "is for data parallel; a model split into stages shares no batch")
+    if isinstance(stages, tuple):
+        for i, device in enumerate(stages):
+            if isinstance(select, tuple) and not 0 <= device < len(select):
+                r.add(f"stages[{i}]", f"must be a place in select's list of devices, got {device!r}")
+            elif i and device < stages[i - 1]:
+                r.add(f"stages[{i}]", f"must not go back to an earlier device ({stages[i - 1]} before it)")
+        if isinstance(select, tuple) and set(stages) != set(range(len(select))):
+            unused = sorted(set(range(len(select))) - set(stages))
+            r.add("stages", f"gives no layer to device {unused[0] if unused else '?'} of select")
 
 
 def _node(r: Rule) -> None:
@@ -527,6 +562,8 @@ def _run(r: Rule) -> None:
     for name in ("epochs", "steps", "eval_every", "checkpoint_every", "in_flight"):
         r.need(name, _positive, "must be > 0")
     r.need("keep_checkpoints", _positive, "must be > 0 (or null to keep every checkpoint)")
+    limit = "must be an int > 0 (batches) or a float in (0, 1] (a fraction of the batches)"
+    r.need("limit_val_batches", lambda v: v > 0 and (isinstance(v, int) or v <= 1), limit)
     _path(r, "checkpoint_dir")
     _path(r, "metrics_file")
     r.need(
@@ -548,11 +585,31 @@ def _spec(r: Rule) -> None:
         r.add("model.layers", "the model has no parameters to train")
     if isinstance(model, Model) and model.loss is None:
         r.add("model.loss", "a training spec needs a loss: CrossEntropy() or MSE()")
+    held = _in_python(r.obj.data) if r.good("data", "run") else []
+    if held and r.obj.run.checkpoint_dir is not None:  # refused now, not at the first checkpoint
+        r.add(
+            "run.checkpoint_dir",
+            f"cannot be written: a checkpoint holds its spec, and {held[0]} is data or a function in "
+            "memory, which a file cannot hold (set checkpoint_dir=None, or use data in files)",
+        )
+
+
+def _in_python(data: Data) -> list[str]:
+    """The paths of a Data's parts that live only in this process: arrays or objects in memory, and
+    functions."""
+    source = data.source
+    found = ["data.source"] if isinstance(source, Custom) else []
+    if isinstance(source, Arrays) and source.path is None and not isinstance(source.x, str):
+        found.append("data.source")
+    for field in ("preprocess", "augment"):
+        found += [f"data.{field}[{i}]" for i, t in enumerate(getattr(data, field)) if isinstance(t, Lambda)]
+    return found
 
 
 RULES: dict[type, Callable[[Rule], None]] = {
     Linear: _linear,
     Conv2d: _conv2d,
+    Conv1d: _conv1d,
     MaxPool2d: _max_pool,
     AvgPool2d: _avg_pool,
     BatchNorm1d: _batch_norm,

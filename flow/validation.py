@@ -80,7 +80,7 @@ def _describe(annotation: Any) -> str:
             words.append("a tuple" if args[-1] is Ellipsis else f"a tuple of {len(args)}")
         elif not is_dataclass(option):
             names = {int: "an int", float: "a number", str: "a string", bool: "a bool"}
-            words.append(names.get(option, "an array"))
+            words.append(names.get(option, getattr(option, "described", "an array")))
     return " or ".join(words)
 
 

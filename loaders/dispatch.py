@@ -82,6 +82,10 @@ def open_source(spec: Any) -> Source:
         return open_digits(workers=_opt(spec, "workers", 2), on_error=_opt(spec, "on_error", "raise"))
     if kind == "Arrays":
         return open_arrays(_opt(spec, "x", None), _opt(spec, "y", None), _opt(spec, "path", None))
+    if kind == "Custom":
+        from loaders.custom import CustomSource
+
+        return CustomSource(spec.source, _opt(spec, "name", "custom"))
     if kind == "Text":
         return TextSource(
             spec.path,
@@ -89,5 +93,5 @@ def open_source(spec: Any) -> Source:
             context=_opt(spec, "context", 128),
             stride=_opt(spec, "stride", 1),
         )
-    known = "ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text"
+    known = "ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text, Custom"
     raise ValueError(f"unknown source spec {kind} ({known})")

@@ -152,13 +152,29 @@ def resize(x: np.ndarray, size: int | Sequence[int]) -> np.ndarray:
     return out
 
 
+def call_lambda(t: Any, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A Lambda record's function on a batch, its result checked: as many samples, real numbers.
+
+    Raises:
+        ValueError: naming the transform, when the result breaks that contract.
+    """
+    n = x.shape[0]
+    out = np.asarray(t.fn(x, rng) if t.random else t.fn(x))
+    if out.dtype.kind not in "biuf" or out.ndim < 1 or out.shape[0] != n:
+        raise ValueError(
+            f"transform {t.name!r} ({t.fn!r:.60}) must return {n} samples of real numbers for a batch "
+            f"of {n}, got shape {out.shape} dtype {out.dtype}"
+        )
+    return out.astype(np.float32, copy=False)
+
+
 def apply_transforms(x: np.ndarray, transforms: Sequence[Any], rng: np.random.Generator) -> np.ndarray:
     """Apply transform specs in order, dispatching on their class name.
 
     Args:
         x: batch.
         transforms: records named Normalize(mean, std), Scale(factor), RandomCrop(size, padding),
-            HorizontalFlip(p) or Resize(size).
+            HorizontalFlip(p), Resize(size) or Lambda(fn).
         rng: the batch's generator (see :func:`batch_rng`), shared by the random transforms in order.
 
     Returns:
@@ -176,6 +192,8 @@ def apply_transforms(x: np.ndarray, transforms: Sequence[Any], rng: np.random.Ge
             x = horizontal_flip(x, getattr(t, "p", 0.5), rng)
         elif kind == "Resize":
             x = resize(x, t.size)
+        elif kind == "Lambda":
+            x = call_lambda(t, x, rng)
         else:
             raise ValueError(f"unknown transform {kind}")
     return x

@@ -23,7 +23,7 @@ void main() {
         uint k = at.y;
         uint oh = at.z;
         uint ow = at.w;
-        int ih0 = int(oh * pc.stride) - int(pc.pad);
+        int ih0 = int(oh * pc.stride) - int(pad_h());
         int iw0 = int(ow * pc.stride) - int(pc.pad);
         // Clip the window to the input once instead of testing every tap.
         uint r0 = uint(max(-ih0, 0));

@@ -21,7 +21,7 @@ void main() {
         uint c = at.y;
         uint h = at.z;
         uint w = at.w;
-        int hp = int(h + pc.pad);
+        int hp = int(h + pad_h());
         int wp = int(w + pc.pad);
         float sum = 0.0;
         for (uint k = 0u; k < pc.K; ++k) {

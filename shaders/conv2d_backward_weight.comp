@@ -31,7 +31,7 @@ void main() {
             uint ow = j % pc.OW;
             uint oh = (j / pc.OW) % pc.OH;
             uint n = j / plane;
-            int ih = int(oh * pc.stride + r) - int(pc.pad);
+            int ih = int(oh * pc.stride + r) - int(pad_h());
             int iw = int(ow * pc.stride + s) - int(pc.pad);
             if (ih < 0 || ih >= int(pc.H) || iw < 0 || iw >= int(pc.W)) {
                 continue;

@@ -38,7 +38,7 @@ ARow a_row(uint m) {
     uint oh = p / pc.OW;
     uint ow = p - oh * pc.OW;
     int pad = int(pc.pad);
-    return ARow(n * pc.C * pc.H * pc.W, int(oh * pc.stride) - pad, int(ow * pc.stride) - pad);
+    return ARow(n * pc.C * pc.H * pc.W, int(oh * pc.stride) - int(pad_h()), int(ow * pc.stride) - pad);
 }
 
 // A reduction index kk = (c, r, s).

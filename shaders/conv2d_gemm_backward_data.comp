@@ -35,7 +35,7 @@ ARow a_row(uint m) {
     uint p = m - n * plane;
     uint h = p / pc.W;
     uint w = p - h * pc.W;
-    return ARow(n * pc.K * pc.OH * pc.OW, h + pc.pad, w + pc.pad);
+    return ARow(n * pc.K * pc.OH * pc.OW, h + pad_h(), w + pc.pad);
 }
 
 // A reduction index kk = (k, r, s).

@@ -68,7 +68,7 @@ BCol b_col(uint col) {
     uint c = col / taps;
     uint rs = col - c * taps;
     uint r = rs / pc.S;
-    return BCol(c, int(r) - int(pc.pad), int(rs - r * pc.S) - int(pc.pad));
+    return BCol(c, int(r) - int(pad_h()), int(rs - r * pc.S) - int(pc.pad));
 }
 
 struct BIdx {

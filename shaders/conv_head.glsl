@@ -26,8 +26,14 @@ layout(push_constant) uniform Push {
     uint has_bias;
     uint act;  // ACT_* code of the fused activation (the implicit GEMMs use their constant ACT)
     float slope;
+    uint one_d;  // 1: a Conv1d's (C, L) input seen as (C, 1, L): padded along the width only
     CONV_PUSH_EXTRA
 } pc;
+
+// The zeros above and below the input: none for a 1-D convolution (its height is 1, R is 1).
+uint pad_h() {
+    return pc.one_d != 0u ? 0u : pc.pad;
+}
 
 // (n, c, h, w) of flat index i into a row-major [*, C, H, W] array: the output [N, K, OH, OW],
 // the input [N, C, H, W] or the weights [K, C, R, S], whichever a shader's threads walk.

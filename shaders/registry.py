@@ -191,6 +191,7 @@ _CONV_PUSH = (
     ("has_bias", "u"),
     ("act", "u"),
     ("slope", "f"),
+    ("one_d", "u"),  # a Conv1d's (C, L) seen as (C, 1, L): no padding along the height
 )
 # The implicit-GEMM convolutions take the direct ones' fields plus the weight gradient's split-K.
 _CONV_GEMM_PUSH = (*_CONV_PUSH, ("k_splits", "u"))
@@ -581,6 +582,19 @@ _OPS: tuple[OpDef, ...] = (
         tuple((name, "u") for name in ("rows", "cols", "x_width", "x_offset", "y_width", "y_offset")),
         lambda p, local, spec: capped_groups(int(p["rows"]) * int(p["cols"]), local[0]),
     ),
+    # C[z] = op(A[z]) @ op(B[z]) for each of a batch of matrices (a MatMul layer), 16 x 16 tiles.
+    OpDef(
+        "bmm",
+        "bmm.comp",
+        ("A", "B", "C"),
+        tuple((name, "u") for name in ("batch", "M", "N", "K", "trans_a", "trans_b")),
+        lambda p, local, spec: (
+            ceil_div(int(p["N"]), 16),
+            ceil_div(int(p["M"]), 16),
+            max(1, min(MAX_GROUPS, int(p["batch"]))),
+        ),
+        local_size=(16, 16, 1),
+    ),
     # Y[r, c] = X[r, c] + B[c]: one row added to each row of a batch (a position embedding).
     OpDef(
         "add_rows",
@@ -639,6 +653,9 @@ _OPS: tuple[OpDef, ...] = (
         (("n", "u"), ("parts", "u"), ("max_norm", "f")),
         lambda p, local, spec: (max(1, int(p.get("parts", 0))), 1, 1),
     ),
+    # Dynamic loss scaling (flow.optim.LOSS_SCALE): X[:n] *= S[0], the loss's gradient times the
+    # scale; and one workgroup joining grad_norm's partials into Y = [unscaled norm, clip factor /
+    # scale, skip] while it moves S = [scale, streak, skipped] (halve on overflow, grow after a streak).
     OpDef("loss_scale_apply", "loss_scale_apply.comp", ("X", "S"), (("n", "u"),), _linear_groups("n")),
     OpDef(
         "loss_scale_update",
@@ -758,6 +775,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "broadcast_rows": ("Y",),
     "copy_columns": ("Y",),
     "add_rows": ("Y",),
+    "bmm": ("C",),
     "batchnorm_stats": ("running_mean", "running_var", "stats"),
     "batchnorm": ("Y",),
     "batchnorm_backward_reduce": ("stats", "dgamma", "dbeta"),

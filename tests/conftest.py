@@ -36,6 +36,13 @@ settings.register_profile("vkflow", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vkflow"))
 
+# Devices("auto") passes a software Vulkan device (lavapipe) over for the faster numpy backend
+# (flow.device_choice). Where the suite requires Vulkan, "auto" means the first Vulkan device, so
+# that every run under "auto" (in this process and in the CLI subprocesses, which inherit it) keeps
+# exercising Vulkan as before; the tests of the rule itself remove it.
+if os.environ.get("VKFLOW_REQUIRE_VULKAN") == "1":
+    os.environ.setdefault("VKFLOW_AUTO_DEVICE", "0")
+
 
 def open_vulkan_or_skip():
     """A VulkanBackend of the caller's own, or the test skipped without a driver (never silently

@@ -34,6 +34,7 @@ def test_no_driver_gives_a_clear_message_and_the_cpu_fallback(tmp_path):
     env = dict(
         os.environ, VK_DRIVER_FILES=str(tmp_path / "missing.json"), VK_ICD_FILENAMES=str(tmp_path / "x.json")
     )
+    env.pop("VKFLOW_AUTO_DEVICE", None)  # "auto" by its rule (tests/conftest.py sets it to device 0)
     script = (
         "from actors.device_select import list_devices, open_device, select_facts\n"
         "devices, message = list_devices()\n"

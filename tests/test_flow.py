@@ -16,6 +16,8 @@ def test_help_and_dir_show_the_runtime_api():
     for name in shown:
         assert name in text, name
     assert {"run", "predict", "open_pipeline", "RunResult", "ActorError"} <= set(dir(flow))
+    for name in ("run", "predict", "open_pipeline", "RunResult", "check", "plan", "save", "load"):
+        assert f"``{name}``" in flow.__doc__, name  # the module's own page names the main entry points
     assert sorted(flow.__all__) == sorted(flow._EXPORTS)
     assert all(getattr(flow, name) is not None for name in flow.__all__)
 

@@ -22,7 +22,7 @@ from run_checks import thread_snapshot, vkflow_threads
 from specs import digits_spec, image_spec, synthetic_spec
 
 from actors import checkpoint as checkpoints
-from actors.cpu_backend import CpuBackend, cpu_facts
+from actors.cpu_backend import CpuBackend
 from actors.messages import Batch, StepDone
 from actors.meter import IDLE, MAX_CHUNK, Hooks, Meter, _Timed
 from flow import pipeline_plan
@@ -51,10 +51,12 @@ def test_device_selection(caplog, monkeypatch):
     with pytest.raises(LookupError):
         runtime.selected_facts(Devices("no such device"))  # refused before any device is opened
     # "auto" without Vulkan: the CPU, and one clear warning line.
-    monkeypatch.setattr(runtime.device_select, "select_facts", lambda *a: (cpu_facts(), "no Vulkan: x\ny"))
-    assert runtime.selected_facts(Devices("auto")).kind == "cpu"
+    monkeypatch.delenv("VKFLOW_AUTO_DEVICE", raising=False)
+    monkeypatch.setattr(runtime.device_select, "list_devices", lambda: ([], "no Vulkan: x\ny"))
+    assert runtime.selected_facts(Devices("auto")).is_numpy
     assert isinstance(runtime.open_backend(Devices("auto")), CpuBackend)
-    assert [r.getMessage() for r in caplog.records] == ["vkflow: no Vulkan: x"] * 2
+    warned = "vkflow: auto: the CPU (numpy) backend: no Vulkan: x"
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [warned] * 2
 
 
 def test_the_backend_the_runner_opens_is_closed_after_a_failure(monkeypatch):

@@ -1,0 +1,632 @@
+"""A model split over devices as pipeline stages, as plain data: which top-level layers each
+device holds, the micro-batches and their 1F1B schedule, each stage's device plan (its programs,
+memory and budget check) and where the stages' parameters lie in the whole model's flat arenas
+(a checkpoint holds the whole model's, as one device's run would). Pure: actors.stages runs it.
+
+Cuts. Stages meet between two top-level layers where one tensor alone crosses: the output of the
+layer before the cut, which any layer after it may read. A cut is refused, naming the layer, where
+a later layer reads an earlier one (a graph join across the cut) or where an activation layer is
+fused into the epilogue of the layer before it.
+
+Placement. ``Devices(stages="auto")`` places the layers in order: each device takes layers until its
+part reaches an equal share of what is left (by parameter and activation bytes) or would pass its
+memory budget, keeping a layer for every later device; ``stages=(0, 0, 1, ...)`` gives each layer's
+device. Every stage's plan is checked against its device's budget before any device work: the
+error names the device, its largest tensors and their bytes.
+
+Schedule. A batch is cut into ``micro_batches`` parts that go through the stages in a 1F1B order
+(PipeDream-flush): stage s of S runs min(S - s - 1, M) forwards, then a forward and a backward in
+turn, then its last backwards, so it keeps at most min(S - s, M) micro-batches' activations (its
+input slots, each with its own work arena). Activations go forward and gradients come back through
+the host; the gradients are the credits a stage waits for before its next forward past that cap,
+so the cycle of bounded channels cannot deadlock. Each micro-batch's loss is averaged over the
+whole batch's rows and each backward adds the gradients into an ``acc`` arena, so their sum is the
+batch's gradient; then every stage's ``apply`` copies it into its gradients, updates once and
+zeroes the sum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from flow.autodiff import backward_needs, build_graph
+from flow.data_plan import SourceHeader, plan_data
+from flow.device_facts import DeviceFacts, memory_budget
+from flow.errors import PlanError, Problem
+from flow.graph import ParamDecl, fused_bias_grads, label_shape, parameters, stages
+from flow.metrics import metric_name, on_device
+from flow.model_graph import MODEL_INPUT, expand
+from flow.optim import initial_loss_scale, optimiser_state_names, update_groups
+from flow.parallel_plan import split_rows
+from flow.pipeline_plan import plan_pipeline
+from flow.planning import (
+    DevicePlan,
+    MemoryReport,
+    Plan,
+    _check_bindings,
+    assign_offsets,
+    init_parameters,
+    lifetimes,
+)
+from flow.program import (
+    ITEM_BYTES,
+    STEP_VALUES,
+    Arena,
+    Layout,
+    Program,
+    Tensor,
+    align_up,
+    launch,
+    with_barriers,
+)
+from flow.shapes import infer_shapes
+from flow.spec import Spec
+from flow.spec_model import BatchNorm1d, BatchNorm2d
+from shaders.registry import BINARY, resolve_program
+from shaders.tiles import GemmTable
+
+# What each stage's engine runs: a stage before the last its forward and backward apart (the
+# backward waits for the gradient the next stage sends back); the last one forward, loss and
+# backward in one program.
+STAGE_KINDS = {
+    "first or middle": ("forward", "backward", "eval", "apply"),
+    "last": ("train", "eval", "apply"),
+}
+
+Op = tuple[str, int]  # ("F" or "B", micro-batch)
+
+
+def one_f_one_b(stage_count: int, micro: int) -> tuple[tuple[Op, ...], ...]:
+    """Each stage's order of forwards and backwards over ``micro`` micro-batches (see the module
+    docstring): stage s warms up with min(S - s - 1, M) forwards.
+
+    Args:
+        stage_count: S, the stages.
+        micro: M, the micro-batches (>= 1).
+
+    Returns:
+        One tuple of ("F", m) and ("B", m) per stage.
+    """
+    orders = []
+    for s in range(stage_count):
+        warm = min(stage_count - s - 1, micro)
+        ops: list[Op] = [("F", m) for m in range(warm)]
+        for m in range(micro - warm):
+            ops += [("F", warm + m), ("B", m)]
+        ops += [("B", m) for m in range(micro - warm, micro)]
+        orders.append(tuple(ops))
+    return tuple(orders)
+
+
+def forward_only(stage_count: int, micro: int) -> tuple[tuple[Op, ...], ...]:
+    """Evaluation and prediction: each stage's forwards in order."""
+    return tuple(tuple(("F", m) for m in range(micro)) for _ in range(stage_count))
+
+
+def peak_in_flight(order: tuple[Op, ...]) -> int:
+    """The most micro-batches a stage holds activations for at once (forwards not yet backward)."""
+    held = peak = 0
+    for op, _ in order:
+        held += 1 if op == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How a model is split over devices (see the module docstring).
+
+    Attributes:
+        members: each stage's device name, in order.
+        layers: each stage's top-level layers [start, stop).
+        positions: each stage's positions in the model's stage list (flow.graph.stages) [lo, hi).
+        placement: "auto" or "spec".
+        batch: the batch's rows.
+        micro_batches: M.
+        micro_rows: the rows each stage's programs are recorded for (the largest micro-batch).
+        slots: each stage's input slots: the micro-batches whose activations it holds at once.
+        backward: whether each stage runs a backward (it has trained layers, or a later stage's
+            gradient passes through it to one).
+        crossing: the shape (without rows) of the activation each cut carries.
+        params: per stage, (name, offset in the stage's arenas, offset in the whole model's, floats)
+            of each parameter, offsets in floats.
+        total_params: floats in the whole model's flat arenas (a checkpoint's).
+        stage_floats: floats in each stage's flat arenas.
+    """
+
+    members: tuple[str, ...]
+    layers: tuple[tuple[int, int], ...]
+    positions: tuple[tuple[int, int], ...]
+    placement: str
+    batch: int
+    micro_batches: int
+    micro_rows: int
+    slots: tuple[int, ...]
+    backward: tuple[bool, ...]
+    crossing: tuple[tuple[int, ...], ...]
+    params: tuple[tuple[tuple[str, int, int, int], ...], ...]
+    total_params: int
+    stage_floats: tuple[int, ...]
+
+    def split(self, rows: int) -> tuple[int, ...]:
+        """The rows of each micro-batch of a batch of ``rows`` (none empty)."""
+        return tuple(r for r in split_rows(rows, (1.0,) * self.micro_batches) if r)
+
+    def schedule(self, kind: str, micro: int) -> tuple[tuple[Op, ...], ...]:
+        """Each stage's order for ``micro`` micro-batches of a ``train`` batch (1F1B) or another."""
+        count = len(self.members)
+        return one_f_one_b(count, micro) if kind == "train" else forward_only(count, micro)
+
+    def kinds(self, stage: int) -> tuple[str, ...]:
+        """The programs stage ``stage`` records."""
+        return STAGE_KINDS["last" if stage == len(self.members) - 1 else "first or middle"]
+
+    def as_dict(self) -> dict:
+        count = len(self.members)
+        orders = one_f_one_b(count, self.micro_batches)
+        return {
+            "members": list(self.members),
+            "layers": [list(span) for span in self.layers],
+            "placement": self.placement,
+            "batch": self.batch,
+            "micro_batches": self.micro_batches,
+            "micro_rows": self.micro_rows,
+            "slots": list(self.slots),
+            "backward": list(self.backward),
+            "schedule": [" ".join(f"{op}{m}" for op, m in order) for order in orders],
+            "channels": [
+                *(
+                    {
+                        "src": f"stage{s}",
+                        "dst": f"stage{s + 1}",
+                        "carries": f"activations {list(shape)}",
+                        "capacity": self.slots[s],
+                        "credit": False,
+                    }
+                    for s, shape in enumerate(self.crossing)
+                ),
+                *(
+                    {
+                        "src": f"stage{s + 1}",
+                        "dst": f"stage{s}",
+                        "carries": "gradients",
+                        "capacity": self.slots[s],
+                        "credit": True,
+                    }
+                    for s in range(count - 1)
+                    if self.backward[s]
+                ),
+            ],  # fmt: skip
+            "total_params": self.total_params,
+        }
+
+
+# -- where a model can be cut ------------------------------------------------------------------
+
+
+def cuts(spec: Spec) -> tuple[list[str | None], list[int]]:
+    """Where the model can be cut: for each top-level layer c >= 1, None when stages may meet
+    before it, else why not; and each top-level layer's first stage position (the model's stage
+    count last), so a cut before layer c starts a stage at that position."""
+    model = spec.model
+    expansion, model_stages = expand(model), stages(model)
+    stage_of: dict[int, int] = {MODEL_INPUT: MODEL_INPUT}
+    own = {stage.index: position for position, stage in enumerate(model_stages)}
+    for node in expansion.nodes:  # a fused activation's node lies in the stage it reads
+        stage_of[node.index] = own.get(node.index, stage_of[node.inputs[0]])
+    layer_of = {n: c for c, span in enumerate(expansion.spans) for n in span}
+    starts, reasons = [], []
+    for c, span in enumerate(expansion.spans):
+        before = {stage_of[n] for n in range(span.start)}
+        after = {stage_of[n] for n in range(span.start, len(expansion.nodes))}
+        starts.append(len(before))
+        if c == 0:
+            continue
+        name = f"layers[{c}] {type(model.layers[c]).__name__}"
+        crossing = stage_of[expansion.outputs[c - 1]]
+        if before & after:
+            reasons.append(f"{name} is fused into the epilogue of layers[{c - 1}]; place them on one device")
+            continue
+        why = None
+        for position in sorted(after):
+            for source in model_stages[position].inputs:
+                if source not in after and source != crossing:
+                    reader = layer_of[model_stages[position].index]
+                    read = (
+                        "the model's input"
+                        if source == MODEL_INPUT
+                        else f"layers[{layer_of[model_stages[source].index]}]"
+                    )
+                    why = (
+                        f"layers[{reader}] reads {read}, so more than layers[{c - 1}]'s output would "
+                        f"cross between devices before {name}; cut where one layer's output is all "
+                        "that flows on"
+                    )
+                    break
+            if why:
+                break
+        reasons.append(why)
+    return [None, *reasons], [*starts, len(model_stages)]
+
+
+def _layer_bytes(spec: Spec, rows: int) -> list[int]:
+    """A rough size of each top-level layer on a device, to share the layers out: its parameters
+    with their gradients, sum and optimiser state, and its output for ``rows`` rows."""
+    model = spec.model
+    expansion, model_stages = expand(model), stages(model)
+    copies = 3 + len(optimiser_state_names(spec.optimiser))
+    floats = {p.name.rsplit(".", 1)[0]: 0 for p in parameters(model)}
+    for p in parameters(model):
+        floats[p.name.rsplit(".", 1)[0]] += math.prod(p.shape)
+    sizes = []
+    shapes = infer_shapes(model)
+    for c, span in enumerate(expansion.spans):
+        paths = {stage.path for stage in model_stages if stage.index in span}
+        weights = sum(floats.get(path, 0) for path in paths) * 4 * copies
+        sizes.append(weights + 2 * rows * math.prod(shapes[c]) * 4)
+    return sizes
+
+
+def place(
+    count: int, layers: int, allowed: list[int], sizes: list[int], fits: Callable[[int, int, int], bool]
+) -> tuple[int, ...]:
+    """Stage bounds over the top-level layers (see "Placement" in the module docstring).
+
+    Args:
+        count: the devices, S >= 2.
+        layers: the model's top-level layers.
+        allowed: the cuts (layer indices) the model allows, ascending.
+        sizes: each layer's rough bytes.
+        fits: fits(stage, start, stop) whether layers [start, stop) fit stage's device.
+
+    Returns:
+        S + 1 bounds, 0 first and ``layers`` last.
+
+    Raises:
+        PlanError: fewer places to cut than the devices need.
+    """
+    if len(allowed) < count - 1:
+        where = ", ".join(f"layers[{c}]" for c in allowed) or "nowhere"
+        message = f"{count} stages need {count - 1} cuts, but the model can be cut only before {where}"
+        raise PlanError([Problem("devices.stages", message)])
+    bounds = [0]
+    for stage in range(count - 1):
+        start = bounds[-1]
+        options = [c for c in allowed if c > start and sum(a > c for a in allowed) >= count - 2 - stage]
+        share = sum(sizes[start:]) / (count - stage)
+        chosen = options[0]  # at least one layer; over budget, its plan says so below
+        for c in options[1:]:
+            if not fits(stage, start, c):
+                break
+            if abs(sum(sizes[start:c]) - share) < abs(sum(sizes[start:chosen]) - share):
+                chosen = c
+        bounds.append(chosen)
+    return (*bounds, layers)
+
+
+def _explicit(devices: tuple[int, ...], reasons: list[str | None], layers: int) -> tuple[int, ...]:
+    if len(devices) != layers:
+        message = f"gives a device to {len(devices)} layers; the model has {layers} top-level layers"
+        raise PlanError([Problem("devices.stages", message)])
+    bounds = [0] + [c for c in range(1, layers) if devices[c] != devices[c - 1]] + [layers]
+    problems = [
+        Problem(f"devices.stages[{c}]", f"cannot cut here: {reasons[c]}") for c in bounds[1:-1] if reasons[c]
+    ]
+    if problems:
+        raise PlanError(problems)
+    return tuple(bounds)
+
+
+# -- one stage's device plan -------------------------------------------------------------------
+
+
+def _stage_params(spec: Spec, part: tuple[int, int], last: bool) -> list[ParamDecl]:
+    """The parameters of the stages at positions [lo, hi) (the loss's class weights with the
+    last), trainable first, as :func:`flow.graph.parameters` orders them."""
+    paths = {stage.path for stage in stages(spec.model)[part[0] : part[1]]}
+    return [
+        p
+        for p in parameters(spec.model)
+        if p.name.rsplit(".", 1)[0] in paths or (last and p.name.startswith("loss."))
+    ]
+
+
+def plan_stage_device(
+    spec: Spec,
+    device: str,
+    part: tuple[int, int],
+    rows: int,
+    slots: int,
+    budget: int | None = None,
+    facts: DeviceFacts | None = None,
+    tuning: GemmTable | None = None,
+    layers: str = "",
+) -> DevicePlan:
+    """The device plan of one stage: the model's stage positions [lo, hi) for micro-batches of
+    ``rows``, with ``slots`` input slots, each with its own work arena.
+
+    Raises:
+        PlanError: over the device's budget, naming it and its largest tensors.
+    """
+    model = spec.model
+    model_stages = stages(model)
+    first, last = part[0] == 0, part[1] == len(model_stages)
+    params = _stage_params(spec, part, last)
+    tensors: list[Tensor] = []
+    floats, total = param_offsets(params)
+    offsets = {name: at * 4 for name, at in floats.items()}
+    param_bytes = total * 4
+    state_names = optimiser_state_names(spec.optimiser)
+    for p in params:
+        tensors.append(Tensor(p.name, p.shape, "float32", "params", offsets[p.name]))
+        if p.trainable:
+            tensors.append(Tensor(f"grad:{p.name}", p.shape, "float32", "grads", offsets[p.name]))
+    for view, (weight, shape) in fused_bias_grads(model).items():
+        if weight in offsets:
+            tensors.append(Tensor(view, shape, "float32", "grads", offsets[weight]))
+    flat = [("params", "params:all"), ("grads", "grads:all"), ("acc", "acc:all")]
+    flat += [(f"state:{s}", f"state:{s}") for s in state_names]
+    tensors += [Tensor(name, (total,), "float32", arena, 0) for arena, name in flat]
+
+    lo_stage, hi_stage = model_stages[part[0]], model_stages[part[1] - 1]
+    in_shape = tuple(model.input_shape) if first else lo_stage.in_shape
+    out_shape = infer_shapes(model)[-1] if last else hi_stage.out_shape
+    y_shape, y_dtype = label_shape(model, rows)
+    # Every stage has the io of a whole model's program (the engine reads them alike), and its
+    # own: the gradient of its output that comes back (dy) and of its input that it sends (dx).
+    io = [
+        ("x", (rows, *in_shape), "float32"),
+        ("y", y_shape, y_dtype),
+        ("stepvals", (len(STEP_VALUES),), "float32"),
+        ("loss", (1,), "float32"),
+        ("correct", (1,), "float32"),
+        ("output", (rows, *out_shape), "float32"),
+        *((f"metric:{metric_name(m)}", (1,), "float32") for m in on_device(model)),
+    ]
+    io += [("dy", (rows, *out_shape), "float32")] if not last else []
+    io += [("dx", (rows, *in_shape), "float32")] if not first else []
+    io_offsets, io_offset = {}, 0
+    for name, shape, dtype in io:
+        tensors.append(Tensor(name, shape, dtype, "io", io_offset))
+        io_offsets[name], io_offset = io_offset, align_up(io_offset + math.prod(shape) * ITEM_BYTES[dtype])
+
+    build = {"optimiser": spec.optimiser, "batch": rows, "total_params": total, "update": False, "part": part}
+    graphs = {kind: build_graph(model, program=kind, **build) for kind in ("train", "eval", "predict")}
+    accumulate = [
+        launch("binary", ("acc:all", "grads:all", "acc:all"), n=total, fn=BINARY["add"], a=1.0, b=0.0)
+    ]
+    graphs["train"].groups.append(accumulate)  # this micro-batch's gradients into the batch's sum
+    lives = lifetimes(graphs["train"])
+    work, work_peak = assign_offsets(lives)
+    declared = {}
+    for graph in graphs.values():
+        declared.update(graph.tensors)
+    for name, decl in sorted(declared.items()):
+        base = decl.view_of or name
+        if decl.role != "work":
+            continue
+        if base in io_offsets:
+            tensors.append(Tensor(name, decl.shape, decl.dtype, "io", io_offsets[base]))
+        else:
+            tensors.append(Tensor(name, decl.shape, decl.dtype, "work", work[base]))
+    arenas = [Arena("params", param_bytes), Arena("grads", param_bytes), Arena("acc", param_bytes)]
+    arenas += [Arena(f"state:{s}", param_bytes) for s in state_names]
+    # Each slot is a micro-batch in flight: its activations live until its backward.
+    arenas += [Arena("work", max(work_peak, 256), per_slot=True),
+               Arena("io", max(io_offset, 256), per_slot=True, host_visible=True)]  # fmt: skip
+    layout = Layout(arenas=tuple(arenas), tensors=tuple(tensors))
+    _check_bindings(layout, graphs)
+    sized = tuple((a.name, a.nbytes * (slots if a.per_slot else 1)) for a in arenas)
+    used = sum(size for _, size in sized)
+    memory = MemoryReport(sized, work_peak, sum(life.nbytes for life in lives), used, budget)
+    if budget is not None and used > budget:
+        largest = sorted(layout.tensors, key=lambda t: -t.nbytes)[:5]
+        detail = ", ".join(f"{t.name} {t.shape} {t.nbytes:,} B" for t in largest)
+        layers = layers or f"stage positions {part[0]}..{part[1] - 1}"
+        message = (f"the stage of {layers} needs {used:,} bytes but the memory budget is {budget:,} bytes; "
+                   f"largest tensors: {detail}")  # fmt: skip
+        raise PlanError([Problem(f"devices[{device}]", message)])
+
+    def program(name: str, groups: list) -> Program:
+        return resolve_program(Program(name, with_barriers(groups)), facts, tuning)
+
+    optimised = sum(align_up(math.prod(p.shape) * 4) for p in params if p.trainable) // 4
+    if all(p.trainable for p in params):
+        optimised = total
+    copy_in = [launch("copy", ("acc:all", "grads:all"), n=total)]
+    zero = [launch("fill", ("acc:all",), n=total, value=0.0)]
+    extra = (program("apply", [copy_in, *update_groups(spec.optimiser, optimised), zero]),)
+    train = graphs["train"]
+    if not last:
+        split = train.backward_from
+        extra += (program("forward", train.groups[:split]), program("backward", train.groups[split:]))
+    names = tuple(f"layers[{i}] {type(layer).__name__}" for i, layer in enumerate(model.layers))
+    programs = tuple(program(f"{kind}[{rows}]", graphs[kind].groups) for kind in ("train", "eval", "predict"))
+    # The engine checks token ids against an Embedding only where the model's input comes in.
+    seen = model if first else replace(model, input_shape=in_shape, layers=())
+    return DevicePlan(
+        device, seen, spec.optimiser, rows, slots, layout, tuple(params), total, state_names, memory, names,
+        programs, stage_programs=extra,
+    )  # fmt: skip
+
+
+# -- the whole split ---------------------------------------------------------------------------
+
+
+def _refusals(spec: Spec, count: int) -> list[Problem]:
+    """What a model split into stages cannot do (yet), each said once."""
+    problems = []
+    model, devices = spec.model, spec.devices
+    if spec.optimiser.clip_norm is not None:
+        problems.append(Problem("optimiser.clip_norm", "clipping by the global norm needs every stage's "
+                                "gradients; it is not supported with devices.stages"))  # fmt: skip
+    if spec.run.precision != "float32" or initial_loss_scale(spec.run.loss_scale, spec.run.precision):
+        problems.append(
+            Problem("run.precision", "a model split into stages trains in float32 without a loss scale")
+        )
+    if spec.data.placement == "device":
+        problems.append(
+            Problem("data.placement", "'device' asked for, but the stages take their batches from the host")
+        )
+    if devices.micro_batches > spec.data.batch_size:
+        message = (
+            f"{devices.micro_batches} micro-batches of a batch of {spec.data.batch_size} rows: each needs one"
+        )
+        problems.append(Problem("devices.micro_batches", message))
+    norms = any(isinstance(n.layer, BatchNorm1d | BatchNorm2d) for n in expand(model).nodes)
+    if norms and devices.micro_batches > 1:
+        message = "BatchNorm normalises by each micro-batch's statistics, not the batch's: use one"
+        problems.append(Problem("devices.micro_batches", message))
+    if len(model.layers) < count:
+        problems.append(
+            Problem("devices.stages", f"{count} stages need a layer each; the model has {len(model.layers)}")
+        )
+    return problems
+
+
+def plan_stages(
+    spec: Spec,
+    group: tuple[DeviceFacts, ...] | None,
+    tables: tuple[GemmTable | None, ...] | None = None,
+    budget: int | None = None,
+    header: SourceHeader | None = None,
+) -> Plan:
+    """The training plan of a model split over ``group`` (the spec's devices in order; None: the
+    spec's names, with no budget to check).
+
+    Raises:
+        PlanError: a cut the model does not allow, more stages than places to cut, a stage over its
+            device's budget, or what stages cannot do (clip_norm, mixed precision, BatchNorm with
+            several micro-batches).
+    """
+    names = tuple(f.name for f in group) if group is not None else tuple(str(c) for c in spec.devices.choices)
+    count = len(names)
+    problems = _refusals(spec, count)
+    if problems:
+        raise PlanError(problems)
+    micro = spec.devices.micro_batches
+    rows = math.ceil(spec.data.batch_size / micro)
+    slots = tuple(min(count - s, micro) for s in range(count))
+    budgets = tuple(
+        budget if budget is not None or group is None else memory_budget(f, spec.devices.memory_fraction)
+        for f in (group or (None,) * count)
+    )
+    tables = tables or (None,) * count
+    reasons, starts = cuts(spec)
+    layers = len(spec.model.layers)
+    cache: dict[tuple[int, int, int], DevicePlan | PlanError] = {}
+
+    def stage_plan(stage: int, start: int, stop: int) -> DevicePlan:
+        key = (stage, start, stop)
+        if key not in cache:
+            facts = group[stage] if group is not None else None
+            try:
+                part = (starts[start], starts[stop])
+                cache[key] = plan_stage_device(
+                    spec, names[stage], part, rows, slots[stage], budgets[stage], facts, tables[stage],
+                    f"layers[{start}:{stop}]",
+                )
+            except PlanError as error:
+                cache[key] = error
+        return cache[key]
+
+    if isinstance(spec.devices.stages, tuple):
+        bounds, placement = _explicit(spec.devices.stages, reasons, layers), "spec"
+    else:
+        allowed = [c for c in range(1, layers) if reasons[c] is None]
+        sizes = _layer_bytes(spec, rows)
+        bounds = place(
+            count, layers, allowed, sizes, lambda s, a, b: isinstance(stage_plan(s, a, b), DevicePlan)
+        )
+        placement = "auto"
+    devices = []
+    for s in range(count):
+        planned = stage_plan(s, bounds[s], bounds[s + 1])
+        if isinstance(planned, PlanError):
+            raise planned
+        devices.append(planned)
+    model_stages = stages(spec.model)
+    needs = backward_needs(model_stages)
+    positions = tuple((starts[bounds[s]], starts[bounds[s + 1]]) for s in range(count))
+    full, total = param_offsets(parameters(spec.model))
+    params = tuple(_param_map(device, full) for device in devices)
+    stage_plan_ = StagePlan(
+        members=names,
+        layers=tuple((bounds[s], bounds[s + 1]) for s in range(count)),
+        positions=positions,
+        placement=placement,
+        batch=spec.data.batch_size,
+        micro_batches=micro,
+        micro_rows=rows,
+        slots=slots,
+        backward=tuple(needs[hi - 1] for _, hi in positions),
+        crossing=tuple(model_stages[hi - 1].out_shape for _, hi in positions[:-1]),
+        params=params,
+        total_params=total,
+        stage_floats=tuple(device.total_params for device in devices),
+    )
+    data = plan_data(spec, header) if header is not None else None
+    pipeline = plan_pipeline(
+        spec, mode="train", sample_shape=header.sample_shape if header is not None else None
+    )
+    return Plan(
+        spec=spec, mode="train", devices=tuple(devices), pipeline=pipeline, data=data, stages=stage_plan_
+    )
+
+
+# -- the whole model's state from the stages', and back -----------------------------------------
+
+
+def param_offsets(params: list[ParamDecl]) -> tuple[dict[str, int], int]:
+    """Each parameter's offset (in floats) in flat arenas laid out as flow.planning lays them out,
+    and the arenas' floats."""
+    offsets, offset = {}, 0
+    for p in params:
+        offsets[p.name], offset = offset // 4, align_up(offset + math.prod(p.shape) * 4)
+    return offsets, max(offset, 256) // 4
+
+
+def _param_map(device: DevicePlan, full: dict[str, int]) -> tuple[tuple[str, int, int, int], ...]:
+    own, _ = param_offsets(list(device.parameters))
+    return tuple((p.name, own[p.name], full[p.name], math.prod(p.shape)) for p in device.parameters)
+
+
+def merge_state(plan: StagePlan, states: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The whole model's flat state (what one device's run would checkpoint) from each stage's."""
+    merged = {name: np.zeros(plan.total_params, np.float32) for name in states[0]}
+    for mapping, state in zip(plan.params, states, strict=True):
+        for _, own, full, floats in mapping:
+            for name, flat in state.items():
+                merged[name][full : full + floats] = flat[own : own + floats]
+    return merged
+
+
+def stage_state(plan: StagePlan, stage: int, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Stage ``stage``'s part of the whole model's flat state (a checkpoint's)."""
+    mapping = plan.params[stage]
+    parts = {name: np.zeros(plan.stage_floats[stage], np.float32) for name in state}
+    for _, own, full, floats in mapping:
+        for name, flat in state.items():
+            if flat.size < full + floats:
+                raise ValueError(f"{name} holds {flat.size} floats; the model needs {plan.total_params}")
+            parts[name][own : own + floats] = flat[full : full + floats]
+    return parts
+
+
+def fresh_state(spec: Spec, plan: StagePlan) -> dict[str, np.ndarray]:
+    """A fresh run's whole state: the weights one device would draw (the same draws in the same
+    order, so a split model starts where one device would), and zeroed optimiser state."""
+    params = parameters(spec.model)
+    values = init_parameters(params, spec.model.init.scheme, spec.model.init.seed)
+    offsets, total = param_offsets(params)
+    flat = np.zeros(total, np.float32)
+    for p in params:
+        flat[offsets[p.name] : offsets[p.name] + math.prod(p.shape)] = values[p.name].reshape(-1)
+    state = {"params:all": flat}
+    for name in optimiser_state_names(spec.optimiser):
+        state[f"state:{name}"] = np.zeros(total, np.float32)
+    return state
