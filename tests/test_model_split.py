@@ -16,14 +16,13 @@ import flow
 from actors import checkpoint as checkpoints
 from actors import device_select
 from flow.codec import dumps
+from flow.device_facts import memory_budget
 from flow.errors import PlanError, SpecError
 from flow.planning import plan
 from flow.spec import Add, Devices, Linear, Model, ReLU
 from flow.stage_plan import one_f_one_b, peak_in_flight
 from flow.validation import check
 from tests.specs import ROOT, digits_spec, synthetic_spec
-
-LAVAPIPE_HEAP = 2 << 30  # lavapipe's one heap: a fixed size, so a memory_fraction is a fixed budget
 
 
 def _split(spec, select, stages="auto", micro=1, **run):
@@ -130,22 +129,25 @@ def test_a_model_over_every_single_devices_budget_trains_split_over_two(vulkan_b
     device work, naming the device, a tensor and its bytes; two lavapipe devices train it, as
     one device with room does."""
     index = vulkan_backend.facts.index
-    budget = 360_000
-    small = dataclasses.replace(Devices(index), memory_fraction=budget / LAVAPIPE_HEAP)
-    spec = dataclasses.replace(digits_spec(epochs=2), devices=small)
     lavapipe, _ = device_select.select_group((index,))
+    # The fraction of this device's memory that leaves about 360 kB (lavapipe's heap has a fixed
+    # size; a GPU's reported budget moves a little as memory is used, hence the 1% below).
+    budget = 360_000
+    small = dataclasses.replace(Devices(index), memory_fraction=budget / memory_budget(lavapipe[0], 1.0))
+    spec = dataclasses.replace(digits_spec(epochs=2), devices=small)
     with pytest.raises(PlanError) as caught:
         plan(spec, facts=lavapipe[0])
     text = str(caught.value)
     needs = int(text.split("the plan needs ")[1].split(" bytes")[0].replace(",", ""))
-    assert f"devices[{vulkan_backend.facts.name}]: the plan needs" in text and needs > budget
-    assert f"memory budget is {budget:,} bytes" in text and "params:all (17280,) 69,120 B" in text
+    said = int(text.split("memory budget is ")[1].split(" bytes")[0].replace(",", ""))
+    assert f"devices[{vulkan_backend.facts.name}]: the plan needs" in text and needs > said
+    assert abs(said - budget) < budget / 100 and "params:all (17280,) 69,120 B" in text
     split = _split(spec, (index, index), micro=2)
     fraction = small.memory_fraction
     split = dataclasses.replace(split, devices=dataclasses.replace(split.devices, memory_fraction=fraction))
     group, _ = device_select.select_group((index, index))
     stages = plan(split, facts=group)
-    assert [d.memory.budget for d in stages.devices] == [budget] * 2
+    assert all(abs(d.memory.budget - budget) < budget / 100 for d in stages.devices)
     assert all(d.memory.total <= budget for d in stages.devices)
     assert stages.stages.layers == ((0, 2), (2, 4))
     trained = flow.run(split)
