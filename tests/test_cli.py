@@ -244,8 +244,10 @@ def _cli(*args: str, program: str | None = None) -> subprocess.CompletedProcess:
 def test_version_and_the_program_name_in_usage_lines():
     from importlib.metadata import PackageNotFoundError, version
 
+    from flow.__main__ import DISTRIBUTION
+
     try:
-        expected = f"vkflow {version('vkflow')}"
+        expected = f"vkflow {version(DISTRIBUTION)}"
     except PackageNotFoundError:  # run from a tree that is not installed (the GPU machine)
         expected = "vkflow unknown (not installed)"
     shown = _cli("--version")
