@@ -158,15 +158,13 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     from flow.inference import generate
-    from flow.run_command import user_error
+    from flow.run_command import print_user_error
 
     try:
         print(generate(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
     except Exception as error:
-        lines = user_error(error)
-        if lines is None:
+        if not print_user_error(error):
             raise
-        print("\n".join(f"error: {line}" for line in lines), file=sys.stderr)
         return 1
     return 0
 

@@ -56,7 +56,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _guarded(command, args: argparse.Namespace) -> int:
-    from flow.run_command import user_error
+    from flow.run_command import print_user_error
 
     try:
         return command(args)
@@ -64,10 +64,8 @@ def _guarded(command, args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except Exception as error:
-        lines = user_error(error)
-        if lines is None:
+        if not print_user_error(error):
             raise
-        print("\n".join(f"error: {line}" for line in lines), file=sys.stderr)
         return 1
 
 

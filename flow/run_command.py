@@ -96,6 +96,18 @@ def user_error(error: BaseException, spec_file: str = "") -> list[str] | None:
     return None
 
 
+def print_user_error(error: BaseException, spec_file: str = "") -> bool:
+    """Print a mistake in the user's input as ``error:`` lines on stderr (:func:`user_error`).
+
+    Returns:
+        False for an error of vkflow's own, which the caller re-raises.
+    """
+    lines = user_error(error, spec_file)
+    for line in lines or ():
+        print(f"error: {line}", file=sys.stderr)
+    return lines is not None
+
+
 def callbacks_of(args: argparse.Namespace) -> list[Callback]:
     """The callbacks of ``--early-stopping``, ``--csv`` and ``--tensorboard``; a ValueError names a
     flag's bad value (or a missing package)."""
@@ -173,11 +185,8 @@ def main_run(argv: Sequence[str]) -> int:
         )
         return 130
     except Exception as error:
-        lines = user_error(error, args.file)
-        if lines is None:
+        if not print_user_error(error, args.file):
             raise
-        for line in lines:
-            print(f"error: {line}", file=sys.stderr)
         return 1
     if world_from_env(os.environ).rank == 0:  # one summary for an MPI job, as rank 0 alone writes
         print(summary(result))
