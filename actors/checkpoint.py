@@ -58,7 +58,8 @@ _DIGEST = 32  # BLAKE2b-256, the file's last bytes
 _LEGACY = "vkflow-checkpoint"  # format 1 was a bare msgpack map with this "format" key
 _NAME = re.compile(r"^step-(\d{8,})\.ckpt$")
 # Format-1 writers named temps by pid only; both kinds are cleaned up after a dead writer.
-_TEMP = re.compile(r"^\.step-\d{8,}\.ckpt\.(\d+)(?:\.[0-9a-f]{32})?\.tmp$")
+_TEMP = re.compile(r"^\.(?:step-\d{8,}|best)\.ckpt\.(\d+)(?:\.[0-9a-f]{32})?\.tmp$")
+BEST = "best.ckpt"  # a SaveBest callback's (flow.spec.SaveBest): no step- name, so no retention takes it
 _KEYS = ("arrays", "created", "cursor", "final", "interrupted", "optimiser", "rng", "spec")
 _CHUNK = 1 << 20
 
@@ -478,7 +479,9 @@ def latest(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def save(directory: str | os.PathLike, checkpoint: Checkpoint, keep: int | None = 3) -> Path:
+def save(
+    directory: str | os.PathLike, checkpoint: Checkpoint, keep: int | None = 3, name: str | None = None
+) -> Path:
     """Write a checkpoint atomically (see the module docstring) and keep only the newest ``keep``.
 
     Retention goes by step number and removes older files whoever wrote them: a run claims its
@@ -489,6 +492,8 @@ def save(directory: str | os.PathLike, checkpoint: Checkpoint, keep: int | None 
         checkpoint: what.
         keep: how many checkpoints to keep, the new one included (older ones are removed); None
             keeps every one.
+        name: the file's name instead of ``step-<8 digits>.ckpt`` (:data:`BEST`); such a file is
+            replaced in place and no retention applies to it or removes it.
 
     Returns:
         The new file's path.
@@ -501,7 +506,7 @@ def save(directory: str | os.PathLike, checkpoint: Checkpoint, keep: int | None 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(directory)
-    final = directory / file_name(checkpoint.cursor.step)
+    final = directory / (name or file_name(checkpoint.cursor.step))
     # Unique per writer, not per process: two runs in two threads must never rename each other's file.
     temp = directory / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     data = encode(checkpoint)
@@ -515,7 +520,7 @@ def save(directory: str | os.PathLike, checkpoint: Checkpoint, keep: int | None 
         temp.unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
-    for old in checkpoints(directory)[:-keep] if keep is not None else []:
+    for old in checkpoints(directory)[:-keep] if keep is not None and name is None else []:
         if old != final:
             old.unlink(missing_ok=True)
     return final

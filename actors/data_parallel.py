@@ -216,7 +216,7 @@ class DataParallelActor:
                         await self.meter.send(message)
                 elif isinstance(item, CheckpointMark):
                     state = await self._blocking(self._checked_state, item.cursor.step)
-                    await self.meter.send(Snapshot(item.cursor, state, final=item.final))
+                    await self.meter.send(Snapshot(item.cursor, state, item.final, best_only=item.best_only))
                 else:
                     await self.meter.send(item)
 

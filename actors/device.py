@@ -362,7 +362,8 @@ class DeviceActor:
             state = self.engine.state()
         else:
             state = await trio.to_thread.run_sync(self.engine.state, limiter=self.limiter)
-        await self.meter.send(Snapshot(barrier.mark.cursor, state, final=barrier.mark.final))
+        mark = barrier.mark
+        await self.meter.send(Snapshot(mark.cursor, state, mark.final, best_only=mark.best_only))
         barrier.done.set()
 
     def _release(self, slot: int) -> None:

@@ -76,7 +76,8 @@ def after_step(cursor: Cursor, schedule: StepSchedule) -> tuple[str, ...]:
         schedule: the run's schedule.
 
     Returns:
-        Some of "eval", "checkpoint" and "final" (the final mark replaces a checkpoint mark).
+        Some of "eval", "checkpoint", "final" (the final mark replaces a checkpoint mark) and
+        "snapshot" (a best-only mark after a round with no checkpoint mark, for SaveBest).
     """
     finished = cursor.step >= schedule.total_steps
     epoch_end = cursor.position >= schedule.batches_per_epoch
@@ -88,6 +89,8 @@ def after_step(cursor: Cursor, schedule: StepSchedule) -> tuple[str, ...]:
         actions.append("final")
     elif schedule.checkpoint_every and cursor.step % schedule.checkpoint_every == 0:
         actions.append("checkpoint")
+    elif schedule.snapshot_evals and "eval" in actions:
+        actions.append("snapshot")
     return tuple(actions)
 
 
@@ -152,8 +155,8 @@ def jobs(
                 yield from eval_round(val, "val", cursor.step, cursor.epoch)
             if "final" in actions:
                 yield from eval_round(test, "test", cursor.step, cursor.epoch)
-            if "checkpoint" in actions or "final" in actions:
-                yield CheckpointMark(cursor, final="final" in actions)
+            if "checkpoint" in actions or "final" in actions or "snapshot" in actions:
+                yield CheckpointMark(cursor, final="final" in actions, best_only="snapshot" in actions)
             if "final" in actions:
                 return
         cursor = next_cursor(cursor, schedule)

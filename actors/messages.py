@@ -91,10 +91,13 @@ class CheckpointMark:
     Attributes:
         cursor: where the run stands at the mark.
         final: the end of the run (the last mark; the run's result comes from its snapshot).
+        best_only: a validation round's weights for ``best.ckpt`` only (flow.spec.SaveBest), not
+            a regular checkpoint.
     """
 
     cursor: Cursor
     final: bool = False
+    best_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,12 +161,14 @@ class Snapshot:
         state: Engine.state(): ``params:all`` and ``state:<name>`` flat float32 arrays.
         final: the end of the run.
         interrupted: taken after an interruption rather than at a scheduled mark.
+        best_only: taken at a best-only mark (CheckpointMark.best_only).
     """
 
     cursor: Cursor
     state: dict[str, np.ndarray] = field(repr=False)
     final: bool = False
     interrupted: bool = False
+    best_only: bool = False
 
 
 @dataclass(frozen=True)

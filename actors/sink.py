@@ -31,7 +31,10 @@ Checkpoints are written where the device's snapshots arrive: at the loader's sch
 thread under the sink's own limiter, so the event loop keeps moving.
 
 Callbacks (flow.callbacks) run after each item is handled. When one asks to stop, the sink writes
-``{"event": "stopped", "step", "reason"}`` and the runtime stops the run as an interrupt does.
+``{"event": "stopped", "step", "reason"}`` and the runtime stops the run as an interrupt does. A
+SaveBest callback marks the step of a round that improved; the snapshot that follows the round (a
+regular mark, or a best-only one: CheckpointMark.best_only) becomes ``best.ckpt`` and a ``{"event":
+"best", "step", "monitor", "value", "path"}`` line.
 """
 
 from __future__ import annotations
@@ -278,14 +281,27 @@ class Sink:
             devices=tuple(getattr(self.all_statistics().get("device"), "member_samples_per_s", ())),
         )
 
-    async def _save(self, snapshot: Snapshot) -> Path:
+    async def _save(self, snapshot: Snapshot, name: str | None = None) -> Path:
         measured = self.measured
         checkpoint = checkpoints.from_snapshot(self.spec, snapshot, self.optimiser, self.run_id, measured)
         if self.inline:
-            return checkpoints.save(self.checkpoint_dir, checkpoint, self.keep)
+            return checkpoints.save(self.checkpoint_dir, checkpoint, self.keep, name)
         return await trio.to_thread.run_sync(
-            checkpoints.save, self.checkpoint_dir, checkpoint, self.keep, limiter=self.limiter
+            checkpoints.save, self.checkpoint_dir, checkpoint, self.keep, name, limiter=self.limiter
         )
+
+    async def _save_best(self, snapshot: Snapshot) -> None:
+        """Write ``best.ckpt`` when a SaveBest callback (flow.callbacks.BestCheckpoint) found its
+        best round at this snapshot's step: its validation round came just before the mark."""
+        step = snapshot.cursor.step
+        due = [c for c in self.callbacks or () if getattr(c, "due", None) == step]
+        if not due:
+            return
+        path = await self._save(snapshot, checkpoints.BEST)
+        for callback in due:
+            callback.due = None
+            best = {"monitor": callback.monitor, "value": callback.best, "path": str(path)}
+            self._write({"event": "best", "step": step, **best})
 
     def _step(self, item: StepDone) -> None:
         self.last_step = item
@@ -331,7 +347,9 @@ class Sink:
         elif isinstance(item, Snapshot):
             if item.final:
                 self.final = item
-            if self.checkpoint_dir is not None:
+            if self.checkpoint_dir is not None and self.callbacks is not None:
+                await self._save_best(item)
+            if self.checkpoint_dir is not None and not item.best_only:
                 self.checkpoint = await self._save(item)
                 self._write(
                     {
@@ -351,7 +369,7 @@ class Sink:
         elif isinstance(item, EvalDone):
             record = eval_record(item, time.monotonic() - self.started)
             method, arguments, done = "on_eval", (record,), item.step
-        elif isinstance(item, Snapshot) and self.checkpoint_dir is not None:
+        elif isinstance(item, Snapshot) and self.checkpoint_dir is not None and not item.best_only:
             done = item.cursor.step
             method, arguments = "on_checkpoint", (str(self.checkpoint), done)
         else:

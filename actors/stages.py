@@ -93,7 +93,7 @@ class StagedActor:
                         await self.meter.send(message)
                 elif isinstance(item, CheckpointMark):
                     state = await self._call(0, self.state)
-                    await self.meter.send(Snapshot(item.cursor, state, final=item.final))
+                    await self.meter.send(Snapshot(item.cursor, state, item.final, best_only=item.best_only))
                 else:
                     await self.meter.send(item)
 

@@ -17,12 +17,14 @@ import csv
 import io
 import math
 import os
-import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from flow import spec as spec_records
 from flow.metrics import STEP_MEANS, metric_name
-from flow.spec import CrossEntropy, Spec
+from flow.spec import CallbackRecord, Spec
+from flow.spec_rules import MONITOR, monitor_problem
 
 if TYPE_CHECKING:  # the runtime's record; imported for the annotation only (flow's tiers)
     from flow.runtime import RunResult
@@ -75,7 +77,7 @@ class EarlyStopping(Callback):
     def __init__(
         self, monitor: Monitor = "val_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "auto"
     ) -> None:
-        if not re.fullmatch(r"val_(loss|accuracy|top[0-9]+|mae|rmse|perplexity)", str(monitor)):
+        if not MONITOR.fullmatch(str(monitor)):
             raise ValueError(
                 f"EarlyStopping monitor must be 'val_loss' or 'val_accuracy', got {monitor!r} (or 'val_' "
                 "and one of the model's metrics: 'val_top5', 'val_mae', 'val_rmse', 'val_perplexity')"
@@ -95,16 +97,10 @@ class EarlyStopping(Callback):
 
     def on_start(self, spec: Spec, splits: frozenset[str]) -> None:
         # Refused here, before any device work: a monitor that never appears would never stop a run.
-        if "val" not in splits:
-            raise ValueError(
-                f"EarlyStopping(monitor={self.monitor!r}) watches the validation split, but this run "
-                f"has no validation samples (data.split.val is {spec.data.split.val}): give it > 0"
-            )
-        if self.monitor == "val_accuracy" and not isinstance(spec.model.loss, CrossEntropy):
-            raise ValueError("EarlyStopping(monitor='val_accuracy') needs a classifier (CrossEntropy)")
-        named = {f"val_{metric_name(m)}" for m in spec.model.metrics}
-        if self.monitor not in ("val_loss", "val_accuracy", *named):
-            raise ValueError(f"EarlyStopping(monitor={self.monitor!r}) names none of model.metrics")
+        val = f"data.split.val is {spec.data.split.val}"
+        problem = monitor_problem(self.monitor, spec.model, "val" in splits, val)
+        if problem is not None:
+            raise ValueError(f"{type(self).__name__}(monitor={self.monitor!r}): {problem}")
         self.best, self.best_step, self.waited = None, None, 0
 
     def improved(self, value: float) -> bool:
@@ -126,6 +122,36 @@ class EarlyStopping(Callback):
         if self.waited >= self.patience:
             best = "none" if self.best is None else f"{self.best:.6g} at step {self.best_step}"
             self.stop_run(f"{self.monitor} did not improve for {self.waited} evaluation(s) (best {best})")
+
+
+class BestCheckpoint(EarlyStopping):
+    """What a ``SaveBest`` record asks for (flow.spec.SaveBest): the sink writes ``best.ckpt`` from
+    the snapshot at :attr:`due`, the step of the round that improved; it never stops the run."""
+
+    def __init__(self, monitor: Monitor = "val_loss", mode: str = "auto") -> None:
+        super().__init__(monitor, patience=0, mode=mode)
+        self.due: int | None = None  # the step whose weights are the best so far, until written
+
+    def on_start(self, spec: Spec, splits: frozenset[str]) -> None:
+        super().on_start(spec, splits)
+        self.due = None
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        value = record[self.monitor.removeprefix("val_")] if record["split"] == "val" else None
+        if value is not None and self.improved(value):
+            self.best, self.best_step, self.due = value, record["step"], record["step"]
+
+
+def from_records(records: Sequence[CallbackRecord]) -> list[Callback]:
+    """The callback objects of a spec's ``run.callbacks`` records, in order (the runtime runs them
+    before the Python callbacks given to flow.run)."""
+    made: list[Callback] = []
+    for record in records:
+        if isinstance(record, spec_records.EarlyStopping):
+            made.append(EarlyStopping(record.monitor, record.patience, record.min_delta, record.mode))
+        else:
+            made.append(BestCheckpoint(record.monitor, record.mode))
+    return made
 
 
 class CSVLogger(Callback):

@@ -16,7 +16,7 @@ import numpy as np
 
 from flow.errors import PlanError, Problem, SpecError
 from flow.shapes import infer_shapes
-from flow.spec import Spec
+from flow.spec import SaveBest, Spec
 from loaders.blocks import BlockSource
 from loaders.sampler import RankSlices, Sampler
 from loaders.splits import split_contiguous, split_indices
@@ -96,6 +96,7 @@ class StepSchedule:
         eval_every: evaluate every this many steps; None: at the end of each epoch.
         checkpoint_every: mark a checkpoint every this many steps; None: only at the end.
         has_val: whether there is a validation split to evaluate on.
+        snapshot_evals: mark a snapshot after each validation round (a SaveBest callback's weights).
     """
 
     batches_per_epoch: int
@@ -103,6 +104,7 @@ class StepSchedule:
     eval_every: int | None = None
     checkpoint_every: int | None = None
     has_val: bool = False
+    snapshot_evals: bool = False
 
 
 def total_steps(epochs: int | None, steps: int | None, batches_per_epoch: int) -> int:
@@ -436,6 +438,7 @@ def plan_data(spec: Spec, header: SourceHeader, rank: int = 0, world: int = 1) -
         run.eval_every,
         run.checkpoint_every,
         bool(parts["val"].size),
+        any(isinstance(record, SaveBest) for record in run.callbacks),
     )
     return DataPlan(
         header.samples,

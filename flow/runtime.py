@@ -55,7 +55,7 @@ from actors.progress import Progress
 from actors.sink import Sink
 from actors.stages import StagedActor
 from actors.statistics import ActorStatistics
-from flow.callbacks import Callback
+from flow.callbacks import Callback, from_records
 from flow.codec import digest
 from flow.data_plan import header_of
 from flow.device_facts import DeviceFacts
@@ -358,7 +358,8 @@ class Runtime:
         self.world = world_from_env(os.environ) if mode == "train" else World()
         self.ranks: Ranks | None = None
         self.done = False  # the run finished and its result was taken
-        self.callbacks = tuple(callbacks)
+        # The spec's callback records (run.callbacks) first, then the Python ones given to flow.run.
+        self.callbacks = (*(from_records(spec.run.callbacks) if mode == "train" else ()), *callbacks)
         self.stopped: tuple[int, str] | None = None  # (steps done, reason) once a callback stops the run
         self.stop_cursor: Cursor | None = None  # where the stop's snapshot stands
         self.stop_checkpoint: Path | None = None

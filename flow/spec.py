@@ -320,6 +320,51 @@ class Pipeline(Record):
     edges: tuple[Edge, ...]
 
 
+# Callbacks a spec file asks for (the runtime makes flow.callbacks objects of them)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EarlyStopping(Record):
+    """Stop the run when ``monitor`` has not improved for ``patience`` validation rounds in a row,
+    as Keras' EarlyStopping; with a checkpoint to resume from. The record of
+    ``flow.callbacks.EarlyStopping`` (which ``flow.EarlyStopping`` is).
+
+    Attributes:
+        monitor: "val_loss" (default), "val_accuracy" (a CrossEntropy loss) or "val_" and one of
+            ``model.metrics``' names ("val_top5", "val_mae", "val_rmse", "val_perplexity"); the run
+            needs a validation split.
+        patience: rounds without improvement before stopping, >= 0 (default 3).
+        mode: "min", "max", or "auto" (default: max for the accuracy and top-k, else min).
+        min_delta: the least change that counts as an improvement, >= 0 (default 0.0).
+    """
+
+    monitor: str = "val_loss"
+    patience: int = 3
+    mode: Literal["auto", "min", "max"] = "auto"
+    min_delta: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveBest(Record):
+    """Keep the weights of the best validation round as ``best.ckpt`` in ``run.checkpoint_dir``, as
+    Keras' ModelCheckpoint(save_best_only=True) and Lightning's ModelCheckpoint(monitor, mode): a
+    checkpoint like the others (atomic, verified), never removed by ``keep_checkpoints``; resume
+    and ``flow.predict(run_dir)`` still take the newest ``step-*.ckpt`` (name ``best.ckpt`` to use
+    it). Each round that improves writes it and a ``{"event": "best", "step", "monitor", "value",
+    "path"}`` metrics line. A resumed run starts its comparison anew.
+
+    Attributes:
+        monitor: as EarlyStopping's (default "val_loss"); needs ``run.checkpoint_dir``.
+        mode: as EarlyStopping's (default "auto").
+    """
+
+    monitor: str = "val_loss"
+    mode: Literal["auto", "min", "max"] = "auto"
+
+
+CallbackRecord = EarlyStopping | SaveBest
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSettings(Record):
     """How long to train, what to write, and how to react to trouble.
@@ -365,6 +410,10 @@ class RunSettings(Record):
             write their medians to the metrics file as one ``{"event": "profile", "launches":
             [{"name", "op", "seconds"}]}`` line at the end (``python -m flow report`` plots it);
             a single-device run on Vulkan (the CPU backend has no timestamps: the line says so).
+        callbacks: EarlyStopping and SaveBest records (default none), run with the Python
+            callbacks given to ``flow.run``. Two more trainer habits are plain fields above:
+            ``keep_checkpoints`` (how many to keep) and ``on_nonfinite`` ("raise" ends the run at a
+            NaN loss).
     """
 
     epochs: int | None = 1
@@ -383,6 +432,7 @@ class RunSettings(Record):
     on_nonfinite: Literal["raise", "continue"] = "raise"
     loss_scale: Literal["auto", "off"] | float = field(default="auto", metadata=LATER)
     profile: bool = field(default=False, metadata=LATER)
+    callbacks: tuple[CallbackRecord, ...] = field(default=(), metadata=LATER)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -416,7 +466,7 @@ RECORDS: tuple[type, ...] = (
     Constant, StepLR, Cosine, SGD, Adam, AdamW,
     ImageFolder, CSV, RawBinary, IDX, Synthetic, Digits, Arrays, Text, Custom,
     Normalize, Scale, RandomCrop, HorizontalFlip, Resize, Lambda,
-    Split, Data, Devices, Node, Edge, Pipeline, RunSettings, Spec,
+    Split, Data, Devices, Node, Edge, Pipeline, EarlyStopping, SaveBest, RunSettings, Spec,
 )  # fmt: skip
 
 
@@ -473,6 +523,6 @@ def default_pipeline(spec: Spec) -> Pipeline:
 # What ``help(flow.spec)`` documents and ``import *`` takes: this module's names and every record,
 # the model's and the data's included.
 __all__ = [
-    "FILE_KEYS", "RECORDS", "SCHEMA_VERSION", "NodeKind", "Optimiser", "Schedule", "default_pipeline",
-    "file_key", *(record.__name__ for record in RECORDS),
+    "CallbackRecord", "FILE_KEYS", "RECORDS", "SCHEMA_VERSION", "NodeKind", "Optimiser", "Schedule",
+    "default_pipeline", "file_key", *(record.__name__ for record in RECORDS),
 ]  # fmt: skip

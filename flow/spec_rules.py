@@ -6,6 +6,7 @@ those, so one mistake is reported once and never crashes a later rule. Pure.
 """
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -22,10 +23,12 @@ from flow.spec import (
     Constant,
     Cosine,
     Devices,
+    EarlyStopping,
     Edge,
     Node,
     Pipeline,
     RunSettings,
+    SaveBest,
     Spec,
     StepLR,
     file_key,
@@ -578,6 +581,60 @@ def _run(r: Rule) -> None:
         r.add("checkpoint_every", "needs checkpoint_dir")
 
 
+MONITOR = re.compile(r"val_(loss|accuracy|top[0-9]+|mae|rmse|perplexity)")
+
+
+def monitor_problem(monitor: str, model: Model, has_val: bool, val: str) -> str | None:
+    """Why a run would never produce ``monitor`` (None when it does): shared by the spec's callback
+    records and the Python callbacks (flow.callbacks), which check it before any device work.
+
+    Args:
+        monitor: "val_loss", "val_accuracy" or "val_" and a metric's name.
+        model: the run's model.
+        has_val: whether the run has validation samples.
+        val: where the validation split is set and its value, for the message.
+    """
+    if not MONITOR.fullmatch(monitor):
+        return (
+            f"must be 'val_loss' or 'val_accuracy', got {monitor!r} (or 'val_' and one of the "
+            "model's metrics: 'val_top5', 'val_mae', 'val_rmse', 'val_perplexity')"
+        )
+    if not has_val:
+        return (
+            f"{monitor!r} watches the validation split, but this run has no validation samples "
+            f"({val}): give it > 0"
+        )
+    if monitor == "val_accuracy" and not isinstance(model.loss, CrossEntropy):
+        return f"{monitor!r} needs a classifier (CrossEntropy), got {show(model.loss)}"
+    named = {f"val_{metric_name(m)}" for m in model.metrics}
+    if monitor not in ("val_loss", "val_accuracy", *named):
+        return f"{monitor!r} names none of model.metrics {sorted(named) or '(none)'}"
+    return None
+
+
+def _early_stopping(r: Rule) -> None:
+    r.need("patience", lambda v: v >= 0, "must be an int >= 0")
+    r.need("min_delta", lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0")
+
+
+def _callbacks(r: Rule) -> None:
+    """Each callback record against the run: a monitor it produces, a folder for best.ckpt."""
+    spec = r.obj
+    split = spec.data.split if r.good("data") else None
+    has_val = split is None or not isinstance(split.val, float | int) or split.val > 0
+    val = f"data.split.val is {show(split.val) if split is not None else '?'}"
+    for i, record in enumerate(spec.run.callbacks if r.good("run") else ()):
+        where = f"run.callbacks[{i}]"
+        if r.good("model") and isinstance(spec.model, Model):
+            problem = monitor_problem(record.monitor, spec.model, has_val, val)
+            if problem is not None:
+                r.add(f"{where}.monitor", problem)
+        if isinstance(record, SaveBest) and spec.run.checkpoint_dir is None:
+            r.add(where, "SaveBest writes best.ckpt into run.checkpoint_dir, which is None: set it")
+        elif isinstance(record, SaveBest) and any(isinstance(c, SaveBest) for c in spec.run.callbacks[:i]):
+            r.add(where, "a second SaveBest: one best.ckpt holds one monitor's best round")
+
+
 def _spec(r: Rule) -> None:
     r.need("version", lambda v: v == SCHEMA_VERSION, f"must be {SCHEMA_VERSION}")
     model = r.obj.model
@@ -585,6 +642,7 @@ def _spec(r: Rule) -> None:
         r.add("model.layers", "the model has no parameters to train")
     if isinstance(model, Model) and model.loss is None:
         r.add("model.loss", "a training spec needs a loss: CrossEntropy() or MSE()")
+    _callbacks(r)
     held = _in_python(r.obj.data) if r.good("data", "run") else []
     if held and r.obj.run.checkpoint_dir is not None:  # refused now, not at the first checkpoint
         r.add(
@@ -649,6 +707,7 @@ RULES: dict[type, Callable[[Rule], None]] = {
     Node: _node,
     Edge: _edge,
     Pipeline: _pipeline,
+    EarlyStopping: _early_stopping,
     RunSettings: _run,
     Spec: _spec,
 }
