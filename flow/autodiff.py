@@ -439,9 +439,9 @@ class _Builder:
         )
 
     def _conv_params(self, stage: Stage, layer: Conv) -> dict[str, int]:
-        if isinstance(layer, Conv1d):  # (C, L) as an image (C, 1, L), a kernel 1 x kernel_size
+        if isinstance(layer, Conv1d):  # (C, L) as an image (C, 1, L), a kernel 1 x kernel
             (c, length), (k, out) = stage.in_shape, stage.out_shape
-            geometry = dict(C=c, H=1, W=length, K=k, R=1, S=layer.kernel_size, OH=1, OW=out, one_d=1)
+            geometry = dict(C=c, H=1, W=length, K=k, R=1, S=layer.kernel, OH=1, OW=out, one_d=1)
             return dict(N=self.b, stride=layer.stride, pad=layer.padding, **geometry)
         c, h, w = stage.in_shape
         k, oh, ow = stage.out_shape

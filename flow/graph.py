@@ -166,7 +166,7 @@ def stages(model: Model) -> list[Stage]:
 def conv_kernel(layer: Conv) -> tuple[int, tuple[int, ...]]:
     """A convolution's output channels and kernel shape: (k, k) for Conv2d, (k,) for Conv1d."""
     if isinstance(layer, Conv1d):
-        return layer.out_channels, (layer.kernel_size,)
+        return layer.channels, (layer.kernel,)
     return layer.channels, (layer.kernel, layer.kernel)
 
 

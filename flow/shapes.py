@@ -69,14 +69,14 @@ def output_shape(layer: Layer, shape: Shape) -> Shape | str:
     if isinstance(layer, Conv1d):
         if len(shape) != 2:
             return f"Conv1d needs a (channels, length) input, got shape {shape}; add Reshape((C, L))"
-        length, k, pad = shape[1], layer.kernel_size, layer.padding
+        length, k, pad = shape[1], layer.kernel, layer.padding
         out = (length + 2 * pad - k) // layer.stride + 1
         if out <= 0:
             return (
-                f"Conv1d output length {out} is not positive (input length {length}, kernel_size {k}, "
+                f"Conv1d output length {out} is not positive (input length {length}, kernel {k}, "
                 f"stride {layer.stride}, padding {pad}): the kernel is longer than the padded input"
             )
-        return (layer.out_channels, out)
+        return (layer.channels, out)
     if isinstance(layer, MaxPool2d):
         stride = layer.kernel if layer.stride is None else layer.stride
         size = _window("MaxPool2d", shape, layer.kernel, stride, 0)
@@ -150,8 +150,8 @@ def layer_parameters(layer: Layer, input_shape: Shape) -> int:
         weights = input_shape[0] * layer.channels * layer.kernel * layer.kernel
         return weights + (layer.channels if layer.bias else 0)
     if isinstance(layer, Conv1d):
-        weights = input_shape[0] * layer.out_channels * layer.kernel_size
-        return weights + (layer.out_channels if layer.bias else 0)
+        weights = input_shape[0] * layer.channels * layer.kernel
+        return weights + (layer.channels if layer.bias else 0)
     if isinstance(layer, BatchNorm1d | BatchNorm2d):
         return 2 * input_shape[0]  # scale and shift per channel; the running statistics are not trained
     if isinstance(layer, Embedding):

@@ -80,22 +80,22 @@ class Conv2d(LayerRecord):
 
 @dataclass(frozen=True)
 class Conv1d(LayerRecord):
-    """A 1-D convolution over (C, L) inputs, as PyTorch's ``Conv1d(C, out_channels, kernel_size)``
-    (weights [out_channels, C, kernel_size]); output (out_channels, OL) with
-    ``OL = (L + 2 * padding - kernel_size) // stride + 1``. It runs on Conv2d's kernels, as a
-    convolution of height 1.
+    """A 1-D convolution over (C, L) inputs, as PyTorch's ``Conv1d(C, channels, kernel)``
+    (weights [channels, C, kernel]); output (channels, OL) with
+    ``OL = (L + 2 * padding - kernel) // stride + 1``. Its fields are Conv2d's; it runs on Conv2d's
+    kernels, as a convolution of height 1.
 
     Attributes:
-        out_channels: output channels, > 0.
-        kernel_size: kernel length, > 0.
+        channels: output channels, > 0.
+        kernel: kernel length, > 0.
         stride: step between windows, > 0 (default 1).
         padding: zeros added on each end, >= 0 (default 0).
         bias: whether a learned bias per output channel is added (default True).
         activation: as Linear's, fused into the convolution (default None).
     """
 
-    out_channels: int
-    kernel_size: int
+    channels: int
+    kernel: int
     _: KW_ONLY
     stride: int = 1
     padding: int = 0

@@ -178,7 +178,7 @@ def _conv2d(r: Rule) -> None:
 
 
 def _conv1d(r: Rule) -> None:
-    for name in ("out_channels", "kernel_size", "stride"):
+    for name in ("channels", "kernel", "stride"):
         r.need(name, _positive, "must be > 0")
     r.need("padding", _non_negative, "must be >= 0")
 

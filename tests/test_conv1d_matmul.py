@@ -303,8 +303,8 @@ def _model(*layers, shape=(3, 9)) -> Model:
 @pytest.mark.parametrize(
     "layer, path, message",
     [
-        (Conv1d(0, 3), "out_channels", "must be > 0, got 0"),
-        (Conv1d(4, -1), "kernel_size", "must be > 0, got -1"),
+        (Conv1d(0, 3), "channels", "must be > 0, got 0"),
+        (Conv1d(4, -1), "kernel", "must be > 0, got -1"),
         (Conv1d(4, 3, stride=0), "stride", "must be > 0, got 0"),
         (Conv1d(4, 3, padding=-2), "padding", "must be >= 0, got -2"),
     ],
@@ -321,7 +321,7 @@ def test_conv1d_and_matmul_shape_mistakes_name_the_layer():
         )  # fmt: skip
     ]
     assert _problems(_model(Conv1d(4, 12, padding=1))) == [
-        ("model.layers[0]", "Conv1d output length 0 is not positive (input length 9, kernel_size 12, "
+        ("model.layers[0]", "Conv1d output length 0 is not positive (input length 9, kernel 12, "
                             "stride 1, padding 1): the kernel is longer than the padded input")
     ]  # fmt: skip
     one = _model(Linear(5, name="a"), MatMul(inputs=("a",)))
@@ -359,8 +359,8 @@ def test_specs_with_the_new_records_round_trip(tmp_path):
         assert tree["run"]["limit_val_batches"] == limit
         assert type(load(tmp_path / "job.json").run.limit_val_batches) is type(limit)
     layers = json.loads((tmp_path / "job.json").read_text())["model"]["layers"]
-    assert layers[0] == {"activation": "tanh", "bias": True, "kernel_size": 3, "kind": "Conv1d",
-                         "out_channels": 4, "padding": 2, "stride": 2}  # fmt: skip
+    assert layers[0] == {"activation": "tanh", "bias": True, "channels": 4, "kernel": 3, "kind": "Conv1d",
+                         "padding": 2, "stride": 2}  # fmt: skip
     save(spec, tmp_path / "mm.json")
     matmul = json.loads((tmp_path / "mm.json").read_text())["model"]["layers"][6]
     assert matmul == {"inputs": ["a", "b"], "kind": "MatMul", "transpose_b": False}
