@@ -175,7 +175,9 @@ def test_the_figures_are_the_runs_numbers(run_dir):
 def test_chromium_shows_the_plots(run_dir, tmp_path):
     shot = tmp_path / "shot.png"
     page = (run_dir / "report.html").as_uri()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    # A container's /dev/shm is small: --disable-dev-shm-usage keeps Chromium's buffers in /tmp.
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
     command = ["chromium", *flags, f"--screenshot={shot}", "--window-size=1400,1400", page]
     opened = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert opened.returncode == 0, opened.stderr[-2000:]
