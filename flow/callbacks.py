@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -135,11 +136,32 @@ class BestCheckpoint(EarlyStopping):
     def on_start(self, spec: Spec, splits: frozenset[str]) -> None:
         super().on_start(spec, splits)
         self.due = None
+        # A resumed run goes on comparing with the round best.ckpt holds, which the metrics file's
+        # last "best" line names (a fresh run never finds one: it refuses another run's file).
+        from flow.runtime import metrics_file_of
+
+        path = metrics_file_of(spec.run)
+        if path is not None and Path(path).is_file():
+            lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+            for line in reversed(lines):
+                event = _json_or_none(line) if '"best"' in line else None
+                if event is not None and event.get("monitor") == self.monitor:
+                    self.best, self.best_step = event.get("value"), event.get("step")
+                    break
 
     def on_eval(self, record: dict[str, Any]) -> None:
         value = record[self.monitor.removeprefix("val_")] if record["split"] == "val" else None
         if value is not None and self.improved(value):
             self.best, self.best_step, self.due = value, record["step"], record["step"]
+
+
+def _json_or_none(line: str) -> dict | None:
+    """A metrics line as a dict, or None for a line a killed writer left half written."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and event.get("event") == "best" else None
 
 
 def from_records(records: Sequence[CallbackRecord]) -> list[Callback]:

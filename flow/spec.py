@@ -351,7 +351,8 @@ class SaveBest(Record):
     checkpoint like the others (atomic, verified), never removed by ``keep_checkpoints``; resume
     and ``flow.predict(run_dir)`` still take the newest ``step-*.ckpt`` (name ``best.ckpt`` to use
     it). Each round that improves writes it and a ``{"event": "best", "step", "monitor", "value",
-    "path"}`` metrics line. A resumed run starts its comparison anew.
+    "path"}`` metrics line. A resumed run goes on comparing with the round
+    ``best.ckpt`` holds (the metrics file's last "best" line).
 
     Attributes:
         monitor: as EarlyStopping's (default "val_loss"); needs ``run.checkpoint_dir``.

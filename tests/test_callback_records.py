@@ -106,6 +106,21 @@ def test_save_best_keeps_the_best_rounds_weights_through_retention_and_predicts_
     assert checkpoints.load(kept_folder).cursor.step == 69 == kept_run.steps == result.steps
 
 
+def test_a_resumed_save_best_goes_on_comparing_with_the_round_best_ckpt_holds(tmp_path):
+    """mode "max" on val_loss makes the first round (the highest loss) the best for good: after a
+    resume, no later round may replace best.ckpt, as none would in the straight run."""
+    spec = digits(tmp_path, "run", epochs=3, eval_every=5, checkpoint_every=5, keep_checkpoints=None)
+    spec = with_callbacks(spec, SaveBest(monitor="val_loss", mode="max"))
+    flow.run(dataclasses.replace(spec, run=dataclasses.replace(spec.run, steps=20)))
+    folder = Path(spec.run.checkpoint_dir)
+    before = checkpoints.load(folder / "best.ckpt")
+    flow.run(spec, resume=folder)
+    best_lines = [e for e in lines(folder) if e["event"] == "best"]
+    assert [e["step"] for e in best_lines] == [5]  # the first round, and nothing after the resume
+    assert checkpoints.load(folder / "best.ckpt").cursor == before.cursor == checkpoints.load(
+        folder / checkpoints.file_name(5)).cursor  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "records, run, split, path, words",
     [
