@@ -8,7 +8,10 @@ the labels' shape, and the :class:`Graph` of tensor declarations and launch grou
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from flow.errors import Problem, SpecError
 from flow.model_graph import MODEL_INPUT, expand
@@ -248,6 +251,44 @@ def parameters(model: Model) -> list[ParamDecl]:
         n = len(weights)
         kept.append(ParamDecl(CLASS_WEIGHTS, (n,), n, n, False, trainable=False, values=tuple(weights)))
     return params + kept
+
+
+def param_offsets(params: Sequence[ParamDecl]) -> tuple[dict[str, int], int]:
+    """The flat parameter arena's layout, which the gradient and optimiser-state arenas share:
+    each parameter's offset in floats, in ``params`` order at aligned offsets, and the arena's
+    floats (at least 256 bytes). The one place it is decided: the planner, the pipeline stages and
+    the weight files (ONNX, safetensors) all read it from here.
+
+    Args:
+        params: the parameters, as :func:`parameters` lists them.
+
+    Returns:
+        (name -> offset in floats, floats in the arena).
+    """
+    offsets, offset = {}, 0
+    for p in params:
+        offsets[p.name], offset = offset // 4, align_up(offset + math.prod(p.shape) * 4)
+    return offsets, max(offset, 256) // 4
+
+
+def unpack_params(model: Model, flat: np.ndarray) -> dict[str, np.ndarray]:
+    """Every parameter by name (``layers[1].weight``...) from a flat arena (a checkpoint's
+    ``params:all``), as views of ``flat`` in each parameter's shape."""
+    params = parameters(model)
+    offsets, _ = param_offsets(params)
+    spans = ((p, offsets[p.name], math.prod(p.shape)) for p in params)
+    return {p.name: flat[at : at + size].reshape(p.shape) for p, at, size in spans}
+
+
+def pack_params(model: Model, named: dict[str, np.ndarray]) -> np.ndarray:
+    """The flat float32 arena (``params:all``) from every parameter by name, padding zeroed."""
+    params = parameters(model)
+    offsets, total = param_offsets(params)
+    flat = np.zeros(total, np.float32)
+    for p in params:
+        at = offsets[p.name]
+        flat[at : at + math.prod(p.shape)] = np.asarray(named[p.name], np.float32).reshape(-1)
+    return flat
 
 
 def optimised_floats(model: Model, total_params: int) -> int:

@@ -16,9 +16,7 @@ from typing import Any
 import numpy as np
 
 from flow import spec_model as vk
-from flow.graph import parameters
 from flow.model_graph import MODEL_INPUT, Node, concat_axis, expand
-from flow.program import align_up
 from flow.spec import Spec
 
 # The one table of what vkflow writes and reads: each ONNX op and the vkflow layer it stands for.
@@ -69,47 +67,6 @@ def require_onnx() -> Any:
     return onnx
 
 
-def _offsets(model: vk.Model) -> tuple[list[tuple[str, tuple[int, ...], int]], int]:
-    # The parameter arena's layout, as flow.planning lays it out: parameters() order, each tensor at
-    # an aligned byte offset, the arena at least 256 bytes.
-    placed, offset = [], 0
-    for p in parameters(model):
-        placed.append((p.name, p.shape, offset // 4))
-        offset = align_up(offset + math.prod(p.shape) * 4)
-    return placed, max(offset, 256) // 4
-
-
-def unpack_weights(model: vk.Model, flat: np.ndarray) -> dict[str, np.ndarray]:
-    """Every parameter by name (``layers[1].weight``...) from a checkpoint's ``params:all``.
-
-    Args:
-        model: the model the weights belong to.
-        flat: the flat parameter arena.
-
-    Returns:
-        Name -> float32 array of the parameter's shape (views of ``flat``).
-    """
-    placed, _ = _offsets(model)
-    return {name: flat[at : at + math.prod(shape)].reshape(shape) for name, shape, at in placed}
-
-
-def pack_weights(model: vk.Model, named: dict[str, np.ndarray]) -> np.ndarray:
-    """The flat parameter arena (``params:all``) from every parameter by name.
-
-    Args:
-        model: the model.
-        named: name -> array; every parameter of the model, each of its shape.
-
-    Returns:
-        The float32 arena, padding zeroed.
-    """
-    placed, total = _offsets(model)
-    flat = np.zeros(total, np.float32)
-    for name, shape, at in placed:
-        flat[at : at + math.prod(shape)] = np.asarray(named[name], np.float32).reshape(-1)
-    return flat
-
-
 class _Writer:
     def __init__(self, onnx: Any, opset: int) -> None:
         self.onnx, self.opset = onnx, opset
@@ -144,7 +101,7 @@ def to_onnx(spec: Spec, weights: dict[str, np.ndarray], opset: int = LAYER_NORM_
 
     Args:
         spec: the spec (its model, loss and preprocessing).
-        weights: every parameter by name (:func:`unpack_weights`).
+        weights: every parameter by name (flow.graph.unpack_params).
         opset: the ONNX opset to write, >= 13 (17 or more for LayerNorm; GELU is written as
             Gelu from 20, else as the Erf form torch writes).
 

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from flow import spec_model as vk
+from flow.graph import pack_params
 from flow.model_graph import INPUT, MODEL_INPUT, node_shape
-from flow.onnx_export import ACTIVATION_OPS, OPS, SQRT2, OnnxError, pack_weights, require_onnx
+from flow.onnx_export import ACTIVATION_OPS, OPS, SQRT2, OnnxError, require_onnx
 from flow.shapes import reshaped
 from flow.spec import MSE, SGD, Data, Normalize, Scale, Spec, Synthetic
 from flow.spec_base import Shape
@@ -84,7 +85,7 @@ def from_onnx(proto: Any, where: str) -> tuple[Spec, dict[str, np.ndarray]]:
     spec = Spec(model=model, optimiser=SGD(), data=Data(source, preprocess=tuple(reader.preprocess)))
     if problems := validate(spec):
         raise OnnxError(f"{where}: the model read from it is not valid: " + "; ".join(map(str, problems)))
-    return spec, {"params:all": pack_weights(model, weights)}
+    return spec, {"params:all": pack_params(model, weights)}
 
 
 def _constant(onnx: Any, node: Any) -> np.ndarray:

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from actors import checkpoint as checkpoints
-from flow.onnx_export import LAYER_NORM_OPSET, OnnxError, require_onnx, to_onnx, unpack_weights
+from flow.graph import unpack_params
+from flow.onnx_export import LAYER_NORM_OPSET, OnnxError, require_onnx, to_onnx
 from flow.onnx_import import from_onnx
 from flow.optim import PARAMS
 from flow.planning import init_parameters, plan
@@ -56,7 +57,7 @@ def export_onnx(
         )
     else:
         flat = np.asarray(state[PARAMS], np.float32)
-        named = unpack_weights(spec.model, flat)
+        named = unpack_params(spec.model, flat)
     proto = to_onnx(spec, named, opset)
     onnx.checker.check_model(proto, full_check=True)
     target = Path(path)

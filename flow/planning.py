@@ -32,6 +32,7 @@ from flow.graph import (
     fused_bias_grads,
     label_shape,
     optimised_floats,
+    param_offsets,
     parameters,
 )
 from flow.metrics import metric_name, on_device
@@ -378,21 +379,17 @@ def plan_device(
 
     # Parameters, gradients and optimiser state: one offset per parameter in each arena.
     tensors: list[Tensor] = []
-    offset = 0
-    param_offsets: dict[str, int] = {}
-    for p in params:
-        param_offsets[p.name] = offset
-        offset = align_up(offset + math.prod(p.shape) * 4)
-    param_bytes = max(offset, 256)
-    total_params = param_bytes // 4
+    floats, total_params = param_offsets(params)
+    param_bytes = total_params * 4
+    offset_of = {name: at * 4 for name, at in floats.items()}  # in bytes
     state_names = optimiser_state_names(spec.optimiser)
     for p in params:
-        tensors.append(Tensor(p.name, p.shape, "float32", "params", param_offsets[p.name]))
+        tensors.append(Tensor(p.name, p.shape, "float32", "params", offset_of[p.name]))
         if p.trainable:  # running statistics have no gradient
-            tensors.append(Tensor(f"grad:{p.name}", p.shape, "float32", "grads", param_offsets[p.name]))
+            tensors.append(Tensor(f"grad:{p.name}", p.shape, "float32", "grads", offset_of[p.name]))
     # [dW; db] views for the dense layers whose backward writes both in one GEMM.
     for view, (weight, shape) in fused_bias_grads(model).items():
-        tensors.append(Tensor(view, shape, "float32", "grads", param_offsets[weight]))
+        tensors.append(Tensor(view, shape, "float32", "grads", offset_of[weight]))
     tensors.append(Tensor("params:all", (total_params,), "float32", "params", 0))
     tensors.append(Tensor("grads:all", (total_params,), "float32", "grads", 0))
     for state in state_names:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from flow.graph import CLASS_WEIGHTS, parameters
+from flow.graph import CLASS_WEIGHTS, parameters, unpack_params
 from flow.spec import BatchNorm1d, BatchNorm2d, Linear, Model, Repeat, Residual, Spec
 
 NEEDS = "safetensors files need the safetensors package: pip install 'vkflow-ml[safetensors]'"
@@ -232,7 +232,6 @@ def export_safetensors(checkpoint: Any, path: str | Path) -> Path:
         ValueError: a spec file was given (it holds no trained weights).
     """
     from actors import checkpoint as checkpoints
-    from flow.planning import plan
 
     if isinstance(checkpoint, Spec) or Path(str(checkpoint)).suffix in (".json", ".msgpack", ".mpk"):
         raise ValueError(
@@ -240,13 +239,7 @@ def export_safetensors(checkpoint: Any, path: str | Path) -> Path:
             "(a .ckpt file or a run's checkpoint directory)"
         )
     saved = checkpoint if isinstance(checkpoint, checkpoints.Checkpoint) else checkpoints.load(checkpoint)
-    device = plan(saved.spec, mode="predict").devices[0]
-    flat = saved.state["params:all"]
-    values = {}
-    for p in device.parameters:
-        tensor = device.layout.tensor(p.name)
-        start = tensor.offset // 4
-        values[p.name] = flat[start : start + tensor.size].reshape(tensor.shape)
+    values = unpack_params(saved.spec.model, saved.state["params:all"])
     return save_weights(saved.spec.model, values, path, saved.cursor.step)
 
 

@@ -56,7 +56,20 @@ class Linear(LayerRecord):
 
 
 @dataclass(frozen=True)
-class Conv2d(LayerRecord):
+class _Convolution(LayerRecord):
+    """The fields Conv2d and Conv1d share (each documents them for its own shape)."""
+
+    channels: int
+    kernel: int
+    _: KW_ONLY
+    stride: int = 1
+    padding: int = 0
+    bias: bool = True
+    activation: Activation | None = None
+
+
+@dataclass(frozen=True)
+class Conv2d(_Convolution):
     """A 2-D convolution over (C, H, W) inputs with square kernels; output (channels, OH, OW) with
     ``OH = (H + 2 * padding - kernel) // stride + 1`` (OW alike).
 
@@ -69,17 +82,9 @@ class Conv2d(LayerRecord):
         activation: as Linear's, fused into the convolution (default None).
     """
 
-    channels: int
-    kernel: int
-    _: KW_ONLY
-    stride: int = 1
-    padding: int = 0
-    bias: bool = True
-    activation: Activation | None = None
-
 
 @dataclass(frozen=True)
-class Conv1d(LayerRecord):
+class Conv1d(_Convolution):
     """A 1-D convolution over (C, L) inputs, as PyTorch's ``Conv1d(C, channels, kernel)``
     (weights [channels, C, kernel]); output (channels, OL) with
     ``OL = (L + 2 * padding - kernel) // stride + 1``. Its fields are Conv2d's; it runs on Conv2d's
@@ -93,14 +98,6 @@ class Conv1d(LayerRecord):
         bias: whether a learned bias per output channel is added (default True).
         activation: as Linear's, fused into the convolution (default None).
     """
-
-    channels: int
-    kernel: int
-    _: KW_ONLY
-    stride: int = 1
-    padding: int = 0
-    bias: bool = True
-    activation: Activation | None = None
 
 
 @dataclass(frozen=True)

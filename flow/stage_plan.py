@@ -37,7 +37,7 @@ from flow.autodiff import backward_needs, build_graph
 from flow.data_plan import SourceHeader, plan_data
 from flow.device_facts import DeviceFacts, memory_budget
 from flow.errors import PlanError, Problem
-from flow.graph import ParamDecl, fused_bias_grads, label_shape, parameters, stages
+from flow.graph import ParamDecl, fused_bias_grads, label_shape, param_offsets, parameters, stages
 from flow.metrics import metric_name, on_device
 from flow.model_graph import MODEL_INPUT, expand
 from flow.optim import initial_loss_scale, optimiser_state_names, update_groups
@@ -579,15 +579,6 @@ def plan_stages(
 
 
 # -- the whole model's state from the stages', and back -----------------------------------------
-
-
-def param_offsets(params: list[ParamDecl]) -> tuple[dict[str, int], int]:
-    """Each parameter's offset (in floats) in flat arenas laid out as flow.planning lays them out,
-    and the arenas' floats."""
-    offsets, offset = {}, 0
-    for p in params:
-        offsets[p.name], offset = offset // 4, align_up(offset + math.prod(p.shape) * 4)
-    return offsets, max(offset, 256) // 4
 
 
 def _param_map(device: DevicePlan, full: dict[str, int]) -> tuple[tuple[str, int, int, int], ...]:
