@@ -414,8 +414,12 @@ def conv_splitk_sum(arrays: list[np.ndarray], p: Params) -> None:
 
 def channel_sum(arrays: list[np.ndarray], p: Params) -> None:
     dy, db = arrays
-    n, k, hw = int(p["N"]), int(p["K"]), int(p["HW"])
-    db[:k] = dy[: n * k * hw].reshape(n, k, hw).sum(axis=(0, 2), dtype=db.dtype)
+    n, k, hw, parts = int(p["N"]), int(p["K"]), int(p["HW"]), int(p.get("parts", 1))
+    per_part = -(-n // parts)
+    planes = dy[: n * k * hw].reshape(n, k, hw)
+    for part in range(parts):  # slice p's sums at [p * K, (p + 1) * K), as channel_sum.comp
+        rows = planes[part * per_part : (part + 1) * per_part]
+        db[part * k : (part + 1) * k] = rows.sum(axis=(0, 2), dtype=db.dtype)
 
 
 def _pool_dims(p: Params) -> tuple[int, ...]:

@@ -95,6 +95,7 @@ import math
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -425,6 +426,63 @@ def vk_once(
     eval_s = time.perf_counter() - start
     accuracy = float(np.mean(np.argmax(probabilities, axis=1) == labels))
     return Outcome(wall, epochs_from_metrics(metrics), accuracy, float(result.loss), eval_s)
+
+
+def vk_raw_once(backend, model: str, sizes: Sizes, data: DataSet, epochs: int, seed: int) -> Outcome:
+    """vkflow's own raw loop on the job ``vk_once`` runs: the plan flow.run makes (the data kept
+    on the device, batches as indices), driven by a plain loop with no actors: each epoch a fresh
+    permutation, in_flight steps in flight, each step's loss read when its slot comes round. The
+    figure flow.run's steady epochs are held against (the issue's "0.9x vkflow's raw loop")."""
+    from flow.data_plan import header_of
+    from flow.runtime import plan_on, start_engine
+    from flow.spec import IDX, SGD, CrossEntropy, Data, Init, Model, RunSettings, Spec, Split
+    from loaders import open_source
+
+    spec = Spec(
+        model=Model(
+            input_shape=(1, SIDE, SIDE),
+            layers=vk_layers(model, sizes),
+            loss=CrossEntropy(),
+            init=Init(seed=seed),
+        ),
+        optimiser=SGD(LR, momentum=MOMENTUM),
+        data=Data(
+            IDX(data.train_images, data.train_labels), batch_size=BATCH, seed=seed, split=Split(train=1.0)
+        ),
+        run=RunSettings(epochs=epochs),
+    )
+    start = time.perf_counter()
+    source = open_source(spec.data.source)
+    maps = callable(getattr(backend, "write_into", None))
+    run_plan = plan_on(spec, backend.facts, header=header_of(source), maps_inputs=maps)
+    if run_plan.devices[0].resident is None:
+        raise RuntimeError("the plan keeps no dataset on the device: no raw loop by indices to time")
+    engine, _ = start_engine(run_plan, backend)
+    stored = source.stored()
+    engine.upload_dataset(stored.x, stored.labels)
+    slots, rng, step, loss = spec.run.in_flight, np.random.default_rng(seed), 0, math.nan
+    pending: deque[tuple[int, int, int, int]] = deque()
+
+    def finish() -> float:
+        ticket, slot, at, rows = pending.popleft()
+        backend.wait(ticket)
+        return engine.result(slot, at, rows).loss
+
+    seconds = []
+    for _ in range(epochs):
+        began = time.perf_counter()
+        order = rng.permutation(len(stored.labels)).astype(np.int32)
+        for first in range(0, len(order), BATCH):
+            if len(pending) == slots:
+                loss = finish()
+            indices = order[first : first + BATCH]
+            slot = step % slots
+            pending.append((engine.submit_indices("train", slot, indices, step), slot, step, len(indices)))
+            step += 1
+        while pending:
+            loss = finish()
+        seconds.append(time.perf_counter() - began)
+    return Outcome(time.perf_counter() - start, tuple(seconds), math.nan, float(loss), 0.0)
 
 
 def decode_folder(png_root: Path) -> float:
@@ -877,6 +935,27 @@ def bench_model(
         )
         if found is not None:
             vk[impl] = found
+    if backend is not None:
+        raw = measure(
+            rep,
+            args,
+            model,
+            "vkflow_raw",
+            vk_device,
+            lambda seed: vk_raw_once(backend, model, sizes, data, epochs, seed),
+            data.train,
+            epochs,
+            shape,
+        )
+        if raw is not None and "vkflow" in vk:
+            rep.ratio(
+                BENCH,
+                "vkflow/vkflow_raw",
+                vk["vkflow"]["samples_per_s"],  # speed: the issue's "0.9x vkflow's raw loop"
+                raw["samples_per_s"],
+                model=model,
+                metric="samples_per_s",
+            )
     if torch is None:
         for variant in ("eager_loader", "eager_resident", "graph_resident"):
             rep.missing(

@@ -121,6 +121,20 @@ def conv_weight_splits(m: int, n: int, k: int) -> int:
     return max(1, min(wanted, k // CONV_SPLIT_MIN_K, CONV_MAX_SPLITS))
 
 
+# A convolution's bias gradient (channel_sum.comp): enough (channel, slice of samples) workgroups
+# to keep a big GPU busy, each slice at least CHANNEL_SUM_MIN elements. One workgroup a channel
+# took 245 us for conv1's 32 channels of 256 x 784 values on an H100 (session 9's profile).
+CHANNEL_SUM_TARGET_GROUPS = 512
+CHANNEL_SUM_MIN = 4096
+
+
+def channel_sum_parts(n: int, k: int, hw: int) -> int:
+    """How many slices of the ``n`` samples a convolution's bias gradient is summed in (1: one
+    workgroup a channel writes the gradient itself)."""
+    wanted = math.ceil(CHANNEL_SUM_TARGET_GROUPS / k)
+    return max(1, min(wanted, n, n * hw // CHANNEL_SUM_MIN))
+
+
 def embedding_chunks(ids: int, rows: int, dim: int) -> int:
     """Chunks of an Embedding's ids whose table gradients embedding_backward sums apart (one
     workgroup per table row and chunk) for embedding_chunk_sum to add in chunk order: with a
@@ -478,6 +492,22 @@ class _Builder:
         finish = launch("conv_splitk_sum", (workspace, dw), total=m * n, splits=splits)
         return main, finish
 
+    def _conv_bias_grad(self, dz: str, db: str, out_shape: tuple[int, ...]) -> tuple[Launch, Launch | None]:
+        """A convolution's bias gradient (channel_sum), summed in slices of the samples when its
+        channels alone are too few workgroups (channel_sum_parts).
+
+        Returns:
+            (launch, finish): ``finish`` (conv_splitk_sum) adds the slices into ``db``, in a later
+            group; None when there is one slice.
+        """
+        k, hw = out_shape[0], math.prod(out_shape[1:])
+        parts = channel_sum_parts(self.b, k, hw)
+        if parts == 1:
+            return launch("channel_sum", (dz, db), N=self.b, K=k, HW=hw, parts=1), None
+        workspace = self.g.add(f"splitk:{db}", (parts, k))
+        main = launch("channel_sum", (dz, workspace), N=self.b, K=k, HW=hw, parts=parts)
+        return main, launch("conv_splitk_sum", (workspace, db), total=k, splits=parts)
+
     def _pool_params(self, stage: Stage, layer: MaxPool2d | AvgPool2d) -> dict[str, int]:
         c, h, w = stage.in_shape
         _, oh, ow = stage.out_shape
@@ -703,20 +733,15 @@ class _Builder:
             else:
                 params = self._conv_params(stage, layer)
                 weight_grad, finish_weight = self._conv_weight_grad(h, dz, dw, params)
+                bias_grad, finish_bias = (None, None)
+                if layer.bias:
+                    bias_grad, finish_bias = self._conv_bias_grad(dz, db, stage.out_shape)
                 g.emit(
                     weight_grad,
-                    launch(
-                        "channel_sum",
-                        (dz, db),
-                        N=b,
-                        K=stage.out_shape[0],
-                        HW=math.prod(stage.out_shape[1:]),
-                    )
-                    if layer.bias
-                    else None,
+                    bias_grad,
                     launch("conv2d_gemm_backward_data", (dz, w, in_grad), **params) if in_grad else None,
                 )
-                g.emit(finish_weight)
+                g.emit(finish_weight, finish_bias)
         elif isinstance(layer, MaxPool2d):
             if in_grad:
                 g.emit(

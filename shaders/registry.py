@@ -471,14 +471,15 @@ _OPS: tuple[OpDef, ...] = (
         local_from_spec=lambda s: (s["OUTS"], s["LANES"], 1),
         tune=lambda params, facts, table=None: tune_conv_splitk_sum(params),
     ),
-    # db[k] = sum over n and spatial of dY[n, k, :] (dY viewed as [N, K, HW]).
+    # db[k] = sum over n and spatial of dY[n, k, :] (dY viewed as [N, K, HW]); with parts > 1,
+    # per-slice sums [parts, K] for conv_splitk_sum to finish (see the shader).
     OpDef(
         "channel_sum",
         "channel_sum.comp",
         ("dY", "db"),
-        (("N", "u"), ("K", "u"), ("HW", "u")),
-        lambda p, local, spec: capped_groups(int(p["K"]), 1),
-        local_size=(64, 1, 1),
+        (("N", "u"), ("K", "u"), ("HW", "u"), ("parts", "u")),
+        lambda p, local, spec: (capped_groups(int(p["K"]), 1)[0], int(p["parts"]), 1),
+        local_size=(256, 1, 1),
     ),
     # Y = max over each window; idx = flat h*W+w of the max within its channel plane.
     OpDef("maxpool2d", "maxpool2d.comp", ("X", "Y", "idx"), _POOL_PUSH, _pool_out_groups),

@@ -643,11 +643,12 @@ def test_tune_conv_takes_the_device_table_where_it_fits():
 
 
 def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_backend, rng):
-    """A CNN whose first weight gradient sums over 8 x 12 x 12 positions: autodiff splits it
-    (conv2d_gemm_backward_weight with k_splits, then conv_splitk_sum), and one training step's
-    gradients on Vulkan match the float64 CPU backend's."""
+    """A CNN whose first weight gradient sums over 16 x 24 x 24 positions: autodiff splits it
+    (conv2d_gemm_backward_weight with k_splits, then conv_splitk_sum), and its bias gradient too
+    (channel_sum in slices of the samples, then conv_splitk_sum); one training step's gradients
+    on Vulkan match the float64 CPU backend's."""
     model = Model(
-        input_shape=(1, 12, 12),
+        input_shape=(1, 24, 24),
         layers=(
             Conv2d(5, 3, padding=1, activation="relu"),
             MaxPool2d(2),
@@ -657,7 +658,7 @@ def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_ba
         ),
         loss=CrossEntropy(),
     )
-    batch = 8
+    batch = 16
     assert len(STEP_VALUES) == 6
     spec = Spec(
         model=model,
@@ -674,6 +675,7 @@ def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_ba
         if s.op == "conv2d_gemm_backward_weight" and s.param_dict.get("k_splits", 1) > 1
     ]
     assert split and "conv_splitk_sum" in ops
+    assert any(s.op == "channel_sum" and s.param_dict["parts"] > 1 for s in program.launches)
     params = init_parameters(device, "xavier", int(rng.integers(1 << 30)))
     x = normal(rng, batch, *model.input_shape)
     y = rng.integers(0, 3, batch).astype(np.int32)
@@ -696,20 +698,44 @@ def test_cnn_with_split_weight_gradient_trains_alike_on_cpu_and_vulkan(vulkan_ba
 # Channel sum (the conv bias gradient)
 
 
-@pytest.mark.parametrize("n,k,hw", [(1, 1, 1), (2, 5, 63), (3, 4, 7 * 9), (2, 3, 257)])
+@pytest.mark.parametrize("n,k,hw", [(1, 1, 1), (2, 5, 63), (3, 4, 7 * 9), (2, 3, 257), (5, 3, 1031)])
 def test_channel_sum(backend, rng, n, k, hw):
     dy = normal(rng, n, k, hw)
-    got = run_op(backend, "channel_sum", {"dY": dy, "db": np.zeros(k, np.float32)}, N=n, K=k, HW=hw)["db"]
+    arrays = {"dY": dy, "db": np.zeros(k, np.float32)}
+    got = run_op(backend, "channel_sum", arrays, N=n, K=k, HW=hw, parts=1)["db"]
     expected = np.array([sum(as64(dy[i, j]).sum() for i in range(n)) for j in range(k)])
     assert relative_error(got, expected) <= TOL
     if torch is not None:
         assert relative_error(got, t64(dy).sum(dim=(0, 2)).numpy()) <= TOL
 
 
+@pytest.mark.parametrize("n,k,hw,parts", [(7, 3, 45, 3), (9, 5, 1031, 4), (4, 2, 3, 4), (5, 1, 17, 2)])
+def test_channel_sum_in_slices_of_samples(backend, rng, n, k, hw, parts):
+    """parts > 1: slice p of ceil(n / parts) samples sums into [p * K, (p + 1) * K); the
+    workspace conv_splitk_sum then adds (a slice past the samples sums nothing: 0)."""
+    dy = normal(rng, n, k, hw)
+    arrays = {"dY": dy, "db": normal(rng, parts * k)}
+    got = run_op(backend, "channel_sum", arrays, N=n, K=k, HW=hw, parts=parts)["db"]
+    per = -(-n // parts)
+    expected = np.stack([as64(dy[p * per : (p + 1) * per]).sum(axis=(0, 2)) for p in range(parts)])
+    assert relative_error(got.reshape(parts, k), expected) <= TOL
+
+
+def test_channel_sum_parts_fill_a_gpu():
+    from flow.autodiff import channel_sum_parts
+
+    assert channel_sum_parts(256, 32, 784) == 16  # conv1 of the Fashion-MNIST CNN: 512 workgroups
+    assert channel_sum_parts(256, 64, 196) == 8
+    assert channel_sum_parts(256, 1024, 49) == 1  # channels enough on their own
+    assert channel_sum_parts(3, 2, 5) == 1  # too little to split
+    assert channel_sum_parts(2, 1, 100_000) == 2  # never more slices than samples
+
+
 def test_channel_sum_more_channels_than_workgroups(backend, rng):
     n, k, hw = 2, 70_000, 1
     dy = normal(rng, n, k, hw)
-    got = run_op(backend, "channel_sum", {"dY": dy, "db": np.zeros(k, np.float32)}, N=n, K=k, HW=hw)["db"]
+    arrays = {"dY": dy, "db": np.zeros(k, np.float32)}
+    got = run_op(backend, "channel_sum", arrays, N=n, K=k, HW=hw, parts=1)["db"]
     assert relative_error(got, as64(dy).sum(axis=(0, 2))) <= TOL
 
 
