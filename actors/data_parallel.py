@@ -5,9 +5,10 @@ Each training batch is split into the members' shards (flow.parallel_plan.DataPa
 and every member runs its train program, which stops at the gradients, with the loss averaged over
 the global batch's rows, so the members' gradients add up to the global batch's. The gradients are
 all-reduced through the host: read from every member, summed in member order (a fixed order, so a
-run is reproducible bit for bit), and written back; then the update (each member's ``apply``
-program, or the leader's, whose weights are copied to the others: see flow.parallel_plan). The
-members run concurrently: every shard is submitted before any is waited for.
+run is reproducible bit for bit), and written back, through the pinned host arena where every
+member can import it (actors.host_arena: each device's own copies, the sum in place); then the
+update (each member's ``apply`` program, or the leader's, whose weights are copied to the others:
+see flow.parallel_plan). The members run concurrently: every shard is submitted before any is waited for.
 
 A step's device work is one blocking call, made in a worker thread (inline for thread-free fake
 devices), so the event loop stays free for the loader and the sink; a cancelled run waits for the
@@ -24,6 +25,7 @@ of their weights and stop, naming the ranks, at the first that differ.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +38,7 @@ from actors.backend import Backend
 from actors.collective import Ranks
 from actors.device import _PROGRAMS, DEVICE_DEADLINE_S, EvalRound, wait_for_device
 from actors.engine import Engine
+from actors.host_arena import HostArena
 from actors.messages import Batch, CheckpointMark, Cursor, Prediction, Snapshot, StepDone
 from actors.meter import Meter
 from actors.statistics import ActorStatistics
@@ -46,6 +49,8 @@ from flow.spec_model import CrossEntropy
 
 SLOT = 0  # one step at a time: the all-reduce joins the members at every step
 
+logger = logging.getLogger("vkflow")
+
 
 @dataclass(frozen=True)
 class DataParallelStatistics(ActorStatistics):
@@ -54,16 +59,25 @@ class DataParallelStatistics(ActorStatistics):
     Attributes:
         members: each member's device name.
         member_rows: rows each member has run (training, evaluation and prediction).
-        member_seconds: each member's device time, from its shard's submit until it was seen done.
+        member_seconds: each member's busy time: from its shard's submit until it was seen done,
+            plus its updates.
+        member_idle_seconds: each member's idle time: step_seconds less its busy time, spent
+            waiting for the other members and the host.
         member_samples_per_s: member_rows / member_seconds.
-        all_reduce_seconds: host time summing and redistributing gradients, updates included.
+        step_seconds: the wall time of every batch, from its first shard's write to its update.
+        all_reduce_seconds: host time summing and redistributing gradients (updates excluded).
+        all_reduce: the all-reduce's path: "arena" (a pinned host arena every member copies
+            into and out of) or "staging" (reads and writes through each backend).
     """
 
     members: tuple[str, ...] = ()
     member_rows: tuple[int, ...] = ()
     member_seconds: tuple[float, ...] = ()
+    member_idle_seconds: tuple[float, ...] = ()
     member_samples_per_s: tuple[float, ...] = ()
+    step_seconds: float = 0.0
     all_reduce_seconds: float = 0.0
+    all_reduce: str = "staging"
 
 
 def host_all_reduce(
@@ -203,7 +217,19 @@ class DataParallelActor:
         # The ranks compare the trainable weights: running statistics (BatchNorm) are each rank's
         # own, from its own shards, as under DDP without buffer broadcasts.
         self._trainable = optimised_floats(engines[0].plan.model, engines[0].plan.total_params)
-        self.member_seconds = [0.0] * len(self.engines)
+        self.member_seconds = [0.0] * len(self.engines)  # busy: shards and updates
+        self.step_s = 0.0  # wall time of every batch: each member is busy or idle through it
+        self.arena = self._arena() if parallel.all_reduce == "arena" else None
+
+    def _arena(self) -> HostArena | None:
+        """The pinned host arena every member imports; None (the staging path, said in the log)
+        where a device refuses the import."""
+        nbytes = self.engines[0].plan.layout.tensor("grads:all").nbytes
+        try:
+            return HostArena([engine.backend for engine in self.engines], nbytes)
+        except Exception as error:  # a driver that lists the extension, yet refuses this import
+            logger.warning("vkflow: no host arena (%s); the gradients go through staging", error)
+            return None
 
     async def run(self) -> None:
         """Run until the inbox ends; then close the outboxes."""
@@ -236,6 +262,13 @@ class DataParallelActor:
     def step(self, batch: Batch):
         """Run one batch on every member (blocking); the message to report, or None while an
         evaluation round is still summing."""
+        started = time.perf_counter()
+        try:
+            return self._step(batch)
+        finally:
+            self.step_s += time.perf_counter() - started
+
+    def _step(self, batch: Batch):
         kind = _PROGRAMS[batch.split]
         lr = device_learning_rate(self.optimiser, batch.step) if kind == "train" else 0.0
         rows = batch.rows
@@ -267,6 +300,7 @@ class DataParallelActor:
         those that had rows."""
         ran, tickets = [], []
         start = 0
+        gather = self.arena is not None and kind == "train"  # each member's gradients to the arena
         submitted = time.perf_counter()
         for i, rows in enumerate(self.parallel.shard(batch.rows)):
             if rows == 0:
@@ -274,7 +308,10 @@ class DataParallelActor:
             engine, end = self.engines[i], start + rows
             y = batch.y[start:end] if batch.y is not None and kind != "predict" else None
             engine.write_batch(SLOT, batch.x[start:end], y)
-            tickets.append(engine.submit(kind, SLOT, rows, step, divisor=divisor))
+            ticket = engine.submit(kind, SLOT, rows, step, divisor=divisor)
+            if gather:
+                ticket = self.arena.gather(i) or ticket  # the copy runs after the program
+            tickets.append(ticket)
             ran.append((i, rows))
             start = end
         for (i, rows), ticket in zip(ran, tickets, strict=True):
@@ -291,7 +328,10 @@ class DataParallelActor:
         started = time.perf_counter()
         if not ran:  # a rank without rows of this batch: it adds nothing, yet takes part
             leader = self.engines[0]
-            leader.backend.write("grads:all", np.zeros(leader.plan.total_params, np.float32))
+            if self.arena is not None:
+                self.arena.regions[0].fill(0.0)
+            else:
+                leader.backend.write("grads:all", np.zeros(leader.plan.total_params, np.float32))
             ran = [0]
         sources = [self.engines[i].backend for i in ran]
         across = None
@@ -303,16 +343,23 @@ class DataParallelActor:
                 total, sums = ranks.sum_in_rank_order(local, sums, f"the gradients of step {step}")
                 return total
 
-        if self.parallel.update == "each":
-            targets = [engine.backend for engine in self.engines]
-            host_all_reduce(sources, targets, across=across, scratch=self._scratch)
-            tickets = [engine.submit("apply", SLOT, 1, step) for engine in self.engines]
-            for i, (engine, ticket) in enumerate(zip(self.engines, tickets, strict=True)):
-                wait_for_device(engine, ticket, self.deadline_s, i)
+        targets = range(len(self.engines)) if self.parallel.update == "each" else range(1)
+        if self.arena is not None:
+            self.arena.sum(ran, across)
+            for i in targets:
+                self.arena.scatter(i)  # the update, submitted next, runs after the copy
         else:
+            backends = [self.engines[i].backend for i in targets]
+            host_all_reduce(sources, backends, across=across, scratch=self._scratch)
+        applying = time.perf_counter()
+        self.reduce_s += applying - started
+        tickets = [self.engines[i].submit("apply", SLOT, 1, step) for i in targets]
+        for i, ticket in zip(targets, tickets, strict=True):
+            wait_for_device(self.engines[i], ticket, self.deadline_s, i)
+            self.member_seconds[i] += time.perf_counter() - applying
+        if self.parallel.update == "leader":
+            started = time.perf_counter()
             leader = self.engines[0]
-            host_all_reduce(sources, [leader.backend], across=across, scratch=self._scratch)
-            wait_for_device(leader, leader.submit("apply", SLOT, 1, step), self.deadline_s)
             weights = leader.weights()
             # The members never run the update, so they take the leader's loss scale as well.
             scale = leader.backend.read(LOSS_SCALE) if leader.plan.loss_scale is not None else None
@@ -320,7 +367,7 @@ class DataParallelActor:
                 engine.set_weights(weights)
                 if scale is not None:
                     engine.backend.write(LOSS_SCALE, scale)
-        self.reduce_s += time.perf_counter() - started
+            self.reduce_s += time.perf_counter() - started  # the weights' copy redistributes the sum
         return sums
 
     def _report(self, batch: Batch, loss: float, correct: float, lr: float, rows: int, metrics: tuple = ()):
@@ -352,6 +399,9 @@ class DataParallelActor:
             members=tuple(engine.backend.facts.name for engine in self.engines),
             member_rows=tuple(self.member_rows),
             member_seconds=tuple(round(s, 6) for s in self.member_seconds),
+            member_idle_seconds=tuple(round(max(self.step_s - s, 0.0), 6) for s in self.member_seconds),
             member_samples_per_s=tuple(round(v, 1) for v in speeds),
+            step_seconds=round(self.step_s, 6),
             all_reduce_seconds=self.reduce_s,
+            all_reduce="arena" if self.arena is not None else "staging",
         )

@@ -315,6 +315,11 @@ class Meter:
         slot), like a send that waits for space."""
         return _Timed(self, BLOCKED)
 
+    def idle(self) -> _Timed:
+        """Count the time inside the block as waiting for input that comes on a channel besides
+        the inbox (a pipeline stage's activations or gradients), like an empty inbox."""
+        return _Timed(self, IDLE)
+
     def _accrue(self) -> None:
         """Add the time since the last change of state to the state the actor was in: busy if any
         of its tasks was, else blocked, else idle; in none (its own code between waits): busy."""

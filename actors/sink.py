@@ -15,7 +15,9 @@ chunk of steps, see actors.meter), so a resumed run continues it and a killed ru
 chunk's lines. A step's seconds come from when the device saw it done (``StepDone.finished``), not
 from when its chunk arrived. Each process's lines follow the ``{"event": "run", "run", "step",
 "resumed", "pid", "time"}`` record that claiming the file wrote (actors.outputs), so one run's
-lines never run on into another's.
+lines never run on into another's. A data-parallel run adds a ``{"event": "devices", ...}`` line
+as each epoch ends (:func:`devices_record`): each member's samples/s, busy and idle seconds, and
+the all-reduce's seconds.
 
 The sink also acts on the run's health checks (:mod:`actors.health`). It writes the first training
 batch's input range as ``{"event": "inputs", "step", "epoch", "rows", "min", "max", "mean",
@@ -130,6 +132,38 @@ def eval_record(done: EvalDone, elapsed: float) -> dict[str, Any]:
         "samples": done.samples,
         "elapsed": round(elapsed, 6),
     }
+
+
+def devices_record(device: Any, step: int, epoch: int) -> dict[str, Any] | None:
+    """The metrics line of a data-parallel run's members at the end of an epoch: each member's
+    rows, samples/s, busy and idle seconds, and the all-reduce's seconds and path, since this
+    process started the run (actors.data_parallel.DataParallelStatistics).
+
+    Args:
+        device: the device actor's statistics (any other actor's: no line).
+        step: the epoch's last step.
+        epoch: the epoch.
+
+    Returns:
+        The record, or None for a device actor without members.
+    """
+    members = getattr(device, "members", ())
+    if not members:
+        return None
+    times = zip(members, device.member_rows, device.member_seconds, device.member_idle_seconds, strict=True)
+    return {
+        "event": "devices",
+        "step": step,
+        "epoch": epoch,
+        "step_seconds": device.step_seconds,
+        "all_reduce": device.all_reduce,
+        "all_reduce_seconds": round(device.all_reduce_seconds, 6),
+        "devices": [
+            {"name": name, "rows": rows, "samples_per_second": round(rows / busy, 1) if busy > 0 else 0.0,
+             "busy_seconds": busy, "idle_seconds": idle}
+            for name, rows, busy, idle in times
+        ],
+    }  # fmt: skip
 
 
 class Sink:
@@ -268,6 +302,9 @@ class Sink:
 
     def _state(self) -> ProgressState:
         step = self.last_step.step + 1 if self.last_step else self.first_step
+        # A data-parallel run's device actor reports each member's samples/s and its all-reduce.
+        device = self.all_statistics().get("device")
+        steps_s = getattr(device, "step_seconds", 0.0)
         return ProgressState(
             step=step,
             total=self.total_steps,
@@ -277,8 +314,8 @@ class Sink:
             elapsed=time.monotonic() - self.started,
             done_at_start=self.first_step,
             epoch=self.last_step.epoch if self.last_step else None,
-            # A data-parallel run's device actor reports each member's samples/s.
-            devices=tuple(getattr(self.all_statistics().get("device"), "member_samples_per_s", ())),
+            devices=tuple(getattr(device, "member_samples_per_s", ())),
+            all_reduce_share=device.all_reduce_seconds / steps_s if steps_s > 0 else None,
         )
 
     async def _save(self, snapshot: Snapshot, name: str | None = None) -> Path:
@@ -303,8 +340,14 @@ class Sink:
             best = {"monitor": callback.monitor, "value": callback.best, "path": str(path)}
             self._write({"event": "best", "step": step, **best})
 
+    def _devices(self, step: int, epoch: int) -> None:
+        """Write a data-parallel run's per-member times as an epoch ends."""
+        record = devices_record(self.all_statistics().get("device"), step, epoch)
+        if record is not None:
+            self._write(record)
+
     def _step(self, item: StepDone) -> None:
-        self.last_step = item
+        previous, self.last_step = self.last_step, item
         if not math.isfinite(item.loss) and item.rows and not self._nonfinite_seen:
             self._nonfinite(item)
         if self._chance is not None:
@@ -322,7 +365,11 @@ class Sink:
             record = step_record(item, self.samples_per_second, now - self.started, statistics, self.model)
             if statistics is not None and (skipped := self._skipped()):
                 record["skipped"] = skipped
+            if previous is not None and previous.epoch != item.epoch:
+                self._devices(previous.step, previous.epoch)
             self._write(record)
+            if last:
+                self._devices(item.step, item.epoch)
         if self.progress.due(force=last, epoch=item.epoch):  # building the state costs: only when drawn
             self.progress.update(self._state(), force=last)
 

@@ -2,16 +2,27 @@
 split and the schedule; this runs them). It is the pipeline's one device node, so the stream the
 sink sees stays one ordered stream, as under data parallelism.
 
-Each batch is cut into the plan's micro-batches, and every stage is an actor of its own for the
-batch: a trio task that owns its device and runs its part of the 1F1B order (StagePlan.schedule),
-each device call in a worker thread of its own (its CapacityLimiter), so the stages' devices work
-at once. Activations go forward and gradients come back through bounded channels, copied through
-the host as the data-parallel all-reduce's gradients are; the backward channels are credit edges:
-a stage runs no forward past its slots until a gradient comes back (the schedule says when it
-waits for one), so the cycle cannot deadlock. Then every stage applies the batch's update, summed
-over its micro-batches on the device. Evaluation runs the forwards only.
+Every stage is a device actor of its own for the whole run (:class:`StageActor`): a trio task that
+owns its device, with its own inbox (the batches' orders), its own report channel back, and its own
+statistics (``stage<s>``: busy on its device, idle waiting for an order, an activation or a
+gradient, blocked waiting for room in the next stage's channel). Each batch is cut into the plan's
+micro-batches, and each stage runs its part of the 1F1B order (StagePlan.schedule), each device
+call in a worker thread of its own (its CapacityLimiter), so the stages' devices work at once.
+Activations go forward and gradients come back through bounded channels that live as long as the
+stages, copied through the host as the data-parallel all-reduce's gradients are; the backward
+channels are credit edges: a stage runs no forward past its slots until a gradient comes back (the
+schedule says when it waits for one), so the cycle cannot deadlock. Every message a batch sends is
+received within it, so the channels are empty between batches. Then the batch's update, summed
+over its micro-batches on each device, is applied on every stage by the node itself, on each
+stage's device lane (its limiter): shielded from cancellation, so it happens on every stage or on
+none. Evaluation runs the forwards only.
 
-A stage that fails stops the batch: its error names the stage and its device, trio cancels the
+Clipping by the global norm and loss scaling make the update one decision for the whole model:
+every stage writes its partial sums of squares (its ``norm`` program), the host joins them in
+stage order with the CPU backend's own kernels (so the rule is the device's), and writes the one
+clip factor, skip flag and loss scale to every stage before its ``apply`` (see flow.stage_plan).
+
+A stage that fails stops the run: its error names the stage and its device, trio cancels the
 others (a device call in a thread is waited for, at most its deadline), and the run ends with
 that error; checkpoints written before stay as they were. Every batch is applied on every stage
 or on none, so a snapshot (the stages' states merged into the whole model's) is exact.
@@ -22,22 +33,80 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import trio
 
+from actors import cpu_ops
 from actors.device import _PROGRAMS, DEVICE_DEADLINE_S, EvalRound, wait_for_device
 from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, Prediction, Snapshot, StepDone
 from actors.meter import Meter
 from actors.statistics import ActorStatistics
-from flow.optim import device_learning_rate
+from flow.optim import CLIP_TENSORS, LOSS_SCALE, LOSS_SCALE_GROWTH, device_learning_rate
 from flow.spec_model import CrossEntropy
 from flow.stage_plan import StagePlan, merge_state
 
 
 class StageFailed(RuntimeError):
     """A stage's device failed; the message names the stage and its device."""
+
+
+@dataclass(frozen=True)
+class StageStatistics(ActorStatistics):
+    """The split's device node's ActorStatistics plus each stage's, in the data-parallel node's
+    terms (actors.data_parallel.DataParallelStatistics), so progress and metrics show them alike.
+
+    Attributes:
+        members: each stage's device name.
+        member_rows: rows each stage has run forward (every stage runs every row).
+        member_seconds: each stage's busy time on its device.
+        member_idle_seconds: each stage's time waiting for an order, an activation or a gradient.
+        member_blocked_seconds: each stage's time waiting for room in the next stage's channel.
+        member_samples_per_s: member_rows / member_seconds.
+        step_seconds: the wall time of every batch, from its orders to its update.
+        all_reduce_seconds: host time joining the stages' gradient norms (clip_norm, loss scale).
+        all_reduce: "norm join" where the update joins the stages' norms, else "none".
+    """
+
+    members: tuple[str, ...] = ()
+    member_rows: tuple[int, ...] = ()
+    member_seconds: tuple[float, ...] = ()
+    member_idle_seconds: tuple[float, ...] = ()
+    member_blocked_seconds: tuple[float, ...] = ()
+    member_samples_per_s: tuple[float, ...] = ()
+    step_seconds: float = 0.0
+    all_reduce_seconds: float = 0.0
+    all_reduce: str = "none"
+
+
+def join_norms(
+    partials: Sequence[np.ndarray], clip_norm: float | None, scale: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """One update's decision for a model split into stages, from each stage's grad_norm partial
+    sums of squares, joined in stage order as the CPU backend's join kernel joins one device's (in
+    float64: a Vulkan device's join adds in float32, so at the edge of overflow it may skip a step
+    that this one does not).
+
+    Args:
+        partials: each stage's ``clip:partials``, in stage order.
+        clip_norm: the optimiser's clip_norm, or None.
+        scale: the loss scale's state [scale, streak, skipped] (flow.optim.LOSS_SCALE), or None.
+
+    Returns:
+        (clip:norm = [norm, factor, skip] for every stage, the scale's next state or None).
+    """
+    joined = np.concatenate(partials).astype(np.float32)
+    clip = np.zeros(dict(CLIP_TENSORS)["clip:norm"], np.float32)
+    max_norm = math.inf if clip_norm is None else float(clip_norm)
+    if scale is None:
+        cpu_ops.grad_norm([joined, clip], {"n": joined.size, "parts": 0, "max_norm": max_norm})
+        return clip, None
+    state = np.array(scale, np.float32)
+    params = {"n": joined.size, "max_norm": max_norm, "growth_interval": LOSS_SCALE_GROWTH}
+    cpu_ops.loss_scale_update([joined, state, clip], params)
+    return clip, state
 
 
 class _Micro:
@@ -49,8 +118,140 @@ class _Micro:
         self.loss, self.correct, self.metrics, self.outputs = loss, correct, metrics, outputs
 
 
+class _Work:
+    """One batch's part for one stage: its ops in the schedule's order and what they need."""
+
+    __slots__ = ("kind", "batch", "bounds", "step", "rows", "results", "order")
+
+    def __init__(self, kind: str, batch: Batch, bounds, step, rows: int, results: list, order) -> None:
+        self.kind, self.batch, self.bounds, self.step = kind, batch, bounds, step
+        self.rows, self.results, self.order = rows, results, order
+
+
+class StageActor:
+    """One stage: a device actor for the whole run (see the module docstring). The node wires
+    its activation and gradient channels (``x_in``, ``x_out``, ``grad_in``, ``grad_out``).
+
+    Args:
+        index: the stage's place in the split.
+        engine: its device's engine.
+        stages: the plan's split.
+        inline: run device calls on the event loop (thread-free fake devices).
+        deadline_s: the longest one device call may take before the run stops, naming the device.
+    """
+
+    def __init__(
+        self, index: int, engine: Engine, stages: StagePlan, inline: bool, deadline_s: float
+    ) -> None:
+        self.index, self.engine, self.inline, self.deadline_s = index, engine, inline, deadline_s
+        self.last = index == len(stages.members) - 1
+        self.backward = not self.last and stages.backward[index]
+        self.sends = index > 0 and stages.backward[index - 1]  # the stage before needs this one's dx
+        self.orders, inbox = trio.open_memory_channel(1)
+        reports, self.reports = trio.open_memory_channel(1)
+        self.meter = Meter(f"stage{index}", inbox, (reports,))
+        self.limiter = trio.CapacityLimiter(1)
+        self.x_in = self.x_out = self.grad_in = self.grad_out = None
+        self.rows = 0  # rows run forward
+
+    async def run(self) -> None:
+        """Run each batch's order until the node closes the inbox; report each done."""
+        async with self.meter:
+            async for work in self.meter:
+                await self._work(work)
+                await self.meter.send(self.index)
+
+    async def call(self, fn, *args):
+        """A blocking call on this stage's device (inline for thread-free fake devices), counted
+        as its busy time; an error names the stage and its device."""
+        with self.meter.busy():
+            try:
+                if self.inline:
+                    return fn(*args)
+                return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+            except Exception as error:
+                name, s = self.engine.backend.facts.name, self.index
+                raise StageFailed(
+                    f"stage {s} on device {s} ({name}) failed: {type(error).__name__}: {error}"
+                ) from error
+
+    async def _receive(self, channel):
+        with self.meter.idle():
+            return await channel.receive()
+
+    async def _send(self, channel, item) -> None:
+        with self.meter.blocked():
+            await channel.send(item)
+
+    async def _work(self, work: _Work) -> None:
+        """This stage's part of one batch: its forwards and backwards in the schedule's order."""
+        kind, batch, bounds, step, rows = work.kind, work.batch, work.bounds, work.step, work.rows
+        s, last, sends = self.index, self.last, self.sends
+        for op, m in work.order:
+            slot = m % self.engine.slots
+            start, end = int(bounds[m]), int(bounds[m + 1])
+            if op == "F":
+                x = batch.x[start:end] if s == 0 else await self._receive(self.x_in)
+                y = batch.y[start:end] if last and batch.y is not None and kind != "predict" else None
+                program = kind if last else ("forward" if kind == "train" else "eval")
+                out = await self.call(self._forward, program, slot, x, y, step, rows, last and sends)
+                self.rows += end - start
+                if last:
+                    work.results[m] = out[0]
+                    if kind == "train" and sends:
+                        await self._send(self.grad_out, out[1])
+                else:
+                    await self._send(self.x_out, out)
+            elif self.backward:
+                dy = await self._receive(self.grad_in)
+                dx = await self.call(self._backward, slot, dy, step, end - start, rows, sends)
+                if sends:
+                    await self._send(self.grad_out, dx)
+
+    def _forward(self, program: str, slot: int, x, y, step, divisor: int, read_dx: bool):
+        """Blocking: one micro-batch's forward (the last stage's train program runs its loss and
+        backward too); the output rows, or (the last stage) its results and dx."""
+        engine = self.engine
+        rows = engine.write_batch(slot, x, y)
+        ticket = engine.submit(program, slot, rows, step if program == "train" else None, divisor=divisor)
+        wait_for_device(engine, ticket, self.deadline_s, self.index)
+        if not self.last:
+            return engine.outputs(slot, rows)
+        if program == "predict":
+            return _Micro(outputs=engine.outputs(slot, rows)), None
+        loss, correct = engine.loss_and_correct(slot)
+        dx = engine.backend.read("dx", slot)[:rows] if read_dx else None
+        return _Micro(loss, correct, engine.metric_values(slot)), dx
+
+    def _backward(self, slot: int, dy: np.ndarray, step: int, rows: int, divisor: int, read_dx: bool):
+        """Blocking: one micro-batch's backward from its output's gradient ``dy`` (padded with zero
+        rows: padding rows add nothing to the weights' gradients)."""
+        engine = self.engine
+        padded = np.zeros(engine.plan.layout.tensor("dy").shape, np.float32)
+        padded[:rows] = dy
+        engine.backend.write("dy", padded, slot)
+        ticket = engine.submit("backward", slot, rows, step, divisor=divisor)
+        wait_for_device(engine, ticket, self.deadline_s, self.index)
+        return engine.backend.read("dx", slot)[:rows] if read_dx else None
+
+    def norm(self) -> np.ndarray:
+        """Blocking: this stage's grad_norm partial sums of squares of its summed gradients."""
+        engine = self.engine
+        wait_for_device(engine, engine.submit("norm", 0, 1), self.deadline_s, self.index)
+        return engine.backend.read("clip:partials")
+
+    def apply(self, step: int, clip: np.ndarray | None, scale: np.ndarray | None) -> None:
+        """Blocking: this stage's update (with the whole model's clip values and loss scale)."""
+        engine = self.engine
+        if clip is not None:
+            engine.backend.write("clip:norm", clip)
+        if scale is not None:  # every stage keeps the one scale (the last one's loss reads it)
+            engine.backend.write(LOSS_SCALE, scale)
+        wait_for_device(engine, engine.submit("apply", 0, 1, step), self.deadline_s, self.index)
+
+
 class StagedActor:
-    """The device actor over a model's stages (see the module docstring).
+    """The device node over a model's stages (see the module docstring).
 
     Args:
         meter: its ports (inbox from preprocess; outboxes to the optimiser and the sink).
@@ -73,18 +274,22 @@ class StagedActor:
         self.meter = meter
         self.engines = list(engines)
         self.stages = stages
-        self.inline = inline
-        self.deadline_s = deadline_s
         self.optimiser = engines[0].plan.optimiser
         model = engines[-1].plan.model  # the last stage's: the loss and the metrics
         self._eval = EvalRound(isinstance(model.loss, CrossEntropy), model)
-        self.limiters = [trio.CapacityLimiter(1) for _ in self.engines]
         self.applied = start or Cursor()
-        self.stage_seconds = [0.0] * len(self.engines)  # each stage's device time
+        self.actors = [StageActor(s, engine, stages, inline, deadline_s) for s, engine in enumerate(engines)]
+        for s, (before, after) in enumerate(zip(self.actors, self.actors[1:], strict=False)):  # each cut
+            before.x_out, after.x_in = trio.open_memory_channel(stages.slots[s])
+            after.grad_out, before.grad_in = trio.open_memory_channel(stages.slots[s])
+        self.step_s = 0.0  # every batch's wall time
+        self.join_s = 0.0  # the host's joins of the stages' norms
 
     async def run(self) -> None:
-        """Run until the inbox ends; then close the outboxes."""
-        async with self.meter:
+        """Start the stages; run until the inbox ends; then end the stages and close the outboxes."""
+        async with self.meter, trio.open_nursery() as nursery:
+            for actor in self.actors:
+                nursery.start_soon(actor.run, name=f"vkflow stage {actor.index}")
             async for item in self.meter:
                 if isinstance(item, Batch):
                     with self.meter.busy():
@@ -92,25 +297,13 @@ class StagedActor:
                     if message is not None:
                         await self.meter.send(message)
                 elif isinstance(item, CheckpointMark):
-                    state = await self._call(0, self.state)
+                    states = [await actor.call(actor.engine.state) for actor in self.actors]
+                    state = merge_state(self.stages, states)
                     await self.meter.send(Snapshot(item.cursor, state, item.final, best_only=item.best_only))
                 else:
                     await self.meter.send(item)
-
-    async def _call(self, stage: int, fn, *args):
-        """A blocking device call of ``stage`` (inline for thread-free fake devices); an error
-        names the stage and its device."""
-        started = time.perf_counter()
-        try:
-            if self.inline:
-                return fn(*args)
-            return await trio.to_thread.run_sync(fn, *args, limiter=self.limiters[stage])
-        except Exception as error:
-            name = self.engines[stage].backend.facts.name
-            message = f"stage {stage} on device {stage} ({name}) failed: {type(error).__name__}: {error}"
-            raise StageFailed(message) from error
-        finally:
-            self.stage_seconds[stage] += time.perf_counter() - started
+            for actor in self.actors:
+                await actor.orders.aclose()
 
     # -- one batch -------------------------------------------------------------------------------
     async def _batch(self, batch: Batch):
@@ -119,28 +312,21 @@ class StagedActor:
         rows = batch.rows
         if rows == 0:  # every sample was skipped as bad: the step counts, with no update
             return self._report(batch, math.nan, 0.0, lr, 0)
+        started = time.perf_counter()
         micro = self.stages.split(rows)
         bounds = np.cumsum((0, *micro))
         results: list[_Micro] = [_Micro() for _ in micro]
-        count = len(self.engines)
-        forward = [trio.open_memory_channel(self.stages.slots[s]) for s in range(count - 1)]
-        backward = [trio.open_memory_channel(self.stages.slots[s]) for s in range(count - 1)]
         orders = self.stages.schedule(kind, len(micro))
         step = batch.step if kind == "train" else None
-        async with trio.open_nursery() as nursery:
-            for s in range(count):
-                ports = (
-                    forward[s - 1][1] if s else None,
-                    forward[s][0] if s < count - 1 else None,
-                    backward[s][1] if s < count - 1 else None,
-                    backward[s - 1][0] if s else None,
-                )
-                work = (kind, batch, bounds, step, rows, results)
-                nursery.start_soon(self._stage, s, orders[s], ports, work, name=f"vkflow stage {s}")
+        for actor, order in zip(self.actors, orders, strict=True):
+            await actor.orders.send(_Work(kind, batch, bounds, step, rows, results, order))
+        for actor in self.actors:  # each stage's report that its part is done
+            await actor.reports.receive()
         if kind == "train":
             with trio.CancelScope(shield=True):  # an interrupt waits: applied on every stage or none
                 await self._apply(step)
                 self.applied = batch.after()
+        self.step_s += time.perf_counter() - started
         if kind == "predict":
             return Prediction(batch.seq, batch.tag, batch.last, np.concatenate([r.outputs for r in results]))
         loss = sum(r.loss for r in results)  # each micro-batch's share of the batch's mean
@@ -148,68 +334,28 @@ class StagedActor:
         metrics = tuple(map(sum, zip(*(r.metrics for r in results), strict=True)))
         return self._report(batch, loss, correct, lr, rows, metrics)
 
-    async def _stage(self, s: int, order, ports, work) -> None:
-        """Stage ``s``'s part of one batch: its forwards and backwards in the schedule's order."""
-        kind, batch, bounds, step, rows, results = work
-        receive_x, send_x, receive_grad, send_grad = ports
-        engine, last = self.engines[s], s == len(self.engines) - 1
-        sends = s > 0 and self.stages.backward[s - 1]  # the stage before needs this one's dx
-        for op, m in order:
-            slot = m % engine.slots
-            start, end = int(bounds[m]), int(bounds[m + 1])
-            if op == "F":
-                x = batch.x[start:end] if s == 0 else await receive_x.receive()
-                y = batch.y[start:end] if last and batch.y is not None and kind != "predict" else None
-                program = kind if last else ("forward" if kind == "train" else "eval")
-                out = await self._call(s, self._forward, s, program, slot, x, y, step, rows, last and sends)
-                if last:
-                    results[m] = out[0]
-                    if kind == "train" and sends:
-                        await send_grad.send(out[1])
-                else:
-                    await send_x.send(out)
-            elif not last and self.stages.backward[s]:
-                dy = await receive_grad.receive()
-                dx = await self._call(s, self._backward, s, slot, dy, step, end - start, rows, sends)
-                if sends:
-                    await send_grad.send(dx)
-
-    def _forward(self, s: int, program: str, slot: int, x, y, step, divisor: int, read_dx: bool):
-        """Blocking: one micro-batch's forward on stage ``s`` (the last stage's train program runs
-        its loss and backward too); the output rows, or (the last stage) its results and dx."""
-        engine = self.engines[s]
-        rows = engine.write_batch(slot, x, y)
-        ticket = engine.submit(program, slot, rows, step if program == "train" else None, divisor=divisor)
-        wait_for_device(engine, ticket, self.deadline_s, s)
-        if s < len(self.engines) - 1:
-            return engine.outputs(slot, rows)
-        if program == "predict":
-            return _Micro(outputs=engine.outputs(slot, rows)), None
-        loss, correct = engine.loss_and_correct(slot)
-        dx = engine.backend.read("dx", slot)[:rows] if read_dx else None
-        return _Micro(loss, correct, engine.metric_values(slot)), dx
-
-    def _backward(self, s: int, slot: int, dy: np.ndarray, step: int, rows: int, divisor: int, read_dx: bool):
-        """Blocking: one micro-batch's backward on stage ``s`` from its output's gradient ``dy``
-        (padded with zero rows: padding rows add nothing to the weights' gradients)."""
-        engine = self.engines[s]
-        padded = np.zeros(engine.plan.layout.tensor("dy").shape, np.float32)
-        padded[:rows] = dy
-        engine.backend.write("dy", padded, slot)
-        ticket = engine.submit("backward", slot, rows, step, divisor=divisor)
-        wait_for_device(engine, ticket, self.deadline_s, s)
-        return engine.backend.read("dx", slot)[:rows] if read_dx else None
-
     async def _apply(self, step: int) -> None:
-        """Every stage's update from its summed gradients, on every device at once."""
+        """Every stage's update from its summed gradients, on every device at once (with the
+        whole model's norm and loss scale joined on the host first, where the update needs them)."""
+        clip, scale = None, None
+        if self.stages.global_norm:
+            partials: list = [None] * len(self.actors)
 
-        def apply(s: int) -> None:
-            engine = self.engines[s]
-            wait_for_device(engine, engine.submit("apply", 0, 1, step), self.deadline_s, s)
+            async def norm(actor: StageActor) -> None:
+                partials[actor.index] = await actor.call(actor.norm)
 
+            async with trio.open_nursery() as nursery:
+                for actor in self.actors:
+                    nursery.start_soon(norm, actor)
+            last = self.actors[-1]
+            scaled = last.engine.plan.loss_scale is not None
+            state = await last.call(last.engine.backend.read, LOSS_SCALE) if scaled else None
+            joined = time.perf_counter()
+            clip, scale = join_norms(partials, self.optimiser.clip_norm, state)
+            self.join_s += time.perf_counter() - joined
         async with trio.open_nursery() as nursery:
-            for s in range(len(self.engines)):
-                nursery.start_soon(self._call, s, apply, s)
+            for actor in self.actors:
+                nursery.start_soon(actor.call, actor.apply, step, clip, scale)
 
     def _report(self, batch: Batch, loss: float, correct: float, lr: float, rows: int, metrics: tuple = ()):
         if batch.split == "train":
@@ -233,5 +379,24 @@ class StagedActor:
         the last applied batch's."""
         return Snapshot(self.applied, self.state(), interrupted=True)
 
-    def statistics(self) -> ActorStatistics:
-        return self.meter.statistics()
+    def statistics(self) -> StageStatistics:
+        """The node's statistics with each stage's (see :class:`StageStatistics`)."""
+        stages = self.stage_statistics().values()
+        busy = tuple(round(s.busy_seconds, 6) for s in stages)
+        pairs = zip(self.actors, busy, strict=True)
+        return StageStatistics(
+            **self.meter.statistics().__dict__,
+            members=tuple(actor.engine.backend.facts.name for actor in self.actors),
+            member_rows=tuple(actor.rows for actor in self.actors),
+            member_seconds=busy,
+            member_idle_seconds=tuple(round(s.idle_seconds, 6) for s in stages),
+            member_blocked_seconds=tuple(round(s.blocked_seconds, 6) for s in stages),
+            member_samples_per_s=tuple(round(a.rows / b, 1) if b > 0 else 0.0 for a, b in pairs),
+            step_seconds=round(self.step_s, 6),
+            all_reduce_seconds=round(self.join_s, 6),
+            all_reduce="norm join" if self.stages.global_norm else "none",
+        )
+
+    def stage_statistics(self) -> dict[str, ActorStatistics]:
+        """Each stage actor's own statistics, by its name (``stage0``, ...)."""
+        return {actor.meter.name: actor.meter.statistics() for actor in self.actors}

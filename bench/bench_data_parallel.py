@@ -3,9 +3,11 @@ against one device, in one run.
 
 a. all-reduce: ``actors.data_parallel.host_all_reduce`` of a float32 tensor of 4, 32 and 256 MB
    over the selected members (every member's tensor read to the host, summed in member order, the
-   sum written to every member), against a plain host-to-device write and device-to-host read of
-   the same buffer on member 0. GB/s = the buffer's bytes / seconds (algorithm bandwidth); median
-   and range over ``--reps``.
+   sum written to every member), and the same through the pinned host arena
+   (``actors.host_arena``: each member's device copies into the arena and back, the host sums in
+   place; only where every member imports host memory), against a plain host-to-device write and
+   device-to-host read of the same buffer on member 0. GB/s = the buffer's bytes / seconds
+   (algorithm bandwidth); median and range over ``--reps``.
 b. training: ``flow.run`` end to end on the Fashion-MNIST MLP (784-1024-1024-10, SGD momentum 0.9,
    batch 256 and 1024) over a Synthetic set (``VKFLOW_BENCH_SAMPLES``, default 60000 rows), on member 0 alone
    and on every member together. samples/s of the steady epochs 2..E (E = 3), each epoch's time
@@ -34,6 +36,8 @@ from bench_realworld import epochs_from_metrics  # noqa: E402
 import flow  # noqa: E402
 from actors import device_select  # noqa: E402
 from actors.data_parallel import host_all_reduce  # noqa: E402
+from actors.host_arena import HostArena  # noqa: E402
+from flow.parallel_plan import all_reduce_path  # noqa: E402
 from flow.program import Arena, Layout, Tensor  # noqa: E402
 from flow.spec import (  # noqa: E402
     SGD,
@@ -71,6 +75,7 @@ def all_reduce(rep: common.Reporter, choices, sizes_mb, reps: int) -> None:
             data = rng.standard_normal(n, dtype=np.float32)
             timed = {
                 "all_reduce": lambda scratch={}: host_all_reduce(backends, backends, scratch=scratch),  # noqa: B006
+                **_arena_round(group, backends, n * 4),
                 "h2d_write": lambda data=data: backends[0].write("grads:all", data),
                 "d2h_read": lambda out=np.empty(n, np.float32): backends[0].read_into("grads:all", out),  # noqa: B008
             }
@@ -78,12 +83,32 @@ def all_reduce(rep: common.Reporter, choices, sizes_mb, reps: int) -> None:
                 fn()  # warm: staging buffers made, pages touched
                 seconds = [common.host_seconds(fn) for _ in range(reps)]
                 gbps = [n * 4 / s / 1e9 for s in seconds]
-                device = names if impl == "all_reduce" else group[0].name
+                device = names if impl.startswith("all_reduce") else group[0].name
                 rep.figure(BENCH, impl, device, bytes=n * 4, members=len(backends),
                            gb_per_s=common.median(gbps), min=min(gbps), max=max(gbps))  # fmt: skip
     finally:
         for backend in backends:
             backend.close()
+
+
+def _arena_round(group, backends, nbytes: int) -> dict:
+    """{"all_reduce_arena": one all-reduce through the host arena, waited for}, or {} where some
+    member cannot import host memory."""
+    if all_reduce_path(group) != "arena":
+        return {}
+    arena = HostArena(backends, nbytes)  # freed with the layout the next size opens
+    members = range(len(backends))
+
+    def round_trip() -> None:
+        for backend, ticket in [(backends[i], arena.gather(i)) for i in members]:
+            if ticket is not None:
+                backend.wait(ticket)
+        arena.sum(members)
+        for backend, ticket in [(backends[i], arena.scatter(i)) for i in members]:
+            if ticket is not None:
+                backend.wait(ticket)
+
+    return {"all_reduce_arena": round_trip}
 
 
 def mlp_spec(select, samples: int, epochs: int, batch: int, metrics: Path) -> Spec:

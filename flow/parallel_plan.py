@@ -37,6 +37,9 @@ Update = Literal["each", "leader"]
 # Where the shares came from: equal devices, the spec's shares, throughput measured before the
 # first step, or (a plan made before that measurement) still to be measured.
 Basis = Literal["equal", "spec", "measured", "to measure"]
+# How gradients reach the host and go back (actors.host_arena): one pinned host arena imported by
+# every member, or each backend's own reads and writes.
+AllReduce = Literal["arena", "staging"]
 # (rank, size) variables of the launchers: Open MPI, MPICH's hydra and Intel MPI (PMI), MVAPICH.
 RANK_VARIABLES = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
@@ -153,6 +156,7 @@ class DataParallelPlan:
         ranks: the ranks of an MPI job that share each global batch (1 without one).
         rank: this process's rank.
         global_batch: the rows of a full global batch, over every rank (``batch`` is this rank's).
+        all_reduce: the all-reduce's path (:func:`all_reduce_path`).
     """
 
     members: tuple[str, ...]
@@ -165,6 +169,7 @@ class DataParallelPlan:
     ranks: int = 1
     rank: int = 0
     global_batch: int = 0
+    all_reduce: AllReduce = "staging"
 
     def shard(self, rows: int) -> tuple[int, ...]:
         """The rows each member takes of a batch of ``rows`` (a full batch: ``self.rows``; a
@@ -190,6 +195,7 @@ class DataParallelPlan:
             "ranks": self.ranks,
             "rank": self.rank,
             "global_batch": self.global_batch or self.batch,
+            "all_reduce": self.all_reduce,
         }
 
 
@@ -224,7 +230,14 @@ def plan_data_parallel(
     members = _plan_members(group, stop - start, shares, speeds)
     if running_statistics:
         members = replace(members, update="leader")
-    return replace(members, **on_ranks)
+    return replace(members, all_reduce=all_reduce_path(group), **on_ranks)
+
+
+def all_reduce_path(group: tuple[DeviceFacts, ...]) -> AllReduce:
+    """The all-reduce's path: "arena" where every member can share one pinned host arena, each
+    importing host memory (VK_EXT_external_memory_host: lavapipe, NVIDIA, AMD) or being the numpy
+    backend (host memory already); else "staging"."""
+    return "arena" if all(f.is_numpy or f.has("host_memory_import") for f in group) else "staging"
 
 
 def _plan_members(

@@ -17,12 +17,13 @@ def stage_lines(stages: StagePlan) -> list[str]:
         f"{stages.micro_batches} micro-batch(es) of up to {stages.micro_rows} rows a batch of "
         f"{stages.batch}, activations forward and gradients back through the host (credit edges), "
         "one update a batch"
+        + (" (its gradient norm joined over the stages on the host)" if stages.global_norm else "")
     ]
     orders = stages.as_dict()["schedule"]
     for s, (name, (start, stop)) in enumerate(zip(stages.members, stages.layers, strict=True)):
         lines.append(
             f"  stage {s} on {name}: layers[{start}:{stop}], {stages.slots[s]} micro-batch(es) in flight; "
-            f"{orders[s]}"
+            f"{orders[s]}" + (f"; {stages.precisions[s]} precision" if "mixed" in stages.precisions else "")
         )
     return lines
 
@@ -83,7 +84,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"data parallel over {len(parallel.members)} device{'s' if len(parallel.members) > 1 else ''}: "
             f"rows of a batch of {parallel.batch} "
-            f"{list(parallel.rows)} ({shares}); gradients summed on the host in device order; "
+            f"{list(parallel.rows)} ({shares}); gradients summed on the host in device order "
+            + ("in a pinned host arena every device imports; " if parallel.all_reduce == "arena"
+               else "through each device's staging reads and writes; ")
             + ("each device applies the update" if parallel.update == "each"
                else "device 0 applies the update and its weights are copied to the others")
         )  # fmt: skip

@@ -610,6 +610,8 @@ class Runtime:
         stats = {name: actor.statistics() for name, actor in self.actors.items() if actor is not None}
         if self.feed is not None:
             stats[self.feed.name] = self.feed.statistics()
+        if isinstance(self.device, StagedActor):  # each stage is a device actor of its own
+            stats.update(self.device.stage_statistics())
         return stats
 
     def start(self, nursery: trio.Nursery) -> None:

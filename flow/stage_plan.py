@@ -23,6 +23,14 @@ so the cycle of bounded channels cannot deadlock. Each micro-batch's loss is ave
 whole batch's rows and each backward adds the gradients into an ``acc`` arena, so their sum is the
 batch's gradient; then every stage's ``apply`` copies it into its gradients, updates once and
 zeroes the sum.
+
+One model, one update. Clipping by the global norm and loss scaling need the whole model's
+gradients: each stage's ``norm`` program copies its sum into its gradients and writes grad_norm's
+partial sums of squares; the host joins every stage's partials in stage order (actors.stages) into
+one clip factor, one skip decision (any stage's gradients not finite) and one loss scale, writes
+them to every stage, and each ``apply`` then updates with the ``_clip`` variant. In "mixed"
+precision each stage runs its GEMMs on cooperative matrices where its device has them, and in
+float32 where it does not (its plan says which); the loss scale is the run's, one for all.
 """
 
 from __future__ import annotations
@@ -40,7 +48,16 @@ from flow.errors import PlanError, Problem
 from flow.graph import ParamDecl, fused_bias_grads, label_shape, param_offsets, parameters, stages
 from flow.metrics import metric_name, on_device
 from flow.model_graph import MODEL_INPUT, expand
-from flow.optim import initial_loss_scale, optimiser_state_names, update_groups
+from flow.optim import (
+    CLIP_PARTS,
+    CLIP_TENSORS,
+    LOSS_SCALE,
+    LOSS_SCALE_FLOATS,
+    initial_loss_scale,
+    optimiser_state_names,
+    update_groups,
+    update_launch,
+)
 from flow.parallel_plan import split_rows
 from flow.pipeline_plan import plan_pipeline
 from flow.planning import (
@@ -136,6 +153,9 @@ class StagePlan:
             of each parameter, offsets in floats.
         total_params: floats in the whole model's flat arenas (a checkpoint's).
         stage_floats: floats in each stage's flat arenas.
+        global_norm: the update needs the whole model's gradient norm (clip_norm or a loss
+            scale): every stage runs a ``norm`` program before its ``apply``, and the host joins them.
+        precisions: each stage's precision ("mixed" falls back to "float32" per device).
     """
 
     members: tuple[str, ...]
@@ -151,6 +171,8 @@ class StagePlan:
     params: tuple[tuple[tuple[str, int, int, int], ...], ...]
     total_params: int
     stage_floats: tuple[int, ...]
+    global_norm: bool = False
+    precisions: tuple[str, ...] = ()
 
     def split(self, rows: int) -> tuple[int, ...]:
         """The rows of each micro-batch of a batch of ``rows`` (none empty)."""
@@ -163,7 +185,8 @@ class StagePlan:
 
     def kinds(self, stage: int) -> tuple[str, ...]:
         """The programs stage ``stage`` records."""
-        return STAGE_KINDS["last" if stage == len(self.members) - 1 else "first or middle"]
+        kinds = STAGE_KINDS["last" if stage == len(self.members) - 1 else "first or middle"]
+        return (*kinds, "norm") if self.global_norm else kinds
 
     def as_dict(self) -> dict:
         count = len(self.members)
@@ -202,7 +225,7 @@ class StagePlan:
                 ),
             ],  # fmt: skip
             "total_params": self.total_params,
-        }
+        } | ({"global_norm": True} if self.global_norm else {})
 
 
 # -- where a model can be cut ------------------------------------------------------------------
@@ -347,7 +370,8 @@ def plan_stage_device(
     layers: str = "",
 ) -> DevicePlan:
     """The device plan of one stage: the model's stage positions [lo, hi) for micro-batches of
-    ``rows``, with ``slots`` input slots, each with its own work arena.
+    ``rows``, with ``slots`` input slots, each with its own work arena. In "mixed" precision on a
+    device without cooperative matrices the stage runs in float32.
 
     Raises:
         PlanError: over the device's budget, naming it and its largest tensors.
@@ -371,6 +395,17 @@ def plan_stage_device(
     flat = [("params", "params:all"), ("grads", "grads:all"), ("acc", "acc:all")]
     flat += [(f"state:{s}", f"state:{s}") for s in state_names]
     tensors += [Tensor(name, (total,), "float32", arena, 0) for arena, name in flat]
+    # The whole model's norm and loss scale (see the module docstring): the partial sums, [norm,
+    # factor, skip] and the scale's state, as one device's "clip" arena holds them.
+    loss_scale = initial_loss_scale(spec.run.loss_scale, spec.run.precision)
+    global_norm = spec.optimiser.clip_norm is not None or loss_scale is not None
+    clip_bytes = 0
+    scaling = ((LOSS_SCALE, LOSS_SCALE_FLOATS),) if loss_scale is not None else ()
+    for name, floats in (*(CLIP_TENSORS if global_norm else ()), *scaling):
+        tensors.append(Tensor(name, (floats,), "float32", "clip", clip_bytes))
+        clip_bytes = align_up(clip_bytes + floats * 4)
+    mixed = spec.run.precision == "mixed" and (facts is None or facts.has("cooperative_matrix"))
+    precision = "mixed" if mixed else "float32"
 
     lo_stage, hi_stage = model_stages[part[0]], model_stages[part[1] - 1]
     in_shape = tuple(model.input_shape) if first else lo_stage.in_shape
@@ -394,7 +429,8 @@ def plan_stage_device(
         tensors.append(Tensor(name, shape, dtype, "io", io_offset))
         io_offsets[name], io_offset = io_offset, align_up(io_offset + math.prod(shape) * ITEM_BYTES[dtype])
 
-    build = {"optimiser": spec.optimiser, "batch": rows, "total_params": total, "update": False, "part": part}
+    build = {"optimiser": spec.optimiser, "batch": rows, "total_params": total, "update": False, "part": part,
+             "precision": precision, "loss_scaled": loss_scale is not None}  # fmt: skip
     graphs = {kind: build_graph(model, program=kind, **build) for kind in ("train", "eval", "predict")}
     accumulate = [
         launch("binary", ("acc:all", "grads:all", "acc:all"), n=total, fn=BINARY["add"], a=1.0, b=0.0)
@@ -415,6 +451,7 @@ def plan_stage_device(
             tensors.append(Tensor(name, decl.shape, decl.dtype, "work", work[base]))
     arenas = [Arena("params", param_bytes), Arena("grads", param_bytes), Arena("acc", param_bytes)]
     arenas += [Arena(f"state:{s}", param_bytes) for s in state_names]
+    arenas += [Arena("clip", clip_bytes)] if clip_bytes else []
     # Each slot is a micro-batch in flight: its activations live until its backward.
     arenas += [Arena("work", max(work_peak, 256), per_slot=True),
                Arena("io", max(io_offset, 256), per_slot=True, host_visible=True)]  # fmt: skip
@@ -439,7 +476,12 @@ def plan_stage_device(
         optimised = total
     copy_in = [launch("copy", ("acc:all", "grads:all"), n=total)]
     zero = [launch("fill", ("acc:all",), n=total, value=0.0)]
-    extra = (program("apply", [copy_in, *update_groups(spec.optimiser, optimised), zero]),)
+    if global_norm:  # the host joins the stages' partials into clip:norm between the two
+        squares = launch("grad_norm", ("grads:all", "clip:partials"), n=optimised, parts=CLIP_PARTS)
+        update = update_launch(spec.optimiser, optimised, loss_scale is not None)
+        extra = (program("norm", [copy_in, [squares]]), program("apply", [[update], zero]))
+    else:
+        extra = (program("apply", [copy_in, *update_groups(spec.optimiser, optimised), zero]),)
     train = graphs["train"]
     if not last:
         split = train.backward_from
@@ -450,7 +492,7 @@ def plan_stage_device(
     seen = model if first else replace(model, input_shape=in_shape, layers=())
     return DevicePlan(
         device, seen, spec.optimiser, rows, slots, layout, tuple(params), total, state_names, memory, names,
-        programs, stage_programs=extra,
+        programs, precision, loss_scale=loss_scale, stage_programs=extra,
     )  # fmt: skip
 
 
@@ -461,13 +503,6 @@ def _refusals(spec: Spec, count: int) -> list[Problem]:
     """What a model split into stages cannot do (yet), each said once."""
     problems = []
     model, devices = spec.model, spec.devices
-    if spec.optimiser.clip_norm is not None:
-        problems.append(Problem("optimiser.clip_norm", "clipping by the global norm needs every stage's "
-                                "gradients; it is not supported with devices.stages"))  # fmt: skip
-    if spec.run.precision != "float32" or initial_loss_scale(spec.run.loss_scale, spec.run.precision):
-        problems.append(
-            Problem("run.precision", "a model split into stages trains in float32 without a loss scale")
-        )
     if spec.data.placement == "device":
         problems.append(
             Problem("data.placement", "'device' asked for, but the stages take their batches from the host")
@@ -479,7 +514,8 @@ def _refusals(spec: Spec, count: int) -> list[Problem]:
         problems.append(Problem("devices.micro_batches", message))
     norms = any(isinstance(n.layer, BatchNorm1d | BatchNorm2d) for n in expand(model).nodes)
     if norms and devices.micro_batches > 1:
-        message = "BatchNorm normalises by each micro-batch's statistics, not the batch's: use one"
+        message = ("BatchNorm normalises each micro-batch by its own statistics, which differ from the whole "
+                   "batch's that one device uses (and so would the running statistics): use one")  # fmt: skip
         problems.append(Problem("devices.micro_batches", message))
     if len(model.layers) < count:
         problems.append(
@@ -500,8 +536,8 @@ def plan_stages(
 
     Raises:
         PlanError: a cut the model does not allow, more stages than places to cut, a stage over its
-            device's budget, or what stages cannot do (clip_norm, mixed precision, BatchNorm with
-            several micro-batches).
+            device's budget, or what stages cannot do (BatchNorm with several micro-batches, a
+            dataset kept on the device).
     """
     names = tuple(f.name for f in group) if group is not None else tuple(str(c) for c in spec.devices.choices)
     count = len(names)
@@ -568,6 +604,8 @@ def plan_stages(
         params=params,
         total_params=total,
         stage_floats=tuple(device.total_params for device in devices),
+        global_norm=any("norm" in device.kinds for device in devices),
+        precisions=tuple(device.precision for device in devices),
     )
     data = plan_data(spec, header) if header is not None else None
     pipeline = plan_pipeline(
@@ -587,25 +625,28 @@ def _param_map(device: DevicePlan, full: dict[str, int]) -> tuple[tuple[str, int
 
 
 def merge_state(plan: StagePlan, states: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The whole model's flat state (what one device's run would checkpoint) from each stage's."""
-    merged = {name: np.zeros(plan.total_params, np.float32) for name in states[0]}
+    """The whole model's flat state (what one device's run would checkpoint) from each stage's; the
+    loss scale's state, the same on every stage, once."""
+    merged = {name: np.zeros(plan.total_params, np.float32) for name in states[0] if name != LOSS_SCALE}
     for mapping, state in zip(plan.params, states, strict=True):
         for _, own, full, floats in mapping:
-            for name, flat in state.items():
-                merged[name][full : full + floats] = flat[own : own + floats]
-    return merged
+            for name in merged:
+                merged[name][full : full + floats] = state[name][own : own + floats]
+    return merged | ({LOSS_SCALE: states[-1][LOSS_SCALE]} if LOSS_SCALE in states[-1] else {})
 
 
 def stage_state(plan: StagePlan, stage: int, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Stage ``stage``'s part of the whole model's flat state (a checkpoint's)."""
+    """Stage ``stage``'s part of the whole model's flat state (a checkpoint's); every stage takes
+    the loss scale's state whole."""
     mapping = plan.params[stage]
-    parts = {name: np.zeros(plan.stage_floats[stage], np.float32) for name in state}
+    parts = {name: np.zeros(plan.stage_floats[stage], np.float32) for name in state if name != LOSS_SCALE}
     for _, own, full, floats in mapping:
-        for name, flat in state.items():
+        for name in parts:
+            flat = state[name]
             if flat.size < full + floats:
                 raise ValueError(f"{name} holds {flat.size} floats; the model needs {plan.total_params}")
             parts[name][own : own + floats] = flat[full : full + floats]
-    return parts
+    return parts | ({LOSS_SCALE: state[LOSS_SCALE]} if LOSS_SCALE in state else {})
 
 
 def fresh_state(spec: Spec, plan: StagePlan) -> dict[str, np.ndarray]:

@@ -525,3 +525,128 @@ def test_a_resume_plans_from_the_measurement_its_checkpoint_recorded(tmp_path, m
     other = _on(synthetic_spec(tmp_path, epochs=4), ("cpu", "cpu"), drop_slow=True)
     flow.run(other, resume=tmp_path / "ckpt")
     assert calls == [(1e4, 1e4)]
+
+
+# -- per-device times and the host arena -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("members", ["cpu+cpu", "lavapipe+cpu"])
+def test_each_epoch_writes_every_members_times_and_progress_shows_the_all_reduce(
+    tmp_path, members, vulkan_backend
+):
+    import io
+
+    from actors.progress import Progress
+
+    select = ("cpu", "cpu") if members == "cpu+cpu" else (vulkan_backend.facts.index, "cpu")
+    spec = _on(synthetic_spec(tmp_path, epochs=2), select)
+    out = io.StringIO()
+    result = flow.run(spec, progress=Progress(out, every_s=0.0))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    lines = [r for r in records if r["event"] == "devices"]
+    # One line as each epoch ends, after its last step's line, naming that step.
+    assert [(r["epoch"], r["step"]) for r in lines] == [(0, 12), (1, 25)]
+    last_of = {r["epoch"]: r["step"] for r in steps}
+    assert [r["step"] for r in lines] == [last_of[0], last_of[1]]
+    device = result.statistics["device"]
+    assert [d["name"] for d in lines[-1]["devices"]] == list(device.members)
+    for line in lines:
+        assert line["all_reduce"] == "arena" and 0 < line["all_reduce_seconds"] < line["step_seconds"]
+        for member in line["devices"]:
+            # Every member is busy or idle through each step; samples/s are over its busy time.
+            busy, idle = member["busy_seconds"], member["idle_seconds"]
+            assert busy > 0 and idle >= 0 and busy + idle == pytest.approx(line["step_seconds"], abs=2e-6)
+            assert member["samples_per_second"] == pytest.approx(member["rows"] / busy, rel=1e-3)
+    # Counted since the run began: the last line has every training row; only the final
+    # validation round (whose samples its eval line gives) may come after it.
+    rows = [sum(d["rows"] for d in line["devices"]) for line in lines]
+    final_eval = [r for r in records if r["event"] == "eval"][-1]
+    assert rows[0] < rows[1] <= sum(device.member_rows)
+    assert rows[1] >= sum(device.member_rows) - final_eval["samples"]
+    # Progress: the all-reduce's share of the step time, before each device's samples/s.
+    shown = [line for line in out.getvalue().splitlines() if line.startswith("step ") and "/26" in line]
+    share = re.search(r"all-reduce ([0-9]+)%  per device ([0-9]+), ([0-9]+)$", shown[-1])
+    assert share is not None and 0 <= int(share.group(1)) <= 100 and int(share.group(2)) > 0
+
+
+def _with_path(spec, path, monkeypatch):
+    """Train ``spec`` with the all-reduce's path forced to ``path``."""
+    import flow.parallel_plan as parallel_plan
+
+    with monkeypatch.context() as patch:
+        patch.setattr(parallel_plan, "all_reduce_path", lambda group: path)
+        return flow.run(spec)
+
+
+@pytest.mark.parametrize("members", ["cpu+cpu", "lavapipe+lavapipe"])
+def test_the_host_arena_gives_the_staging_paths_bits(members, vulkan_backend, monkeypatch):
+    """The same run through the pinned host arena and through each backend's reads and writes:
+    the same sums in the same order, so the same weights to the bit."""
+    index = vulkan_backend.facts.index
+    select = ("cpu", "cpu") if members == "cpu+cpu" else (index, index)
+    spec = _on(synthetic_spec(epochs=2), select)
+    arena = flow.run(spec)
+    staging = _with_path(spec, "staging", monkeypatch)
+    paths = (arena.statistics["device"].all_reduce, staging.statistics["device"].all_reduce)
+    assert paths == ("arena", "staging")
+    assert arena.loss == staging.loss and arena.steps == staging.steps == 26
+    for name, value in staging.parameters.items():
+        np.testing.assert_array_equal(arena.parameters[name], value, err_msg=name)
+    # The arena's weights are trained ones, equal to one device's within float tolerance.
+    one = flow.run(_on(synthetic_spec(epochs=2), select[0]))
+    for name, value in one.parameters.items():
+        np.testing.assert_allclose(arena.parameters[name], value, rtol=1e-3, atol=1e-4, err_msg=name)
+
+
+def test_the_host_arena_sums_in_member_order_and_copies_the_sum_back(rng, vulkan_backend):
+    """The arena over a CPU backend, lavapipe and another CPU backend: each member's gradients
+    copied in (lavapipe's by its own copy), the float32 sum in member order in region 0, and the
+    sum copied back into each target."""
+    from actors.cpu_backend import CpuBackend
+    from actors.host_arena import HostArena
+    from flow.program import Arena, Layout, Tensor
+
+    n = 1031
+    layout = Layout((Arena("grads", n * 4),), (Tensor("grads:all", (n,), "float32", "grads", 0),))
+    lavapipe = type(vulkan_backend)(vulkan_backend.facts.index)  # its own device: the arena lives with it
+    backends = [CpuBackend(), lavapipe, CpuBackend()]
+    try:
+        parts = [rng.standard_normal(n).astype(np.float32) for _ in backends]
+        for backend, part in zip(backends, parts, strict=True):
+            backend.open_layout(layout, slots=1)
+            backend.write("grads:all", part)
+        arena = HostArena(backends, n * 4)
+        assert arena.copies[0] is None and arena.copies[1] is not None
+        for i, backend in enumerate(backends):
+            ticket = arena.gather(i)
+            if ticket is not None:
+                backend.wait(ticket)
+            np.testing.assert_array_equal(arena.regions[i], parts[i])
+        total = arena.sum([0, 1, 2])
+        expected = (parts[0] + parts[1]) + parts[2]
+        assert total is arena.regions[0]
+        np.testing.assert_array_equal(total, expected)
+        for i in (1, 2):
+            arena.scatter(i)
+        lavapipe.wait(lavapipe.submit(arena.copies[1][0]))  # a later submission: the copy back is done
+        np.testing.assert_array_equal(lavapipe.read("grads:all"), expected)
+        np.testing.assert_array_equal(backends[2].read("grads:all"), expected)
+        np.testing.assert_array_equal(backends[0].read("grads:all"), parts[0])  # not a target
+    finally:
+        lavapipe.close()
+
+
+def test_plan_shows_the_all_reduce_path(vulkan_backend):
+    from flow.plan_table import format_plan
+
+    spec = digits_spec()
+    arena = plan(_on(spec, (vulkan_backend.facts.index, "cpu")), facts=(vulkan_backend.facts, cpu_facts()))
+    assert arena.parallel.all_reduce == "arena" and arena.as_dict()["parallel"]["all_reduce"] == "arena"
+    text = format_plan(arena)
+    assert "gradients summed on the host in device order in a pinned host arena every device imports" in text
+    plain = dataclasses.replace(vulkan_backend.facts, features=tuple(
+        f for f in vulkan_backend.facts.features if f != "host_memory_import"))  # fmt: skip
+    staging = plan(_on(spec, (vulkan_backend.facts.index, "cpu")), facts=(plain, cpu_facts()))
+    assert staging.parallel.all_reduce == "staging"
+    assert "through each device's staging reads and writes" in format_plan(staging)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from actors.backend import upload_target
-from actors.vulkan import library
+from actors.vulkan import host_import, library
 from actors.vulkan.facts import select_device
 from actors.vulkan.memory import ArenaBuffer, DeviceMemory, Staging
 from actors.vulkan.pipelines import Pipelines
@@ -67,6 +67,8 @@ class VulkanBackend(Queues):
         # run_program's handles per (program, slot); they die with the layout.
         self.run_program_cache: dict[tuple[Program, int], int] = {}
         self._downloads = None  # the staging buffer reads go through (see _download_staging)
+        self._physical = physical
+        self._host_imports: list[host_import.HostImport] = []  # freed with the layout
 
     @property
     def slots(self) -> int:
@@ -283,6 +285,27 @@ class VulkanBackend(Queues):
         )  # fmt: skip
         return self.add_program(recorded)
 
+    # -- host memory imported into the device (actors.host_arena) -------------------------------
+    def host_import_alignment(self) -> int | None:
+        """The alignment (bytes) of host memory this device imports, or None where it cannot."""
+        if not self.facts.has("host_memory_import"):
+            return None
+        return host_import.import_alignment(self._physical)
+
+    def import_host_copies(self, address: int, nbytes: int, owner: object, tensor: str,
+                           into: int, back_from: int) -> tuple[int, int]:  # fmt: skip
+        """Import the host range ``address``..+``nbytes`` (kept alive by ``owner``) and record two
+        copies: ``tensor`` into the range at byte ``into``, and from byte ``back_from`` into
+        ``tensor``. Both are freed with the layout.
+
+        Returns:
+            The two copies' handles for ``submit``: (to the host, back from it).
+        """
+        imported = host_import.import_host(self, address, nbytes, owner)
+        self._host_imports.append(imported)
+        down = host_import.record_copy(self, imported, tensor, into, to_host=True)
+        return down, host_import.record_copy(self, imported, tensor, back_from, to_host=False)
+
     # -- timing ---------------------------------------------------------------------------------
     def timestamp_pool(self, count: int, host_reset: bool = False) -> TimestampPool:
         """A query pool of ``count`` timestamps for ``record(..., timestamps=pool)``.
@@ -310,6 +333,9 @@ class VulkanBackend(Queues):
             lib.vkDeviceWaitIdle(self.device)
         # The device is idle: no pending upload or program constrains the new layout's buffers.
         self.free_programs()
+        for imported in self._host_imports:
+            host_import.free_import(self, imported)
+        self._host_imports = []
         self._uploads.release()
         self.run_program_cache = {}
         self.pipelines.free_descriptors()

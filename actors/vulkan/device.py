@@ -49,6 +49,8 @@ def open_device(physical, facts: DeviceFacts, compute_family: int, upload_family
         extension_names.append("VK_KHR_cooperative_matrix")
     if facts.has("memory_budget"):
         extension_names.append("VK_EXT_memory_budget")
+    if facts.has("host_memory_import"):
+        extension_names.append("VK_EXT_external_memory_host")
     ext_strings = [ffi.new("char[]", name.encode()) for name in extension_names]
     ext_array = ffi.new("char*[]", ext_strings) if ext_strings else ffi.NULL
     info = ffi.new(

@@ -91,6 +91,8 @@ def _features(physical, extensions: tuple[str, ...]) -> tuple[str, ...]:
         features.append("memory_budget")
     if "VK_KHR_cooperative_matrix" in extensions:
         features.append("cooperative_matrix")
+    if "VK_EXT_external_memory_host" in extensions:  # a host arena every member imports
+        features.append("host_memory_import")
     if features2.features.shaderInt64:
         features.append("int64")
     return tuple(features)
