@@ -26,10 +26,10 @@ Who is missing: a blocking collective cannot say who has not joined it, so once 
 passed, the waiting thread (its MPI thread still blocked) probes every other rank with non-blocking
 messages on a communicator of their own (a ``Dup`` of the world's, made at the start) and names the
 ranks that send none within a grace period: the others wait too and probe back, as their own
-deadlines pass. Nothing is sent while the ranks keep up, so a step costs nothing more. A launcher
-that ends the job itself as soon as a rank dies (Open MPI; MPICH's hydra, even, at times, under
-``mpiexec -disable-auto-cleanup``) leaves no time for that: it names the dead one itself, hydra by
-its process id, which rank 0's line at the start maps to its rank.
+deadlines pass. Nothing is sent while the ranks keep up, so a step costs nothing more. A rank that
+dies is named at once, without a deadline, by actors.rank_watch: rank 0 holds a socket to every
+other rank, and under MPICH's hydra each rank's sentinel keeps the launcher from ending the job
+before a survivor has said which rank died (Open MPI ends it first, naming the rank itself).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.rank_watch import PeerWatch, Sentinel, sentinel_for
 from flow.parallel_plan import World, divergence
 
 ABORT_CODE = 3  # the exit status of every rank of a job aborted by vkflow
@@ -125,6 +126,7 @@ class MpiThread:
 
 
 _thread: MpiThread | None = None
+_sentinel: Sentinel | None = None  # holds this rank's pipes past a death (actors.rank_watch)
 _MPI: Any = None  # mpi4py's MPI module, once the thread has imported it
 _guard = threading.Lock()
 
@@ -153,9 +155,10 @@ def mpi_thread() -> MpiThread:
     Returns:
         The thread.
     """
-    global _thread, _MPI
+    global _thread, _MPI, _sentinel
     with _guard:
         if _thread is None:
+            _sentinel = sentinel_for(os.environ)  # before MPI opens sockets it would inherit
             thread = MpiThread()
             _MPI = thread.call(_initialise)
             _thread = thread
@@ -179,14 +182,20 @@ class Ranks:
         self.thread = thread or mpi_thread()
         self.comm = self.thread.call(lambda: _MPI.COMM_WORLD)
         self.probe: Any = None
+        self.watch = PeerWatch(self.rank, world.size, self._died)  # abort() tells it
         found = (self.thread.call(self.comm.Get_rank), self.thread.call(self.comm.Get_size))
         if found != (world.rank, world.size):
             raise RanksError(f"MPI says rank {found[0]} of {found[1]}, the launcher's environment "
                              f"rank {world.rank} of {world.size}")  # fmt: skip
         self.probe = self._call("the start", self.comm.Dup)
-        pids = self.gather(f"pid {os.getpid()} on {socket.gethostname()}", "the ranks' process ids")
+        here = (f"pid {os.getpid()} on {socket.gethostname()}", self.watch.address)
+        self.pids, addresses = zip(*self.gather(here, "the ranks' process ids"), strict=True)
         if self.rank == 0:  # a launcher that stops the job when a rank dies names the rank's pid
-            print("vkflow: " + ", ".join(f"rank {r} is {p}" for r, p in enumerate(pids)), file=sys.stderr)
+            named = ", ".join(f"rank {r} is {p}" for r, p in enumerate(self.pids))
+            print(f"vkflow: {named}", file=sys.stderr)
+        unreachable = self.watch.start(addresses[0])
+        if unreachable:
+            print(f"vkflow: {unreachable}: a rank that dies is named at the deadline only", file=sys.stderr)
 
     @property
     def rank(self) -> int:
@@ -203,6 +212,11 @@ class Ranks:
             message = f"vkflow: rank {self.rank} of {self.world.size}: {silent}; aborting the MPI job"
             self.abort(message)
             raise RanksError(message, everywhere=False) from None
+
+    def _died(self, rank: int) -> None:
+        here = f"rank {self.rank} of {self.world.size}"
+        self.abort(f"vkflow: {here}: rank {rank} ({self.pids[rank]}) died: its connection to rank "
+                   f"{self.rank} closed without a goodbye; aborting the MPI job")  # fmt: skip
 
     def missing(self, grace: float) -> list[int] | None:
         """The other ranks that send no probe within ``grace`` seconds, probing them all on this
@@ -224,6 +238,9 @@ class Ranks:
 
     def abort(self, message: str, code: int = ABORT_CODE) -> None:
         """Print ``message``, then stop every rank of the job (MPI_Abort), from any thread."""
+        self.watch.goodbye()  # the others' watch threads leave the word to this line
+        if _sentinel is not None:
+            _sentinel.release()
         # One write with its newline: the launcher forwards each rank's stderr as it comes, so a
         # separate newline lets another rank's message join this line.
         sys.stderr.write(message + "\n")
