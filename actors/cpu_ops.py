@@ -406,6 +406,16 @@ def conv2d_gemm_backward_weight(arrays: list[np.ndarray], p: Params) -> None:
         partial[z] = grad[z * chunk : (z + 1) * chunk].T @ cols[z * chunk : (z + 1) * chunk]
 
 
+def _fp16_operands(kernel: Callable[..., None]) -> Callable[..., None]:
+    """``kernel`` with its first two bindings rounded to float16 first, as the tensor-core
+    convolutions (conv2d_gemm_coopmat*.comp) round their operands."""
+
+    def rounded(arrays: list[np.ndarray], p: Params) -> None:
+        kernel([a.astype(np.float16).astype(a.dtype) for a in arrays[:2]] + arrays[2:], p)
+
+    return rounded
+
+
 def conv_splitk_sum(arrays: list[np.ndarray], p: Params) -> None:
     w, dw = arrays
     total, splits = int(p["total"]), int(p["splits"])
@@ -675,6 +685,24 @@ def attention_backward_kv(arrays: list[np.ndarray], p: Params) -> None:
 def attention_backward_q(arrays: list[np.ndarray], p: Params) -> None:
     dq, _dk, _dv, out = _attention_grads(arrays, p)
     out[0] = dq
+
+
+def _half(x: np.ndarray) -> np.ndarray:
+    """x rounded to float16, in x's type: what the tensor-core kernels stage."""
+    return x.astype(np.float16).astype(x.dtype)
+
+
+def attention_coopmat(arrays: list[np.ndarray], p: Params) -> None:
+    """attention on tensor cores: qkv rounded to float16 (P's own fp16 rounding is not emulated)."""
+    attention([_half(arrays[0]), *arrays[1:]], p)
+
+
+def attention_coopmat_backward_kv(arrays: list[np.ndarray], p: Params) -> None:
+    attention_backward_kv([_half(arrays[0]), _half(arrays[1]), *arrays[2:]], p)
+
+
+def attention_coopmat_backward_q(arrays: list[np.ndarray], p: Params) -> None:
+    attention_backward_q([_half(arrays[0]), _half(arrays[1]), *arrays[2:]], p)
 
 
 def _pcg(v: np.ndarray) -> np.ndarray:
@@ -949,6 +977,9 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "conv2d_gemm": conv2d,
     "conv2d_gemm_backward_data": conv2d_backward_data,
     "conv2d_gemm_backward_weight": conv2d_gemm_backward_weight,
+    "conv2d_gemm_coopmat": _fp16_operands(conv2d),
+    "conv2d_gemm_coopmat_backward_data": _fp16_operands(conv2d_backward_data),
+    "conv2d_gemm_coopmat_backward_weight": _fp16_operands(conv2d_gemm_backward_weight),
     "conv_splitk_sum": conv_splitk_sum,
     "channel_sum": channel_sum,
     "maxpool2d": maxpool2d,
@@ -970,6 +1001,9 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "attention_backward_dot": attention_backward_dot,
     "attention_backward_kv": attention_backward_kv,
     "attention_backward_q": attention_backward_q,
+    "attention_coopmat": attention_coopmat,
+    "attention_coopmat_backward_kv": attention_coopmat_backward_kv,
+    "attention_coopmat_backward_q": attention_coopmat_backward_q,
     "dropout": dropout,
     "embedding": embedding,
     "embedding_backward": embedding_backward,

@@ -13,7 +13,10 @@ with barriers between launches (as in a training step), recorded once with a tim
 convolution's time is the median over repetitions of the sum of its launches' timestamp
 differences. Each op is first checked against the float64 CPU oracle on the same layer at batch 2.
 ``vkflow_direct`` (reference): the direct kernels (conv2d, conv2d_backward_data,
-conv2d_backward_weight) the implicit GEMMs replace.
+conv2d_backward_weight) the implicit GEMMs replace. ``vkflow_coopmat`` (devices with cooperative
+matrices): the tensor-core variants mixed precision lowers Conv2d to (conv2d_gemm_coopmat*,
+operands rounded to float16, fp32 sums; checked to 1e-2), against the same fp32 torch figures.
+The wide CNN's three layers (bench_wide_cnn.py: 3-64-128-256 channels on 32x32) follow.
 torch: ``torch.nn.functional.conv2d`` (+ bias, relu) for forward and
 ``torch.ops.aten.convolution_backward`` with one output selected for data and weight (what
 autograd runs), fp32 with TF32 off (bench/common.py), CUDA events over n calls, median of
@@ -32,7 +35,13 @@ import numpy as np
 from common import Reporter, median, open_vulkan, section
 
 # (name, C, H, W, K): 3x3, stride 1, padding 1.
-LAYERS = (("conv1", 1, 28, 28, 32), ("conv2", 32, 14, 14, 64))
+LAYERS = (
+    ("conv1", 1, 28, 28, 32),
+    ("conv2", 32, 14, 14, 64),
+    ("wide1", 3, 32, 32, 64),
+    ("wide2", 64, 16, 16, 128),
+    ("wide3", 128, 8, 8, 256),
+)
 QUICK_LAYERS = (("conv1", 1, 12, 12, 8), ("conv2", 8, 6, 6, 16))
 BATCH, QUICK_BATCH, CHECK_BATCH = 256, 4, 2
 DIRECTIONS = ("forward", "data", "weight")
@@ -83,8 +92,21 @@ class VkConv:
     def launches(self, direction: str, impl: str) -> list:
         """The launches of one convolution in ``direction`` (barriers go between them)."""
         from flow.program import launch
+        from shaders.conv_coopmat_tiles import COOPMAT_CONV_OPS
 
         p = self.p
+        if impl == "vkflow_coopmat":
+            op = COOPMAT_CONV_OPS[direction]
+            if direction == "forward":
+                return [launch(op, ("X", "Wt", "bias", "Y"), **p, has_bias=1, act=RELU)]
+            if direction == "data":
+                return [launch(op, ("Y", "Wt", "dX"), **p)]
+            if self.splits == 1:
+                return [launch(op, ("X", "Y", "dW"), **p)]
+            return [
+                launch(op, ("X", "Y", "WS"), **p, k_splits=self.splits),
+                launch("conv_splitk_sum", ("WS", "dW"), total=self.wm * self.wn, splits=self.splits),
+            ]
         if direction == "forward":
             op = "conv2d_gemm" if impl == "vkflow_gemm" else "conv2d"
             return [launch(op, ("X", "Wt", "bias", "Y"), **p, has_bias=1, act=RELU)]
@@ -216,12 +238,13 @@ def vk_checked(rep: Reporter, backend, vk_device: str, name: str, p: dict[str, i
         return None, {}
     small = rep.guarded(bench, "vkflow_gemm", lambda: VkConv(backend, check), shape=name)
     errors: dict[tuple[str, str], float] = {}
-    for impl in ("vkflow_gemm", "vkflow_direct"):
+    for impl in vk_impls(backend):
+        tolerance = 1e-2 if impl == "vkflow_coopmat" else 1e-4  # float16 operands
         for direction in DIRECTIONS if small is not None else ():
             error = rep.guarded(
                 bench, impl, lambda d=direction, i=impl: small.check(d, i), shape=name, mode=direction
             )
-            if error is not None and not error <= 1e-4:
+            if error is not None and not error <= tolerance:
                 reason = f"wrong result at batch {CHECK_BATCH}: {error:.2e}"
                 rep.missing(bench, impl, "error", reason, shape=name, mode=direction)
             elif error is not None:
@@ -229,6 +252,12 @@ def vk_checked(rep: Reporter, backend, vk_device: str, name: str, p: dict[str, i
     if not errors:
         return None, {}
     return rep.guarded(bench, "vkflow_gemm", lambda: VkConv(backend, p), shape=name), errors
+
+
+def vk_impls(backend) -> tuple[str, ...]:
+    """The vkflow kernels timed on this device (the tensor-core ones only where it has them)."""
+    coopmat = backend.facts.has("cooperative_matrix")
+    return ("vkflow_gemm", "vkflow_direct") + (("vkflow_coopmat",) if coopmat else ())
 
 
 def run_layer(args, rep: Reporter, backend, vk_device: str, torch, torch_device: str, layer: tuple) -> None:
@@ -243,7 +272,7 @@ def run_layer(args, rep: Reporter, backend, vk_device: str, torch, torch_device:
     conv, errors = vk_checked(rep, backend, vk_device, name, p, conv_params(CHECK_BATCH, c, h, w, k))
     for direction in DIRECTIONS:
         vk_rates: dict[str, float] = {}
-        for impl in ("vkflow_gemm", "vkflow_direct"):
+        for impl in vk_impls(backend) if backend is not None else ():
             if conv is None or (impl, direction) not in errors:
                 continue
 
@@ -254,8 +283,9 @@ def run_layer(args, rep: Reporter, backend, vk_device: str, torch, torch_device:
             result = rep.guarded(bench, impl, one, shape=name, mode=direction)
             if result is None:
                 continue
-            extra = {"splits": conv.splits} if direction == "weight" and impl == "vkflow_gemm" else {}
-            rep.figure(bench, impl, vk_device, shape=name, dtype="fp32", mode=direction, **result,
+            extra = {"splits": conv.splits} if direction == "weight" and impl != "vkflow_direct" else {}
+            dtype = "fp16_fp32acc" if impl == "vkflow_coopmat" else "fp32"
+            rep.figure(bench, impl, vk_device, shape=name, dtype=dtype, mode=direction, **result,
                        check_err=errors[impl, direction], **extra)  # fmt: skip
             vk_rates[impl] = result["tflops"]
         if torch is None:

@@ -73,7 +73,8 @@ Two kernel-level parts say what limits vkflow:
 - ``attn``: the fused attention alone at the model's shape (N = B, T, H, dh = D / H, causal): vkflow's
   four launches (``attention``, ``attention_backward_dot``, ``_kv``, ``_q``, separated by barriers as
   in a training step) recorded once with timestamp queries, each launch the median over ``--reps``
-  x 10 submissions; torch ``scaled_dot_product_attention`` forward and forward + backward on q, k, v
+  x 10 submissions; fp32, and where the device has cooperative matrices also the mixed-precision
+  (tensor-core) kernels; torch ``scaled_dot_product_attention`` forward and forward + backward on q, k, v
   of (N, H, T, dh), fp32 and bf16, timed with CUDA events (median of 5 runs of 20 calls). TFLOP/s
   count the causal half: forward 2 x 2 x N x H x T^2 / 2 x dh, backward 2.5 x that.
 - ``kernels``: the vkflow training step's launches, each timed by timestamps (the train program
@@ -494,7 +495,7 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
         rep.missing("attention", "vkflow", "not available", vk_device, shape=shape)
     else:
 
-        def vk():
+        def vk(kernels: dict[str, str], dtype: str):
             from actors.single_op import single_op_layout
             from flow.program import Barrier, Program, launch
 
@@ -513,10 +514,10 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
                 backend.write(name, array)
             p = {"N": n, "T": t, "H": h, "dh": dh, "scale": 1.0 / math.sqrt(dh), "causal": 1}
             ops = (
-                ("attention", ("qkv", "Y", "L")),
+                (kernels["forward"], ("qkv", "Y", "L")),
                 ("attention_backward_dot", ("dY", "Y", "Drow")),
-                ("attention_backward_kv", ("qkv", "dY", "L", "Drow", "dqkv")),
-                ("attention_backward_q", ("qkv", "dY", "L", "Drow", "dqkv")),
+                (kernels["kv"], ("qkv", "dY", "L", "Drow", "dqkv")),
+                (kernels["q"], ("qkv", "dY", "L", "Drow", "dqkv")),
             )
             steps = []
             for op, binds in ops:
@@ -533,15 +534,21 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
             fields = {op: round(float(v), 2) for (op, _), v in zip(ops, us, strict=True)}
             forward, total = float(us[0]), float(us.sum())
             rep.figure(
-                "attention", "vkflow", vk_device, shape=shape, dtype="fp32", pass_="forward",
+                "attention", "vkflow", vk_device, shape=shape, dtype=dtype, pass_="forward",
                 us=forward, tflops=fwd_flops / forward / 1e6,
             )  # fmt: skip
             rep.figure(
-                "attention", "vkflow", vk_device, shape=shape, dtype="fp32", pass_="forward+backward",
+                "attention", "vkflow", vk_device, shape=shape, dtype=dtype, pass_="forward+backward",
                 us=total, tflops=3.5 * fwd_flops / total / 1e6, launches_us=fields,
             )  # fmt: skip
 
-        rep.guarded("attention", "vkflow", vk, shape=shape)
+        from shaders.attention_tiles import attention_ops
+
+        # The float32 kernels, and the mixed-precision (tensor-core) ones where the device has them.
+        variants = [(False, "fp32")] + [(True, "fp16 coopmat")] * backend.facts.has("cooperative_matrix")
+        for mixed, dtype in variants:
+            kernels = attention_ops(mixed, dh)
+            rep.guarded("attention", "vkflow", lambda k=kernels, d=dtype: vk(k, d), shape=shape)
     if torch is None:
         rep.missing("attention", "torch_sdpa", "not available", "torch is not installed", shape=shape)
         return

@@ -25,9 +25,9 @@ The implementations, each trained from scratch once per repetition, in one proce
   ``RunSettings`` (in_flight 2) plus a metrics file in a temporary folder, no checkpoints,
   ``on_nonfinite="continue"`` (torch does not stop on a NaN either), and
   ``RunSettings.precision`` "float32" or "mixed" (GEMMs on cooperative matrices with float16
-  inputs and float32 accumulation; at the time of writing flow.autodiff sends only dense GEMMs
-  there, so the convolutions run in float32 in both: the figure is whatever "mixed" does at the
-  commit measured). Where the plan refuses "mixed" (a device without cooperative
+  inputs and float32 accumulation; "mixed" also runs the convolutions' forward and data gradient
+  there (shaders/conv_coopmat_tiles.py): the figure is whatever "mixed" does at the commit
+  measured). Where the plan refuses "mixed" (a device without cooperative
   matrices, e.g. lavapipe), that figure is "not available" with the plan's reason. Every run
   reuses one opened Vulkan backend (the counterpart of torch's CUDA context, made once too).
 - ``torch_eager`` and ``torch_eager_bf16_autocast``: PyTorch eager, the whole data set resident on

@@ -57,6 +57,8 @@ from flow.spec_model import (
     Softmax,
     TopK,
 )
+from shaders.attention_tiles import attention_ops
+from shaders.conv_coopmat_tiles import conv_gemm_op
 from shaders.registry import ACTIVATIONS, BINARY, LOSSES, REDUCE
 from shaders.tiles import conv_gemm_shape
 
@@ -215,7 +217,7 @@ class _Builder:
             w, bias = f"{prefix}.weight", f"{prefix}.bias"
             g.emit(
                 launch(
-                    "conv2d_gemm",
+                    conv_gemm_op("forward", self.mixed),
                     (h, w, bias if layer.bias else h, target),
                     **self._conv_params(stage, layer),
                     has_bias=int(layer.bias),
@@ -402,7 +404,7 @@ class _Builder:
         w_qkv, b_qkv = f"{prefix}.qkv_weight", f"{prefix}.qkv_bias"
         for step in self._gemm((h, w_qkv, b_qkv if bias else h, qkv), M=rows, N=3 * d, K=d, has_bias=bias):
             g.emit(step)
-        g.emit(launch("attention", (qkv, heads, lse), **params))
+        g.emit(launch(attention_ops(self.mixed, int(params["dh"]))["forward"], (qkv, heads, lse), **params))
         w_out, b_out = f"{prefix}.out_weight", f"{prefix}.out_bias"
         for step in self._gemm(
             (heads, w_out, b_out if bias else heads, out), M=rows, N=d, K=d, has_bias=bias
@@ -428,9 +430,10 @@ class _Builder:
         g.emit(out_weight, to_heads, self._bias_grad(layer.bias, grad, f"grad:{prefix}.out_bias", rows, d))
         g.emit(finish_out, finish_heads)
         g.emit(launch("attention_backward_dot", (d_heads, heads, row_dots), **params))
+        kernels = attention_ops(self.mixed, int(params["dh"]))
         g.emit(
-            launch("attention_backward_kv", (qkv, d_heads, lse, row_dots, d_qkv), **params),
-            launch("attention_backward_q", (qkv, d_heads, lse, row_dots, d_qkv), **params),
+            launch(kernels["kv"], (qkv, d_heads, lse, row_dots, d_qkv), **params),
+            launch(kernels["q"], (qkv, d_heads, lse, row_dots, d_qkv), **params),
         )
         qkv_weight, finish_qkv = self._gemm((h, d_qkv, h, f"grad:{w_qkv}"), M=d, N=3 * d, K=rows, trans_a=1)
         to_input, finish_input = (
@@ -486,9 +489,9 @@ class _Builder:
         m, n, k = conv_gemm_shape("weight", params)
         splits = conv_weight_splits(m, n, k)
         if splits == 1:
-            return launch("conv2d_gemm_backward_weight", (x, dz, dw), **params), None
+            return launch(conv_gemm_op("weight", self.mixed), (x, dz, dw), **params), None
         workspace = self.g.add(f"splitk:{dw}", (splits, m, n))
-        main = launch("conv2d_gemm_backward_weight", (x, dz, workspace), k_splits=splits, **params)
+        main = launch(conv_gemm_op("weight", self.mixed), (x, dz, workspace), k_splits=splits, **params)
         finish = launch("conv_splitk_sum", (workspace, dw), total=m * n, splits=splits)
         return main, finish
 
@@ -739,7 +742,7 @@ class _Builder:
                 g.emit(
                     weight_grad,
                     bias_grad,
-                    launch("conv2d_gemm_backward_data", (dz, w, in_grad), **params) if in_grad else None,
+                    launch(conv_gemm_op("data", self.mixed), (dz, w, in_grad), **params) if in_grad else None,
                 )
                 g.emit(finish_weight, finish_bias)
         elif isinstance(layer, MaxPool2d):

