@@ -379,6 +379,23 @@ def epochs_from_metrics(path: Path) -> tuple[float, ...]:
     return tuple(b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True))
 
 
+def job_spec(model: str, sizes: Sizes, source, seed: int, run, placement: str = "auto"):
+    """The job's spec: ``model`` on ``source``, batch 256, SGD with momentum, every sample trained."""
+    from flow.spec import SGD, CrossEntropy, Data, Init, Model, Spec, Split
+
+    return Spec(
+        model=Model(
+            input_shape=(1, SIDE, SIDE),
+            layers=vk_layers(model, sizes),
+            loss=CrossEntropy(),
+            init=Init(seed=seed),
+        ),
+        optimiser=SGD(LR, momentum=MOMENTUM),
+        data=Data(source, batch_size=BATCH, seed=seed, split=Split(train=1.0), placement=placement),
+        run=run,
+    )
+
+
 def vk_once(
     backend,
     model: str,
@@ -391,32 +408,15 @@ def vk_once(
     png_root: Path | None = None,
 ) -> Outcome:
     import flow
-    from flow.spec import IDX, SGD, CrossEntropy, Data, ImageFolder, Init, Model, RunSettings, Spec, Split
+    from flow.spec import IDX, ImageFolder, RunSettings
 
     source = IDX(data.train_images, data.train_labels) if png_root is None else ImageFolder(str(png_root))
     stamp = time.perf_counter_ns()
     metrics = folder / f"metrics-{model}-{stamp}.jsonl"
-    spec = Spec(
-        model=Model(
-            input_shape=(1, SIDE, SIDE),
-            layers=vk_layers(model, sizes),
-            loss=CrossEntropy(),
-            init=Init(seed=seed),
-        ),
-        optimiser=SGD(LR, momentum=MOMENTUM),
-        data=Data(
-            source,
-            batch_size=BATCH,
-            seed=seed,
-            split=Split(train=1.0),
-            placement=placement,
-        ),
-        run=RunSettings(
-            epochs=epochs,
-            checkpoint_dir=str(folder / f"checkpoints-{model}-{stamp}"),
-            metrics_file=str(metrics),
-        ),
+    run = RunSettings(
+        epochs=epochs, checkpoint_dir=str(folder / f"checkpoints-{model}-{stamp}"), metrics_file=str(metrics)
     )
+    spec = job_spec(model, sizes, source, seed, run, placement)
     start = time.perf_counter()
     result = flow.run(spec, backend=backend)
     wall = time.perf_counter() - start
@@ -435,22 +435,10 @@ def vk_raw_once(backend, model: str, sizes: Sizes, data: DataSet, epochs: int, s
     figure flow.run's steady epochs are held against (the issue's "0.9x vkflow's raw loop")."""
     from flow.data_plan import header_of
     from flow.runtime import plan_on, start_engine
-    from flow.spec import IDX, SGD, CrossEntropy, Data, Init, Model, RunSettings, Spec, Split
+    from flow.spec import IDX, RunSettings
     from loaders import open_source
 
-    spec = Spec(
-        model=Model(
-            input_shape=(1, SIDE, SIDE),
-            layers=vk_layers(model, sizes),
-            loss=CrossEntropy(),
-            init=Init(seed=seed),
-        ),
-        optimiser=SGD(LR, momentum=MOMENTUM),
-        data=Data(
-            IDX(data.train_images, data.train_labels), batch_size=BATCH, seed=seed, split=Split(train=1.0)
-        ),
-        run=RunSettings(epochs=epochs),
-    )
+    spec = job_spec(model, sizes, IDX(data.train_images, data.train_labels), seed, RunSettings(epochs=epochs))
     start = time.perf_counter()
     source = open_source(spec.data.source)
     maps = callable(getattr(backend, "write_into", None))
