@@ -115,3 +115,14 @@ def run_program(backend: Backend, program: Program, slot: int = 0) -> None:
     if key not in cache:
         cache[key] = backend.record(program, slot)
     backend.wait(backend.submit(cache[key]))
+
+
+def read_into(backend: Backend, tensor: str, out: np.ndarray) -> None:
+    """Read ``tensor`` into ``out`` (its size, any shape): in place through the backend's own
+    ``read_into`` where it has one, else by a copy of ``read`` (a test's own backend may lack it).
+    Blocking."""
+    own = getattr(backend, "read_into", None)
+    if own is not None:
+        own(tensor, out)
+    else:
+        np.copyto(out, backend.read(tensor).reshape(out.shape))

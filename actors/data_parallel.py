@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from actors.backend import Backend
+from actors.backend import Backend, read_into
 from actors.collective import Ranks
 from actors.device import _PROGRAMS, DEVICE_DEADLINE_S, EvalRound, wait_for_device
 from actors.engine import Engine
@@ -106,27 +106,19 @@ def host_all_reduce(
         scratch = {}
     if tensor in scratch:
         total, part = scratch[tensor]
-        _read_into(sources[0], tensor, total)
+        read_into(sources[0], tensor, total)
     else:  # the first read makes the arrays kept from then on
         total = sources[0].read(tensor)
         part = np.empty_like(total)
         scratch[tensor] = (total, part)
     for backend in sources[1:]:
-        _read_into(backend, tensor, part)
+        read_into(backend, tensor, part)
         total += part
     if across is not None:
         total = across(total)
     for backend in targets:
         backend.write(tensor, total)
     return total
-
-
-def _read_into(backend: Backend, tensor: str, out: np.ndarray) -> None:
-    read_into = getattr(backend, "read_into", None)  # a backend of a test's own making may lack it
-    if read_into is not None:
-        read_into(tensor, out)
-    else:
-        np.copyto(out, backend.read(tensor))
 
 
 def measure_throughput(engines: Sequence[Engine], rows: Sequence[int], repeats: int = 3) -> tuple[float, ...]:

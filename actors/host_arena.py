@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from actors.backend import Backend
+from actors.backend import Backend, read_into
 
 
 class HostArena:
@@ -58,11 +58,7 @@ class HostArena:
         submitted). Returns the ticket to wait on, or None when the copy is already done."""
         copies, backend = self.copies[member], self.backends[member]
         if copies is None:
-            read_into = getattr(backend, "read_into", None)  # a test's own backend may lack it
-            if read_into is not None:
-                read_into(self.tensor, self.regions[member])
-            else:
-                np.copyto(self.regions[member], backend.read(self.tensor).reshape(-1))
+            read_into(backend, self.tensor, self.regions[member])
             return None
         return backend.submit(copies[0])
 
