@@ -315,7 +315,10 @@ class Sink:
             done_at_start=self.first_step,
             epoch=self.last_step.epoch if self.last_step else None,
             devices=tuple(getattr(device, "member_samples_per_s", ())),
-            all_reduce_share=device.all_reduce_seconds / steps_s if steps_s > 0 else None,
+            # A split run's stages report these fields too, with no all-reduce ("none").
+            all_reduce_share=(
+                device.all_reduce_seconds / steps_s if steps_s > 0 and device.all_reduce != "none" else None
+            ),
         )
 
     async def _save(self, snapshot: Snapshot, name: str | None = None) -> Path:

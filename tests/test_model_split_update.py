@@ -222,6 +222,7 @@ def test_each_stage_is_a_device_actor_for_the_whole_run_with_its_own_statistics(
     assert done.returncode == 0, done.stderr
     speeds = (done.stdout + done.stderr).split("per device ")[-1].split()[:2]
     assert len(speeds) == 2 and all(float(v.rstrip(",")) > 0 for v in speeds), done.stderr
+    assert "all-reduce" not in done.stdout + done.stderr  # a split run has none to show
 
 
 # -- what stays refused ----------------------------------------------------------------------------
