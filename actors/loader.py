@@ -23,7 +23,10 @@ free slot for each batch and reads the batch straight into it: no array of its o
 into the device afterwards.
 Ready batches leave at once while the channel downstream has room; while it is full (the device
 is the slower side) the loader goes on reading ahead and sends up to ``MAX_CHUNK`` batches as one
-:class:`actors.messages.Chunk`, so chunks grow only when the host is ahead and cost no latency.
+:class:`actors.messages.Chunk`. When the host is the slower side, it holds a ready batch back while
+the next would be ready before the event loop came back to it anyway (actors.read_ahead), so every
+actor's per-message cost is paid once for several steps. So chunks grow only when one side falls
+behind, and a batch waits at most one turn of the loop.
 It never holds ready batches while it waits for a read or a slot.
 A run resumes from a :class:`Cursor`: the sampler is stateless given (seed, epoch), so the loader
 simply starts there.
@@ -31,6 +34,7 @@ simply starts there.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -42,6 +46,7 @@ import trio
 from actors.inline import InlineOrThread, InlinePolicy
 from actors.messages import Batch, CheckpointMark, Cursor
 from actors.meter import MAX_CHUNK, Meter
+from actors.read_ahead import ReadAhead
 from actors.statistics import ActorStatistics
 from flow.data_plan import StepSchedule
 from loaders import Sampler, SamplerState
@@ -223,6 +228,8 @@ class Loader:
             self.read, InlinePolicy(forced=forced), trio.CapacityLimiter(self.workers)
         )
         self.slots = slots if slots is not None and slots.in_place else None
+        self.read_ahead = ReadAhead(MAX_CHUNK)
+        self._returned = self._staged_at = time.perf_counter()
 
     def read(self, job: Read, slot: int = -1) -> Batch:
         """Read one batch (blocking).
@@ -281,14 +288,26 @@ class Loader:
 
     async def _send(self, pending: _Pending) -> None:
         """Stage ``pending``'s batch (waiting for its read first) and send what is staged if the
-        channel downstream has room, or the chunk is full."""
+        channel downstream has room, or the chunk is full; but hold it while the loop's turnaround
+        says the next batch would be ready before the loop came back anyway (actors.read_ahead)."""
         meter = self.meter
         if pending.done is not None and not pending.done.is_set():
             await meter.flush()  # never hold ready batches while a read goes on
             await pending.done.wait()
+        now = time.perf_counter()
+        self.read_ahead.prepared(now - self._returned)
+        if not meter.staged:
+            self._staged_at = now
         await meter.stage(pending.item)
-        if meter.staged >= MAX_CHUNK or meter.room():
+        room = meter.room()
+        if room and self.read_ahead.hold(meter.staged, now - self._staged_at):
+            pass
+        elif room:
             await meter.flush()
+            self.read_ahead.turned_around(time.perf_counter() - now)
+        elif meter.staged >= MAX_CHUNK:
+            await meter.flush()
+        self._returned = time.perf_counter()
 
     async def _slot(self, window: deque[_Pending]) -> int:
         """A free device slot for the next read (-1 when batches are not read in place)."""

@@ -51,7 +51,14 @@ class Hooks:
     :class:`~actors.messages.StepDone` per training step, :class:`~actors.messages.EvalDone` per
     evaluation round (validation, and the test split at the end), :class:`~actors.messages.Snapshot`
     at each checkpoint mark, and :class:`~actors.messages.Prediction` when predicting.
+
+    Attributes:
+        holds: set it on a hook whose ``sending`` can wait for something outside the pipeline (a
+            test's permit, as flow.testing's step gate): the meter then sends what it has staged
+            before calling it, so no message waits, staged, behind the one the hook holds.
     """
+
+    holds = False
 
     def attach(self, channels: dict[tuple[str, str], tuple[Any, Any]]) -> None:
         """Called once before the actors start.
@@ -75,6 +82,7 @@ class HookList(Hooks):
 
     def __init__(self, hooks: Sequence[Hooks]) -> None:
         self.hooks = tuple(hooks)
+        self.holds = any(hook.holds for hook in self.hooks)
 
     def attach(self, channels: dict[tuple[str, str], tuple[Any, Any]]) -> None:
         for hook in self.hooks:
@@ -245,6 +253,8 @@ class Meter:
     async def stage(self, item: Any) -> None:
         """Queue ``item`` for the next :meth:`flush` (the caller flushes at ``MAX_CHUNK``)."""
         if self.hooks is not None:
+            if self.hooks.holds:
+                await self.flush()
             await self.hooks.sending(self.name, item)
         self._staged.append(item)
 

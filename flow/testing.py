@@ -146,6 +146,8 @@ class _Gate(Hooks):
     """Holds each training batch at the loader until a permit arrives; reports steps as the sink
     receives them."""
 
+    holds = True
+
     def __init__(self) -> None:
         self.permits_send, self.permits = trio.open_memory_channel(1)
         self.done_send, self.done = trio.open_memory_channel(1)

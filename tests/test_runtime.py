@@ -125,7 +125,9 @@ async def test_a_slow_sink_blocks_the_loader_and_memory_stays_bounded(autojump_c
         edges=tuple(Edge(src, dst, capacity=c) for (src, dst), c in caps.items()),
     )
     # No validation split: then every batch the loader sends comes back to the sink as one message.
-    plain = image_spec(epochs=2)
+    # Enough steps that the loader's channel fills even where it sends chunks of MAX_CHUNK batches
+    # (on FakeDevice the loop is the slower side, so the loader holds batches to chunk them).
+    plain = image_spec(epochs=8)
     spec = dataclasses.replace(plain, pipeline=pipeline, data=dataclasses.replace(plain.data, split=Split()))
     probe, bound = ChannelProbe(), Bound()
     start = trio.current_time()
