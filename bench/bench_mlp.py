@@ -10,7 +10,7 @@ What is measured (letters follow the performance issue):
       (then reads its loss). One line per K tried; ``best`` marks the fastest, which the ratios use.
     - ``vkflow_actors``: ``flow.run`` (loader, preprocess, device, optimiser and sink actors) on a shuffled
       Synthetic source of a real data set's size (60000 rows of 784) at K = 2, 3 and 4, each run in a fresh
-      process, as a user runs it; ``best`` marks the fastest. Each run trains one whole epoch untimed, then 5
+      process, as a user runs it; ``best`` marks the fastest. Each run trains one whole epoch untimed, then 20
       timed epochs; the rate comes from the step times of its metrics file. The figure is the median of at
       least 5 runs, with its range and spread (``samples_per_s_min``/``_max``, ``spread_pct``), the event
       loop's CPU time a step (``loop_cpu_us_per_step``; every thread's: ``process_cpu_us_per_step``) and the
@@ -99,7 +99,9 @@ FULL = Sizes(
     idle_steps=1000,
     host_batches=16,
     actor_samples=60000,  # Fashion-MNIST's training set: 234 whole batches of 256 an epoch
-    actor_epochs=5,
+    # 20 timed epochs, about 1 s on the H100: over 5 (0.25 s) one slow epoch (the host busy for a
+    # moment; seen at 1.0 M among epochs of 1.33 M samples/s) moved a run's figure by 5%.
+    actor_epochs=20,
 )
 QUICK = Sizes(
     small=(64, 128, 10),
@@ -264,13 +266,16 @@ class ActorRun:
 
 
 def spread(values: list[float]) -> dict:
-    """Median, range and spread ((max - min) / median, in %) of repeated figures."""
+    """Median, range, spread ((max - min) / median, in %) and the farthest a figure lies from the
+    median (``within_pct``: every figure is within +- that many % of it) of repeated figures."""
     finite = [v for v in values if v == v]
     if not finite:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "spread_pct": float("nan")}
+        nan = float("nan")
+        return {"median": nan, "min": nan, "max": nan, "spread_pct": nan, "within_pct": nan}
     mid = median(finite)
     pct = (max(finite) - min(finite)) / mid * 100 if mid else float("nan")
-    return {"median": mid, "min": min(finite), "max": max(finite), "spread_pct": pct}
+    within = max(abs(v - mid) for v in finite) / mid * 100 if mid else float("nan")
+    return {"median": mid, "min": min(finite), "max": max(finite), "spread_pct": pct, "within_pct": within}
 
 
 def actor_spec(
@@ -451,6 +456,7 @@ def measure_actors(
         "samples_per_s_min": figure["min"],
         "samples_per_s_max": figure["max"],
         "spread_pct": figure["spread_pct"],
+        "within_pct": figure["within_pct"],
         "values": [round(v, 1) for v in rates],
         "reps": reps,
         "in_flight": in_flight,
@@ -840,7 +846,7 @@ class MLPReporter(Reporter):
 
     def table(self) -> str:
         text = super().table()
-        lines = [("bench", "case", "impl", "samples/s median [min, max]", "spread", "loop CPU/step",
+        lines = [("bench", "case", "impl", "samples/s median [min, max]", "spread", "within", "loop CPU/step",
                   "process CPU/step", "loader items in threads")]  # fmt: skip
         for row in self.rows:
             if "spread_pct" not in row:
@@ -855,6 +861,7 @@ class MLPReporter(Reporter):
                     row["impl"],
                     rates,
                     f"{row['spread_pct']:.1f} %",
+                    f"+-{row['within_pct']:.1f} %",
                     f"{row['loop_cpu_us_per_step']:.1f} us",
                     f"{row['process_cpu_us_per_step']:.1f} us",
                     f"{row['thread_items']} of {row['loader_items']}",
