@@ -102,6 +102,16 @@ class MpiThread:
             except BaseException as error:  # handed to the caller, who raises it
                 future.set_exception(error)
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)`` for the MPI thread, which runs its jobs in the order posted.
+
+        Returns:
+            The future of what ``fn`` returns.
+        """
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future
+
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """Run ``fn(*args)`` on the MPI thread and wait for it (blocking).
 
@@ -116,9 +126,7 @@ class MpiThread:
         Raises:
             TimeoutError: no answer within ``timeout`` (the call goes on on the MPI thread).
         """
-        future: Future = Future()
-        self._jobs.put((fn, args, future))
-        return future.result(timeout)
+        return self.post(fn, *args).result(timeout)
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -202,8 +210,11 @@ class Ranks:
         return self.world.rank
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._wait(what, self.thread.post(fn, *args))
+
+    def _wait(self, what: str, future: Future) -> Any:
         try:
-            return self.thread.call(fn, *args, timeout=self.world.deadline_s)
+            return future.result(self.world.deadline_s)
         except TimeoutError:
             # The grace covers the others' deadlines passing later (they joined later), not a
             # rank's whole deadline: a tenth of it, within [1 s, 10 s].
@@ -286,15 +297,35 @@ class Ranks:
         Returns:
             (the gradients' sum, the sums' sums), the same bits on every rank.
         """
+        return self.finish_sum(self.start_sum(grads, sums, what))
+
+    def start_sum(self, grads: np.ndarray, sums: tuple[float, ...], what: str) -> tuple:
+        """Start :meth:`sum_in_rank_order` on the MPI thread and return at once (``grads`` is
+        copied first, so the caller may reuse it): a gradient bucket's exchange goes on while the
+        devices run the backward of the next. Every rank starts the same sums in the same order.
+
+        Returns:
+            What :meth:`finish_sum` takes.
+        """
         head = np.asarray(sums, np.float64).view(np.uint8)
         packed = np.concatenate([head, np.ascontiguousarray(grads, np.float32).view(np.uint8)])
         gathered = np.empty((self.world.size, packed.size), np.uint8)
-        self._call(what, self.comm.Allgather, packed, gathered)
-        parts = [(row[: head.size].view(np.float64), row[head.size :].view(np.float32)) for row in gathered]
+        return self.thread.post(self.comm.Allgather, packed, gathered), gathered, head.size, len(sums), what
+
+    def finish_sum(self, started: tuple) -> tuple[np.ndarray, tuple[float, ...]]:
+        """Wait for a sum :meth:`start_sum` started (aborting the job past the deadline) and add
+        every rank's part in rank order.
+
+        Returns:
+            (the gradients' sum, the sums' sums), the same bits on every rank.
+        """
+        future, gathered, head, count, what = started
+        self._wait(what, future)
+        parts = [(row[:head].view(np.float64), row[head:].view(np.float32)) for row in gathered]
         total = parts[0][1].copy()
         for _, rank_grads in parts[1:]:
             total += rank_grads
-        totals = [0.0] * len(sums)
+        totals = [0.0] * count
         for rank_sums, _ in parts:
             totals = [t + float(s) for t, s in zip(totals, rank_sums, strict=True)]
         return total, tuple(totals)

@@ -614,18 +614,36 @@ def layernorm_backward_reduce(arrays: list[np.ndarray], p: Params) -> None:
     n, d = _real_rows(stepvals, int(p["N"])), int(p["D"])
     grad = _layer_rows(dy, p, n).astype(np.float64)
     xhat, _ = _layer_xhat(x, stats, p, n)
-    dbeta[:d], dgamma[:d] = grad.sum(axis=0), (grad * xhat).sum(axis=0)
+    # Slice s of the capacity's rows sums into [s * D, (s + 1) * D), as the shader (see there).
+    parts = max(1, int(p.get("parts", 1)))
+    per_part = -(-int(p["N"]) * int(p["R"]) // parts)
+    for part in range(parts):
+        rows = slice(part * per_part, (part + 1) * per_part)
+        dbeta[part * d : (part + 1) * d] = grad[rows].sum(axis=0)
+        dgamma[part * d : (part + 1) * d] = (grad[rows] * xhat[rows]).sum(axis=0)
+
+
+def column_sum(arrays: list[np.ndarray], p: Params) -> None:
+    x, out = arrays
+    rows, cols, parts = int(p["rows"]), int(p["cols"]), max(1, int(p.get("parts", 1)))
+    matrix, per_part = x[: rows * cols].reshape(rows, cols), -(-rows // parts)
+    alpha = out.dtype.type(p.get("alpha", 1.0))
+    for part in range(parts):  # slice p's sums at [p * cols, (p + 1) * cols), as column_sum.comp
+        sums = matrix[part * per_part : (part + 1) * per_part].sum(axis=0, dtype=np.float64)
+        out[part * cols : (part + 1) * cols] = sums.astype(out.dtype) * alpha
 
 
 def layernorm_backward_data(arrays: list[np.ndarray], p: Params) -> None:
-    dy, x, stats, gamma, stepvals, dx = arrays
+    dy, x, stats, gamma, stepvals, dx, addend = arrays
     rows, r, d = int(p["N"]), int(p["R"]), int(p["D"])
     n = _real_rows(stepvals, rows)
     xhat, invstd = _layer_xhat(x, stats, p, n)
     g = _layer_rows(dy, p, n).astype(np.float64) * gamma[:d]
     grads = invstd * (g - g.mean(axis=1, keepdims=True) - xhat * (g * xhat).mean(axis=1, keepdims=True))
-    dx[: n * r * d] = grads.reshape(-1)
-    dx[n * r * d : rows * r * d] = 0  # padding samples' rows: the layers before never learn from them
+    # accumulate: a residual stream's other gradient added in (the padding rows get it alone).
+    base = addend[: rows * r * d].copy() if int(p.get("accumulate", 0)) else np.zeros(rows * r * d, dx.dtype)
+    dx[: n * r * d] = base[: n * r * d] + grads.reshape(-1).astype(dx.dtype)
+    dx[n * r * d : rows * r * d] = base[n * r * d :]  # padding rows: the layers before never learn from them
 
 
 def _attention_heads(qkv: np.ndarray, p: Params) -> np.ndarray:
@@ -996,6 +1014,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "batchnorm_backward_data": batchnorm_backward_data,
     "layernorm": layernorm,
     "layernorm_backward_reduce": layernorm_backward_reduce,
+    "column_sum": column_sum,
     "layernorm_backward_data": layernorm_backward_data,
     "attention": attention,
     "attention_backward_dot": attention_backward_dot,

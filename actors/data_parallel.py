@@ -10,6 +10,14 @@ member can import it (actors.host_arena: each device's own copies, the sum in pl
 update (each member's ``apply`` program, or the leader's, whose weights are copied to the others:
 see flow.parallel_plan). The members run concurrently: every shard is submitted before any is waited for.
 
+Through the arena the gradients are summed in buckets (flow.parallel_plan.grad_buckets): each
+member's train program is submitted in parts, each followed by its bucket's copy to the arena, and
+the host sums bucket k (and starts its exchange with the other ranks, on the MPI thread) while the
+devices run the backward of bucket k+1; the numpy backend, which runs a part as it is submitted,
+runs its part k+1 after the host has summed bucket k. The reported all-reduce time is the part the
+backward does not hide: the host's work after the last bucket arrived, and any bucket summed after
+the devices had already finished the next.
+
 A step's device work is one blocking call, made in a worker thread (inline for thread-free fake
 devices), so the event loop stays free for the loader and the sink; a cancelled run waits for the
 call to finish, so a step is always applied on every member or on none. Evaluation batches are
@@ -44,7 +52,7 @@ from actors.meter import Meter
 from actors.statistics import ActorStatistics
 from flow.graph import optimised_floats
 from flow.optim import LOSS_SCALE, device_learning_rate
-from flow.parallel_plan import DataParallelPlan
+from flow.parallel_plan import DataParallelPlan, train_parts
 from flow.spec_model import CrossEntropy
 
 SLOT = 0  # one step at a time: the all-reduce joins the members at every step
@@ -65,7 +73,8 @@ class DataParallelStatistics(ActorStatistics):
             waiting for the other members and the host.
         member_samples_per_s: member_rows / member_seconds.
         step_seconds: the wall time of every batch, from its first shard's write to its update.
-        all_reduce_seconds: host time summing and redistributing gradients (updates excluded).
+        all_reduce_seconds: host time summing and redistributing gradients that the backward pass
+            does not hide (updates excluded; see the module docstring).
         all_reduce: the all-reduce's path: "arena" (a pinned host arena every member copies
             into and out of) or "staging" (reads and writes through each backend).
     """
@@ -211,14 +220,22 @@ class DataParallelActor:
         self._trainable = optimised_floats(engines[0].plan.model, engines[0].plan.total_params)
         self.member_seconds = [0.0] * len(self.engines)  # busy: shards and updates
         self.step_s = 0.0  # wall time of every batch: each member is busy or idle through it
+        self.buckets = parallel.buckets or ((0, engines[0].plan.total_params),)
         self.arena = self._arena() if parallel.all_reduce == "arena" else None
+        # Each member's train program in a part per bucket (the arena path only: staging reads whole
+        # tensors), and the tickets of the step in flight: one per bucket and member.
+        programs = [(e.plan.program("train"), e.plan.layout) for e in engines if self.arena is not None]
+        self.parts = [train_parts(program, layout, self.buckets) for program, layout in programs]
+        self._tickets: dict[int, list[int | None]] = {}
+        self._submitted = 0.0
 
     def _arena(self) -> HostArena | None:
         """The pinned host arena every member imports; None (the staging path, said in the log)
         where a device refuses the import."""
         nbytes = self.engines[0].plan.layout.tensor("grads:all").nbytes
+        buckets = self.buckets if len(self.buckets) > 1 else ()
         try:
-            return HostArena([engine.backend for engine in self.engines], nbytes)
+            return HostArena([engine.backend for engine in self.engines], nbytes, buckets=buckets)
         except Exception as error:  # a driver that lists the extension, yet refuses this import
             logger.warning("vkflow: no host arena (%s); the gradients go through staging", error)
             return None
@@ -273,76 +290,155 @@ class DataParallelActor:
         if kind == "predict":
             outputs = [self.engines[i].outputs(SLOT, rows) for i, rows in ran]
             return Prediction(batch.seq, batch.tag, batch.last, np.concatenate(outputs))
-        sums = (0.0,) * (2 + len(self.engines[0].metric_tensors))  # loss, correct, metrics
-        for i, _ in ran:  # each member's loss (and mean metric) is its share of the global mean
-            member = (*self.engines[i].loss_and_correct(SLOT), *self.engines[i].metric_values(SLOT))
-            sums = tuple(s + m for s, m in zip(sums, member, strict=True))
         if kind == "train":
-            sums = self._all_reduce_and_update([i for i, _ in ran], step, sums)
+            sums = self._all_reduce_and_update(ran, step)
             self.applied = batch.after()
             if self.ranks is not None and self.applied.step % self.ranks.world.check_every == 0:
                 self.ranks.check_weights(self.engines[0].weights()[: self._trainable], self.applied.step)
-        elif self.ranks is not None:
-            what = f"the sums of {batch.split} batch {batch.seq}"
-            _, sums = self.ranks.sum_in_rank_order(np.empty(0, np.float32), sums, what)
+        else:
+            sums = self._member_sums(ran)
+            if self.ranks is not None:
+                what = f"the sums of {batch.split} batch {batch.seq}"
+                _, sums = self.ranks.sum_in_rank_order(np.empty(0, np.float32), sums, what)
         return self._report(batch, *sums[:2], lr, rows, sums[2:])
 
+    def _member_sums(self, ran: list[tuple[int, int]]) -> tuple[float, ...]:
+        """The loss, correct rows and metrics of the members that ran (their programs done): each
+        member's loss (and mean metric) is its share of the global mean."""
+        sums = (0.0,) * (2 + len(self.engines[0].metric_tensors))
+        for i, _ in ran:
+            member = (*self.engines[i].loss_and_correct(SLOT), *self.engines[i].metric_values(SLOT))
+            sums = tuple(s + m for s, m in zip(sums, member, strict=True))
+        return sums
+
     def _run_shards(self, kind: str, batch: Batch, step: int | None, divisor: int) -> list[tuple[int, int]]:
-        """Write each member's shard, submit them all, then wait for them all; (member, rows) of
-        those that had rows."""
+        """Write each member's shard and submit them all; then wait for them all, except a train
+        step through the arena, whose buckets the all-reduce waits for one by one; (member, rows)
+        of those that had rows."""
         ran, tickets = [], []
         start = 0
-        gather = self.arena is not None and kind == "train"  # each member's gradients to the arena
-        submitted = time.perf_counter()
+        buckets = self.arena is not None and kind == "train"  # each member's gradients to the arena
+        self._submitted = time.perf_counter()
         for i, rows in enumerate(self.parallel.shard(batch.rows)):
             if rows == 0:
                 continue
             engine, end = self.engines[i], start + rows
             y = batch.y[start:end] if batch.y is not None and kind != "predict" else None
             engine.write_batch(SLOT, batch.x[start:end], y)
-            ticket = engine.submit(kind, SLOT, rows, step, divisor=divisor)
-            if gather:
-                ticket = self.arena.gather(i) or ticket  # the copy runs after the program
-            tickets.append(ticket)
+            if buckets:
+                self._tickets[i] = self._submit_train(i, rows, step, divisor)
+            else:
+                tickets.append(engine.submit(kind, SLOT, rows, step, divisor=divisor))
             ran.append((i, rows))
             start = end
-        for (i, rows), ticket in zip(ran, tickets, strict=True):
-            wait_for_device(self.engines[i], ticket, self.deadline_s, i)
+        for i, rows in ran:
             self.member_rows[i] += rows
-            self.member_seconds[i] += time.perf_counter() - submitted
+        for (i, _), ticket in zip(ran, tickets, strict=not buckets):
+            wait_for_device(self.engines[i], ticket, self.deadline_s, i)
+            self.member_seconds[i] += time.perf_counter() - self._submitted
         return ran
 
-    def _all_reduce_and_update(
-        self, ran: list[int], step: int | None, sums: tuple[float, float]
-    ) -> tuple[float, float]:
-        """Sum the gradients of the members that ran, in member order (then over the ranks, with
-        the step's ``sums``), and apply the update; the step's sums over the ranks."""
-        started = time.perf_counter()
-        if not ran:  # a rank without rows of this batch: it adds nothing, yet takes part
-            leader = self.engines[0]
-            if self.arena is not None:
-                self.arena.regions[0].fill(0.0)
+    def _submit_train(self, i: int, rows: int, step: int | None, divisor: int) -> list[int | None]:
+        """Submit member ``i``'s train program, each part followed by its bucket's copy to the
+        arena; a ticket per bucket, None for a bucket the numpy backend is yet to run
+        (:meth:`_bucket_ready` runs it)."""
+        engine, parts = self.engines[i], self.parts[i]
+        if len(parts) == 1:
+            ticket = engine.submit("train", SLOT, rows, step, divisor=divisor)
+            return [self.arena.gather(i) or ticket]  # the copy runs after the program
+        engine.set_step("train", SLOT, rows, step, divisor)
+        if engine.backend.facts.is_numpy:  # it runs a part as it is submitted: later, bucket by bucket
+            return [None] * len(parts)
+        tickets = []
+        for k, part in enumerate(parts):
+            ticket = engine.submit_part(part, SLOT)
+            tickets.append(self.arena.gather(i, k) or ticket)  # the copy runs after the part
+        return tickets
+
+    def _bucket_ready(self, ran: list[tuple[int, int]], k: int) -> None:
+        """Bucket ``k`` of every member that ran in the arena: the numpy backend's part run and
+        copied now, the others' copies waited for."""
+        for i, _ in ran:
+            ticket = self._tickets[i][k]
+            if ticket is None:
+                self.engines[i].submit_part(self.parts[i][k], SLOT)
+                self.arena.gather(i, k)
             else:
-                leader.backend.write("grads:all", np.zeros(leader.plan.total_params, np.float32))
-            ran = [0]
-        sources = [self.engines[i].backend for i in ran]
-        across = None
-        if self.ranks is not None:
-            ranks = self.ranks
+                wait_for_device(self.engines[i], ticket, self.deadline_s, i)
+
+    def _hidden(self, ran: list[tuple[int, int]], k: int) -> bool:
+        """Whether some device is still running the backward of bucket ``k`` (the host's work
+        before now was hidden behind it): never with a numpy member, which the host runs."""
+        tickets = [(self.engines[i].backend, self._tickets[i][k]) for i, _ in ran]
+        pending = [not backend.is_done(t) for backend, t in tickets if t is not None]
+        return len(pending) == len(tickets) and any(pending)
+
+    def _arena_sum(self, ran: list[tuple[int, int]], step: int | None) -> tuple[float, ...]:
+        """Sum every bucket in the arena as the members finish it (then over the ranks, started on
+        the MPI thread as each is summed); the step's sums over the ranks."""
+        members, last = [i for i, _ in ran] or [0], len(self.buckets) - 1
+        if not ran:  # a rank without rows of this batch: it adds nothing, yet takes part
+            self.arena.regions[0].fill(0.0)
+        exchanges, exposed, sums = [], 0.0, ()
+        for k in range(len(self.buckets)):
+            self._bucket_ready(ran, k)
+            summing = time.perf_counter()
+            if k == last:
+                arrived, sums = summing, self._member_sums(ran)
+                for i, _ in ran:
+                    self.member_seconds[i] += summing - self._submitted
+            total = self.arena.sum(members, bucket=k)
+            if self.ranks is not None:
+                what = f"the gradients of step {step} (bucket {k + 1} of {last + 1})"
+                exchanges.append(self.ranks.start_sum(total, sums if k == last else (), what))
+            if k < last and not self._hidden(ran, k + 1):
+                exposed += time.perf_counter() - summing
+        for k, exchange in enumerate(exchanges):
+            total, sums = self.ranks.finish_sum(exchange)  # the last bucket's carries the step's sums
+            np.copyto(self.arena.part(0, k), total)
+        self.reduce_s += exposed + time.perf_counter() - arrived
+        return sums
+
+    def _staging_sum(self, ran: list[tuple[int, int]], step: int | None, targets: range) -> tuple[float, ...]:
+        """Through each backend's reads and writes (every member done): the gradients summed in
+        member order, then over the ranks bucket by bucket, as every rank exchanges them, and
+        written into ``targets``; the step's sums over the ranks."""
+        sums, members = self._member_sums(ran), [i for i, _ in ran]
+        if not members:  # a rank without rows of this batch: it adds nothing, yet takes part
+            leader = self.engines[0]
+            leader.backend.write("grads:all", np.zeros(leader.plan.total_params, np.float32))
+            members = [0]
+        across, ranks, last = None, self.ranks, len(self.buckets) - 1
+        if ranks is not None:
 
             def across(local: np.ndarray) -> np.ndarray:
                 nonlocal sums
-                total, sums = ranks.sum_in_rank_order(local, sums, f"the gradients of step {step}")
-                return total
+                started = [
+                    ranks.start_sum(local[a:b], sums if k == last else (), f"the gradients of step {step} "
+                                    f"(bucket {k + 1} of {last + 1})")
+                    for k, (a, b) in enumerate(self.buckets)
+                ]  # fmt: skip
+                for (a, b), exchange in zip(self.buckets, started, strict=True):
+                    local[a:b], sums = ranks.finish_sum(exchange)
+                return local
 
+        sources = [self.engines[i].backend for i in members]
+        backends = [self.engines[i].backend for i in targets]
+        host_all_reduce(sources, backends, across=across, scratch=self._scratch)
+        return sums
+
+    def _all_reduce_and_update(self, ran: list[tuple[int, int]], step: int | None) -> tuple[float, ...]:
+        """Sum the gradients of the members that ran, in member order (then over the ranks, with
+        the step's sums), and apply the update; the step's sums over the ranks."""
         targets = range(len(self.engines)) if self.parallel.update == "each" else range(1)
         if self.arena is not None:
-            self.arena.sum(ran, across)
+            sums = self._arena_sum(ran, step)
+            started = time.perf_counter()
             for i in targets:
                 self.arena.scatter(i)  # the update, submitted next, runs after the copy
         else:
-            backends = [self.engines[i].backend for i in targets]
-            host_all_reduce(sources, backends, across=across, scratch=self._scratch)
+            started = time.perf_counter()
+            sums = self._staging_sum(ran, step, targets)
         applying = time.perf_counter()
         self.reduce_s += applying - started
         tickets = [self.engines[i].submit("apply", SLOT, 1, step) for i in targets]

@@ -30,6 +30,7 @@ from flow.metrics import metric_name, on_device
 from flow.model_graph import expand
 from flow.optim import LOSS_SCALE, check_compatible, step_values
 from flow.planning import DevicePlan, init_parameters
+from flow.program import Program
 from flow.spec_model import CrossEntropy, Embedding
 
 
@@ -70,7 +71,7 @@ class Engine:
         self.backend = backend
         self.slots = device_plan.slots
         backend.open_layout(device_plan.layout, slots=self.slots)
-        self._handles: dict[tuple[str, int, int], int] = {}
+        self._handles: dict[tuple[str, int], int] = {}
         self.profiling = False  # RunSettings(profile=True): see profile()
         self._pools: dict[int, object] = {}  # slot -> the timestamp pool of its train program
         self._launch_ns: list[np.ndarray] = []  # per completed train step, each launch's GPU ns
@@ -252,6 +253,13 @@ class Engine:
             divisor: the rows the loss averages over (None: ``rows``; a data-parallel member's
                 shard: the global batch's).
         """
+        self.set_step(kind, slot, rows, step, divisor)
+        return self.backend.submit(self._handle(kind, slot))
+
+    def set_step(
+        self, kind: str, slot: int, rows: int, step: int | None = None, divisor: int | None = None
+    ) -> None:
+        """Write the step values :meth:`submit` writes (its arguments), before :meth:`submit_part`."""
         self._check_rows(rows)
         updates = kind in ("train", "apply")
         if updates:
@@ -262,7 +270,14 @@ class Engine:
             views.stepvals[:] = values
         else:
             self.backend.write("stepvals", values, slot)
-        return self.backend.submit(self._handle(kind, slot))
+
+    def submit_part(self, part: Program, slot: int) -> int:
+        """Submit one part of a program cut into parts (flow.parallel_plan.train_parts; each
+        recorded on first use), after :meth:`set_step`; returns its ticket."""
+        key = (part.name, slot)
+        if key not in self._handles:
+            self._handles[key] = self.backend.record(part, slot)
+        return self.backend.submit(self._handles[key])
 
     # -- a dataset kept on the device -------------------------------------------------------------
     def upload_dataset(self, x: np.ndarray, labels: np.ndarray) -> None:

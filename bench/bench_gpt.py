@@ -37,9 +37,9 @@ on one GPU:
 
 - ``vkflow`` / ``vkflow_mixed``: ``flow.run`` with ``RunSettings(steps=S, precision="float32" or
   "mixed")``, a metrics file and a checkpoint folder; ``in_flight`` 2 (the default). "mixed": GEMMs
-  round their inputs to fp16 on cooperative matrices, fp32 accumulation (the attention kernel
-  stays fp32). A plan that refuses "mixed" (no cooperative matrices: lavapipe) gives a
-  "not available" line.
+  round their inputs to fp16 on cooperative matrices, fp32 accumulation (the attention kernels
+  too, for head sizes that are multiples of 16). A plan that refuses "mixed" (no cooperative
+  matrices: lavapipe) gives a "not available" line.
 - ``torch_eager`` / ``torch_compile``: fp32 with TF32 off (``common.import_torch``), attention by
   ``F.scaled_dot_product_attention(is_causal=True)``, ``torch.optim.AdamW(fused=True)`` on CUDA,
   ``clip_grad_norm_``. ``torch_compile`` wraps the model in ``torch.compile`` (default mode; the
@@ -79,8 +79,8 @@ Two kernel-level parts say what limits vkflow:
   count the causal half: forward 2 x 2 x N x H x T^2 / 2 x dh, backward 2.5 x that.
 - ``kernels``: the vkflow training step's launches, each timed by timestamps (the train program
   recorded with a timestamp pool, one step in flight, the median over 20 steps after 5 of warm-up),
-  summed by op; with ``gpu_step_ms`` (the sum) against the ``flow.run`` step time the GPU's idle
-  share follows.
+  summed by op, and the 16 costliest launches with their bindings and sizes (``top_launches``);
+  with ``gpu_step_ms`` (the sum) against the ``flow.run`` step time the GPU's idle share follows.
 
 Options: ``--steps S`` (default 300), ``--reps N`` (default 3), ``--quick`` (L 2, H 2, D 32, T 32,
 batch 8, 40 steps, 1 repetition: a smoke run on lavapipe), ``--only`` (comma-separated from vkflow,
@@ -652,9 +652,18 @@ def part_kernels(args, rep: Reporter, sizes: Sizes, corpus: Corpus, backend, vk_
                     f"  {item['us']:10.1f} us  {item['share'] * 100:5.1f} %  "
                     f"{item['launches']:4d} x {item['op']}"
                 )
+            # The single launches that cost most, with what they bind and their sizes: where to work.
+            top = sorted(zip(us, launches, strict=True), key=lambda pair: -pair[0])[:16]
+            top_launches = [
+                {"op": item.op, "us": round(float(value), 1), "args": list(item.args),
+                 "params": {k: v for k, v in item.params if isinstance(v, int)}}
+                for value, item in top
+            ]  # fmt: skip
+            for entry in top_launches:
+                print(f"  top {entry['us']:8.1f} us  {entry['op']} {entry['args']} {entry['params']}")
             rep.figure(
                 "step_kernels", "vkflow", vk_device, shape=sizes.shape(), precision=precision,
-                ms=total / 1e3, launches=len(launches),
+                ms=total / 1e3, launches=len(launches), top_launches=top_launches,
                 gpu_tokens_per_s=sizes.batch * sizes.context / (total * 1e-6), ops=ops,
             )  # fmt: skip
 

@@ -6,7 +6,9 @@ on an odd shape with every transposition pair, then times each shape with Vulkan
 training step; split-K adds its epilogue launch to the time). torch.matmul on the same shapes and
 transpositions (TF32 off) is timed with CUDA events in the same run when CUDA is present.
 
-    python bench/sweep_gemm.py [--quick] [--out FILE]
+    python bench/sweep_gemm.py [--quick] [--out FILE] [--only SHAPE,...] [--configs NAME,...] [--kr 0,1]
+
+``--kr 0,1`` times every config both ways of gemm.comp's KR (A kept k-contiguous in shared memory).
 
 One JSON line per (config, shape); then, per shape, the configs sorted by time against cuBLAS. The
 registry's tile choice (``shaders.tiles.tune_gemm``) is timed too, under the name ``tuned``.
@@ -41,9 +43,13 @@ SHAPES = (
     (785, 1024, 256, 1, 0, "small dW1+b"),
     (1025, 10, 256, 1, 0, "small dW3+b"),
     (8192, 4096, 4096, 0, 0, "large fwd"),
+    (8192, 4096, 1024, 0, 0, "large fwd1"),
+    (8192, 1024, 4096, 0, 0, "large fwd4"),
+    (8192, 4096, 1024, 0, 1, "large dX4"),
     (8192, 4096, 4096, 0, 1, "large dX"),
     (4097, 4096, 8192, 1, 0, "large dW+b"),
     (4096, 4096, 4096, 0, 0, "4096^3"),
+    (4096, 4096, 4096, 1, 0, "4096^3 tn"),  # A k-major: the layout without a transposition
     (4000, 4000, 4000, 0, 0, "4000^3"),
     (8192, 8192, 8192, 0, 0, "8192^3"),
 )
@@ -69,6 +75,8 @@ CONFIGS = (
     config(64, 128, 8, 4, 8, gm=8, db=0),
     config(64, 128, 16, 4, 8, gm=8, db=0),
     config(64, 64, 16, 4, 4, db=0),
+    config(128, 256, 16, 8, 8, gm=8, db=0),  # 512 threads
+    config(64, 256, 16, 4, 8, gm=8, db=0),
     # small tiles and sliced K, for an MLP's batch of 256
     config(32, 64, 16, 2, 4, db=0),
     config(32, 32, 32, 4, 4, sk=4),
@@ -102,6 +110,8 @@ def name(cfg: dict[str, int] | None) -> str:
         text += f" sk{cfg['SK']}"
     if not cfg["DB"]:
         text += " single"
+    if cfg.get("KR"):
+        text += f" kr{cfg['KR']}"
     return text
 
 
@@ -226,6 +236,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--only", default="", help="comma-separated substrings of shape names")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; shapes left then are skipped")
+    parser.add_argument("--configs", default="", help="comma-separated substrings of config names")
+    parser.add_argument("--kr", default="", help="comma-separated KR values (gemm.comp) to time")
     parser.add_argument("--table", help="where to write the best tiles per shape (default: the user cache)")
     args = parser.parse_args()
     backend, why_not = open_vulkan()
@@ -237,6 +249,10 @@ def main() -> None:
     if args.only:
         shapes = tuple(s for s in shapes if any(word in s[5] for word in args.only.split(",")))
     configs = QUICK_CONFIGS if args.quick else CONFIGS
+    if args.configs:
+        configs = tuple(c for c in configs if any(word in name(c) for word in args.configs.split(",")))
+    if args.kr:
+        configs = tuple({**cfg, "KR": int(kr)} for cfg in configs for kr in args.kr.split(","))
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
 
     def emit(record: dict) -> None:
@@ -285,12 +301,12 @@ def main() -> None:
         flop = 2.0 * m * n * k
         ref = torch_seconds(torch, m, n, k, ta, tb, args.reps)
         rows = []
+        case = Case(backend, m, n, k, ta, tb, ones)  # one upload per shape, every config reads it
         for cfg in usable:
             if cfg and min(m, n) >= SMALL * 4 and (cfg["BM"] * cfg["BN"] < BIG_TILE or cfg["SK"] > 1):
                 continue  # small tiles and sliced K are for shapes with few tiles
             started = time.perf_counter()
             try:
-                case = Case(backend, m, n, k, ta, tb, ones)
                 seconds = case.seconds(cfg, 0.02 if min(m, n) < SMALL else 0.05, args.reps)
             except Exception as error:  # noqa: BLE001
                 emit({"bench": "sweep_gemm", "shape": what, "config": name(cfg), "status": "failed",

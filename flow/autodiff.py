@@ -60,6 +60,7 @@ from flow.spec_model import (
 from shaders.attention_tiles import attention_ops
 from shaders.conv_coopmat_tiles import conv_gemm_op
 from shaders.registry import ACTIVATIONS, BINARY, LOSSES, REDUCE
+from shaders.registry import op as op_def
 from shaders.tiles import conv_gemm_shape
 
 # Activations whose derivative the GEMM epilogue can take from the saved output (gelu needs its
@@ -135,6 +136,30 @@ def channel_sum_parts(n: int, k: int, hw: int) -> int:
     workgroup a channel writes the gradient itself)."""
     wanted = math.ceil(CHANNEL_SUM_TARGET_GROUPS / k)
     return max(1, min(wanted, n, n * hw // CHANNEL_SUM_MIN))
+
+
+# Column sums over many rows (column_sum.comp: bias gradients; layernorm_backward_reduce.comp):
+# enough (64 columns, slice of rows) workgroups to fill a big GPU, each slice at least
+# COLUMN_SUM_MIN_ROWS rows. One workgroup a column, its threads walking down the rows, took
+# 2.6 ms of the char GPT's 25.7 ms mixed step on an H100 for the biases alone (session 10).
+COLUMN_SUM_TARGET_GROUPS = 1024
+COLUMN_SUM_MIN_ROWS = 64
+COLUMN_SUM_OUTS = 64  # the shaders' OUTS: columns a workgroup
+
+
+def column_sum_parts(rows: int, cols: int) -> int:
+    """How many slices of ``rows`` a column sum of [rows, cols] is split into (1: the sums are
+    written directly; else conv_splitk_sum adds the slices). The GPT's 16384 x 384 gets 171."""
+    tiles = math.ceil(cols / COLUMN_SUM_OUTS)
+    wanted = math.ceil(COLUMN_SUM_TARGET_GROUPS / tiles)
+    return max(1, min(wanted, rows // COLUMN_SUM_MIN_ROWS))
+
+
+def _written(item: Launch) -> set[str]:
+    """The tensors a launch writes (its op's output bindings)."""
+    definition = op_def(item.op)
+    pairs = zip(definition.bindings, item.args, strict=False)
+    return {arg for name, arg in pairs if name in definition.outputs}
 
 
 def embedding_chunks(ids: int, rows: int, dim: int) -> int:
@@ -427,8 +452,9 @@ class _Builder:
             (heads, grad, heads, f"grad:{w_out}"), M=d, N=d, K=rows, trans_a=1
         )
         to_heads, finish_heads = self._gemm((grad, w_out, grad, d_heads), M=rows, N=d, K=d, trans_b=1)
-        g.emit(out_weight, to_heads, self._bias_grad(layer.bias, grad, f"grad:{prefix}.out_bias", rows, d))
-        g.emit(finish_out, finish_heads)
+        out_bias, finish_bias = self._bias_grad(layer.bias, grad, f"grad:{prefix}.out_bias", rows, d)
+        g.emit(out_weight, to_heads, out_bias)
+        g.emit(finish_out, finish_heads, finish_bias)
         g.emit(launch("attention_backward_dot", (d_heads, heads, row_dots), **params))
         kernels = attention_ops(self.mixed, int(params["dh"]))
         g.emit(
@@ -441,19 +467,28 @@ class _Builder:
             if in_grad
             else (None, None)
         )
-        g.emit(
-            qkv_weight, to_input, self._bias_grad(layer.bias, d_qkv, f"grad:{prefix}.qkv_bias", rows, 3 * d)
-        )
-        g.emit(finish_qkv, finish_input)
+        qkv_bias, finish_bias = self._bias_grad(layer.bias, d_qkv, f"grad:{prefix}.qkv_bias", rows, 3 * d)
+        g.emit(qkv_weight, to_input, qkv_bias)
+        g.emit(finish_qkv, finish_input, finish_bias)
 
-    @staticmethod
-    def _bias_grad(bias: bool, dz: str, db: str, rows: int, cols: int) -> Launch | None:
-        """A dense layer's bias gradient, the column sums of its output's gradient."""
-        return (
-            launch("reduce", (dz, db), rows=rows, cols=cols, axis=0, fn=REDUCE["sum"], alpha=1.0)
-            if bias
-            else None
-        )
+    def _bias_grad(
+        self, bias: bool, dz: str, db: str, rows: int, cols: int
+    ) -> tuple[Launch | None, Launch | None]:
+        """A dense layer's bias gradient, the column sums of its output's gradient (column_sum),
+        in slices of the rows when the columns alone are too few workgroups (column_sum_parts).
+
+        Returns:
+            (launch, finish): ``finish`` (conv_splitk_sum) adds the slices into ``db``, in a later
+            group; None when there is one slice. Both None without a bias.
+        """
+        if not bias:
+            return None, None
+        parts = column_sum_parts(rows, cols)
+        if parts == 1:
+            return launch("column_sum", (dz, db), rows=rows, cols=cols, parts=1), None
+        workspace = self.g.add(f"splitk:{db}", (parts, cols))
+        main = launch("column_sum", (dz, workspace), rows=rows, cols=cols, parts=parts)
+        return main, launch("conv_splitk_sum", (workspace, db), total=cols, splits=parts)
 
     def _conv_params(self, stage: Stage, layer: Conv) -> dict[str, int]:
         if isinstance(layer, Conv1d):  # (C, L) as an image (C, 1, L), a kernel 1 x kernel
@@ -666,10 +701,40 @@ class _Builder:
     def _add_all(self, parts: list[str], total: str) -> None:
         """``total`` = the sum of two or more tensors of its shape, added in ``parts`` order (the
         third on is added in place: binary.comp reads each element before it writes it)."""
+        if len(parts) == 2 and self._fuse_into_norm_grad(parts, total):
+            return
         n = math.prod(self.g.tensors[total].shape)
         self.g.emit(launch("binary", (parts[0], parts[1], total), n=n, fn=BINARY["add"], a=1.0, b=0.0))
         for part in parts[2:]:
             self.g.emit(launch("binary", (total, part, total), n=n, fn=BINARY["add"], a=1.0, b=0.0))
+
+    def _fuse_into_norm_grad(self, parts: list[str], total: str) -> bool:
+        """Two gradients of a residual stream, one the LayerNorm input gradient one of the last two
+        groups wrote: that launch writes ``total`` itself, adding the other part as it goes
+        (layernorm_backward_data's accumulate), instead of a separate add reading both again
+        (12 adds of 16384 x 384 in the char GPT's step). Only when nothing in that group or after
+        writes the other part, so it is complete when the launch reads it.
+
+        Returns:
+            True when fused (the part the LayerNorm wrote is then no tensor of the graph).
+        """
+        groups = self.g.groups[-2:]  # the LayerNorm's group, and its parameter sums' finish
+        for at, group in enumerate(groups):
+            for index, item in enumerate(group):
+                params = item.param_dict
+                norm_grad = item.op == "layernorm_backward_data" and not params.get("accumulate")
+                if not norm_grad or item.args[5] not in parts:
+                    continue
+                mine = item.args[5]
+                other = parts[1] if mine == parts[0] else parts[0]
+                later = {arg for each in groups[at:] for x in each for arg in _written(x)}
+                if other == mine or other in later:
+                    return False
+                # One float addition of the two, as binary.comp's (it commutes exactly).
+                group[index] = launch(item.op, (*item.args[:5], total, other), **params, accumulate=1)
+                del self.g.tensors[mine]
+                return True
+        return False
 
     def _grad_name(self, stage: Stage, j: int) -> str:
         """The gradient a stage passes to its ``j``-th input: ``grad:<input>`` when it is that
@@ -703,7 +768,9 @@ class _Builder:
         if isinstance(layer, PositionalEmbedding):
             # The table's gradient sums the batch; the input's is the output's, passed on as it is.
             cols, dw = math.prod(stage.in_shape), f"grad:{prefix}.weight"
-            g.emit(launch("reduce", (grad, dw), rows=b, cols=cols, axis=0, fn=REDUCE["sum"], alpha=1.0))
+            column_sum, finish = self._bias_grad(True, grad, dw, b, cols)
+            g.emit(column_sum)
+            g.emit(finish)
             return [grad if want[0] else None]
         h = saved["input"]
         in_grad = g.add(self._grad_name(stage, 0), g.tensors[h].shape) if want[0] else None
@@ -724,15 +791,15 @@ class _Builder:
                     weight_grad, finish_weight = self._gemm(
                         (h, dz, h, both), M=k + 1, N=n, K=rows, trans_a=1, ones_row=1
                     )
-                    bias_grad = None
+                    bias_grad, finish_bias = None, None
                 else:
                     weight_grad, finish_weight = self._gemm((h, dz, h, dw), M=k, N=n, K=rows, trans_a=1)
-                    bias_grad = self._bias_grad(layer.bias, dz, db, rows, n)
+                    bias_grad, finish_bias = self._bias_grad(layer.bias, dz, db, rows, n)
                 input_grad, finish_input = (None, None)
                 if in_grad:
                     input_grad, finish_input = self._input_grad_gemm(position, dz, w, h, in_grad, k, n)
                 g.emit(weight_grad, bias_grad, input_grad)
-                g.emit(finish_weight, finish_input)
+                g.emit(finish_weight, finish_input, finish_bias)
             else:
                 params = self._conv_params(stage, layer)
                 weight_grad, finish_weight = self._conv_weight_grad(h, dz, dw, params)
@@ -777,16 +844,28 @@ class _Builder:
             params = self._layer_norm_params(stage, layer)
             stats = saved["stats"]
             grads = (f"grad:{prefix}.weight", f"grad:{prefix}.bias")
+            # Sliced over the rows as a bias gradient is (column_sum_parts); the slices are added
+            # after the group.
+            parts = column_sum_parts(self.b * int(params["R"]), int(params["D"]))
+            sums = grads if parts == 1 else tuple(g.add(f"splitk:{n}", (parts, params["D"])) for n in grads)
+            finish = [
+                launch("conv_splitk_sum", (part, whole), total=params["D"], splits=parts)
+                for part, whole in zip(sums, grads, strict=True)
+                if parts > 1
+            ]
+            reduce_args = (grad, h, stats, *sums, "stepvals")
             g.emit(
-                launch("layernorm_backward_reduce", (grad, h, stats, *grads, "stepvals"), **params),
+                launch("layernorm_backward_reduce", reduce_args, **params, parts=parts),
                 launch(
                     "layernorm_backward_data",
-                    (grad, h, stats, f"{prefix}.weight", "stepvals", in_grad),
+                    # The addend slot reads grad as a stand-in until _add_all fuses a sum in.
+                    (grad, h, stats, f"{prefix}.weight", "stepvals", in_grad, grad),
                     **params,
                 )
                 if in_grad
                 else None,
             )
+            g.emit(*finish)
         elif isinstance(layer, SelfAttention):
             self._attention_backward(stage, layer, saved, grad, in_grad)
         elif isinstance(layer, Embedding):

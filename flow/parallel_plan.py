@@ -20,6 +20,13 @@ Across the ranks of an MPI job (:class:`World`, read from the launcher's environ
 gradients are summed in member order within each rank, then in rank order across the ranks
 (actors.collective), and every rank applies the update itself; a digest of the weights compared
 every ``check_every`` steps catches ranks that drift apart (:func:`divergence`).
+
+The gradients are summed in buckets of about ``Devices.bucket_mb`` (:func:`grad_buckets`): ranges
+of the flat gradient buffer from its end, the last layers' first, as the backward pass finishes
+them. Each member's train program is cut where a bucket is complete (:func:`train_parts`), so the
+host sums bucket k, and the ranks exchange it, while the devices run the backward of bucket k+1.
+A bucket only partitions the elements: each is still summed in member order, then rank order, so
+any bucket size gives the same bits (a model smaller than a bucket has one: no cut at all).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from flow.device_facts import DeviceFacts
+from flow.program import Barrier, Layout, Program
 from flow.spec import Devices
 from loaders.sampler import rank_bounds
 
@@ -157,6 +165,8 @@ class DataParallelPlan:
         rank: this process's rank.
         global_batch: the rows of a full global batch, over every rank (``batch`` is this rank's).
         all_reduce: the all-reduce's path (:func:`all_reduce_path`).
+        buckets: the gradients' buckets, (first float, end) of ``grads:all`` each, in the order
+            they are summed (:func:`grad_buckets`); () before the device plans are made.
     """
 
     members: tuple[str, ...]
@@ -170,6 +180,7 @@ class DataParallelPlan:
     rank: int = 0
     global_batch: int = 0
     all_reduce: AllReduce = "staging"
+    buckets: tuple[tuple[int, int], ...] = ()
 
     def shard(self, rows: int) -> tuple[int, ...]:
         """The rows each member takes of a batch of ``rows`` (a full batch: ``self.rows``; a
@@ -196,7 +207,79 @@ class DataParallelPlan:
             "rank": self.rank,
             "global_batch": self.global_batch or self.batch,
             "all_reduce": self.all_reduce,
+            "buckets": [list(b) for b in self.buckets],
         }
+
+
+def grad_buckets(layout: Layout, bucket_bytes: int) -> tuple[tuple[int, int], ...]:
+    """The gradient buffer cut into buckets of at least ``bucket_bytes`` (the last may be smaller),
+    walking down from its end: the parameters are laid out in layer order and the backward pass
+    finishes the last layer's first. A cut falls only between gradient tensors (never inside a
+    layer's fused weight+bias), so a parameter larger than a bucket is a bucket of its own.
+
+    Args:
+        layout: a member's layout (every member's places the gradients alike).
+        bucket_bytes: the least bytes of a bucket, > 0.
+
+    Returns:
+        (first float, end) of each bucket, the last layers' first; one bucket for a small model.
+    """
+    whole = layout.tensor("grads:all")
+    parts = [(t.offset // 4, t.offset // 4 + t.size) for t in layout.tensors
+             if t.arena == whole.arena and t.name != whole.name]  # fmt: skip
+    cuts = {0, whole.size} | {edge for part in parts for edge in part}
+    cuts = sorted(c for c in cuts if 0 <= c <= whole.size and not any(a < c < b for a, b in parts))
+    buckets, stop = [], whole.size
+    for cut in reversed(cuts[:-1]):
+        if (stop - cut) * 4 >= bucket_bytes or cut == 0:
+            buckets.append((cut, stop))
+            stop = cut
+    return tuple(buckets)
+
+
+def train_parts(
+    program: Program, layout: Layout, buckets: tuple[tuple[int, int], ...]
+) -> tuple[Program, ...]:
+    """``program`` (a member's train program) cut into one part per bucket: when parts 0..k have
+    run, buckets 0..k hold their final gradients (no later launch binds them). A cut falls after
+    the barrier group of the last launch that binds a gradient tensor overlapping the bucket (or
+    an earlier bucket); the last part runs to the program's end. A part may be empty.
+
+    Args:
+        program: the train program.
+        layout: its layout.
+        buckets: :func:`grad_buckets`.
+
+    Returns:
+        The parts, named ``<program>#<k>``; the program itself for one bucket.
+    """
+    if len(buckets) == 1:
+        return (program,)
+    arena = layout.tensor("grads:all").arena
+    ranges = {t.name: (t.offset // 4, t.offset // 4 + t.size) for t in layout.tensors if t.arena == arena}
+    steps = program.steps
+    last = [-1] * len(buckets)
+    for i, step in enumerate(steps):
+        if isinstance(step, Barrier):
+            continue
+        for a, b in (ranges[name] for name in step.args if name in ranges):
+            for k, (start, stop) in enumerate(buckets):
+                if a < stop and start < b:
+                    last[k] = i
+    parts, begin, ready = [], 0, -1
+    for k in range(len(buckets)):
+        ready = max(ready, last[k])
+        end = len(steps) if k == len(buckets) - 1 else max(begin, ready + 1)
+        while begin <= ready < end < len(steps) and not isinstance(steps[end], Barrier):
+            end += 1  # the rest of the launch's barrier group: independent launches, one part
+        chunk = steps[begin:end]
+        while chunk and isinstance(chunk[0], Barrier):
+            chunk = chunk[1:]
+        while chunk and isinstance(chunk[-1], Barrier):
+            chunk = chunk[:-1]
+        parts.append(Program(f"{program.name}#{k}", chunk))
+        begin = end
+    return tuple(parts)
 
 
 def plan_data_parallel(

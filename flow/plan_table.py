@@ -90,6 +90,15 @@ def format_plan(plan: Plan) -> str:
             + ("each device applies the update" if parallel.update == "each"
                else "device 0 applies the update and its weights are copied to the others")
         )  # fmt: skip
+        sizes = [(stop - start) * 4 / 2**20 for start, stop in parallel.buckets]
+        if len(sizes) > 1 and parallel.all_reduce == "staging":
+            lines.append(f"  gradients summed after the backward pass (staging reads whole tensors); "
+                         f"{len(sizes)} buckets between the ranks")  # fmt: skip
+        elif len(sizes) > 1:
+            lines.append(f"  gradients summed in {len(sizes)} buckets as the backward pass finishes them, "
+                         f"last layer first: {', '.join(f'{mb:.3g}' for mb in sizes)} MiB")  # fmt: skip
+        elif sizes:
+            lines.append(f"  gradients summed in one bucket of {sizes[0]:.3g} MiB, after the backward pass")
         if parallel.ranks > 1:
             lines.append(
                 f"  MPI rank {parallel.rank} of {parallel.ranks}: {parallel.batch} rows of each global batch "

@@ -44,7 +44,14 @@ from flow.optim import (
     optimiser_state_names,
     update_groups,
 )
-from flow.parallel_plan import DataParallelPlan, MemberChoice, World, choose_members, plan_data_parallel
+from flow.parallel_plan import (
+    DataParallelPlan,
+    MemberChoice,
+    World,
+    choose_members,
+    grad_buckets,
+    plan_data_parallel,
+)
 from flow.pipeline_plan import PipelinePlan, plan_pipeline
 from flow.program import (
     ITEM_BYTES,
@@ -681,6 +688,8 @@ def _plan_data_parallel(
         )
         for facts, table, capacity in zip(group, tables, parallel.capacity, strict=True)
     )
+    buckets = grad_buckets(devices[0].layout, round(spec.devices.bucket_mb * 2**20))
+    parallel = replace(parallel, buckets=buckets)
     data = plan_data(spec, header, world.rank, world.size) if header is not None and mode == "train" else None
     sample_shape = header.sample_shape if header is not None else None
     pipeline = plan_pipeline(spec, mode=mode, sample_shape=sample_shape)

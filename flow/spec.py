@@ -251,6 +251,10 @@ class Devices(Record):
         micro_batches: with stages, the micro-batches each batch is cut into (a 1F1B schedule
             runs them through the stages; their gradients are summed, then one update), in
             [1, batch size] (default 1).
+        bucket_mb: data parallel: the gradients are summed in buckets of about this many MiB,
+            each as soon as the backward pass has finished it, while the devices go on with the
+            rest (default 4; a model smaller than that sums once, after the backward pass). Any
+            size gives the same bits.
     """
 
     select: int | str | tuple[int | str, ...] = "auto"
@@ -260,6 +264,7 @@ class Devices(Record):
     memory_fraction: float = 0.9
     stages: Literal["auto"] | tuple[int, ...] | None = field(default=None, metadata=LATER)
     micro_batches: int = field(default=1, metadata=LATER)
+    bucket_mb: float = field(default=4.0, metadata=LATER)
 
     @property
     def choices(self) -> tuple[int | str, ...]:

@@ -468,6 +468,7 @@ def _devices(r: Rule) -> None:
             if not share > 0:
                 r.add(f"shares[{i}]", f"must be > 0, got {share!r}")
     r.need("memory_fraction", lambda f: 0 < f <= 1, "must be in (0, 1]")
+    r.need("bucket_mb", lambda mb: mb > 0, "must be > 0 (MiB of gradients summed at a time)")
     _stages(r, select)
 
 

@@ -18,10 +18,11 @@
 // and column group: as a 64-element float array, a 128 x 128 tile with 8 x 8 per thread ran at
 // 2.3 TFLOP/s on an H200 (it looked spilled); as vec4s, 34 TFLOP/s on an H100.
 //
-// A and B stream through shared memory BK at a time, both stored k-major: the next K tile is
-// loaded from global memory into registers while the current one is multiplied, then stored
-// into shared memory. With DB = 1 it goes into a second buffer, so each K step needs one
-// barrier; with DB = 0 (one buffer) it waits for a second barrier.
+// A and B stream through shared memory BK at a time, stored k-major (A row-major may stay
+// k-contiguous instead: KR, below): the next K tile is loaded from global memory into registers
+// while the current one is multiplied, then stored into shared memory. With DB = 1 it goes into
+// a second buffer, so each K step needs one barrier; with DB = 0 (one buffer) it waits for a
+// second barrier.
 //
 // The transposition flags are the specialisation constants TA and TB (tune_gemm copies them
 // from the launch's trans_a / trans_b; the push constants are ignored here), so every load path
@@ -63,6 +64,17 @@ layout(constant_id = 13) const uint DB = 0;  // 1: double-buffered shared tiles;
 // for the same tiles without the derivative.
 layout(constant_id = 14) const uint ACT = 0;
 layout(constant_id = 15) const uint AG = 0;
+// KR = 1 (A stored [M,K]): keep A's tile k-contiguous in shared memory, as it is in global
+// memory, instead of transposing it to k-major on the way in (4 scalar stores per vec4 granule,
+// with bank conflicts). The tile is BM rows of BK + 4 words: one conflict-free vec4 store per
+// granule, and the inner loop reads a vec4 of 4 k's per row of the thread and does 4 k steps
+// from registers (the same shared reads per multiply-add; the padding puts the 2 or 4 rows a
+// warp reads, 4 apart, in distinct banks, and keeps the reads at fixed offsets from one base).
+// H100, 4096^3, 128 x 128 x 32 / 8 x 8: 36.6 -> 39.9 TFLOP/s (A k-major: 44.6); the best tile
+// without it, 64 x 128 x 32 / 4 x 8, drops to 33.8 with it. The same layout for B stored [N,K]
+// (slots rotated against bank conflicts) was slower at BK 32 and is not kept. Ignored when A is
+// stored k-major or a K slice is not a multiple of 4.
+layout(constant_id = 16) const uint KR = 0;
 
 // The push fields after those gemm_coopmat shares (registry: gemm's push list): k_splits, and
 // act_grad (unused: AG) and ones_row for the fusions above.
@@ -97,7 +109,10 @@ const bool VC = (VEC & 4u) != 0u;
 // reads of the inner loop and shift successive k rows across the banks for the column stores.
 const uint SA = BM + 4u;
 const uint SB = BN + 4u;
-const uint A_BUF = BK * SA / 4u;  // vec4s per buffer
+// A buffer: the larger of the k-major tile and the k-contiguous one (BM rows of BK + 4 words, see
+// KR), max(BM, BK) in unsigned arithmetic (no ?: on specialisation constants).
+const uint MAX_MK = BM + (BK - BM) * ((BM - BK) >> 31u);
+const uint A_BUF = (BK * BM + 4u * MAX_MK) / 4u;  // vec4s per buffer
 const uint B_BUF = BK * SB / 4u;
 const uint A_GRAN = BM * BK / GA;  // granules per tile
 const uint B_GRAN = BK * BN / GB;
@@ -109,6 +124,16 @@ shared vec4 Bs[(1u + DB) * B_BUF];
 // Sliced-K: one slice's partial tile at a time, for the final sum (1 - 1/SK: 0 or 1).
 const uint RED = (1u - 1u / SK) * BM * BN / 4u + 1u;
 shared vec4 Red[RED];
+// Whether A is k-contiguous in shared memory (see KR): the flag, A stored [M,K], and a K slice
+// of whole vec4s. QS: k steps per shared read of A (4 when it is, else 1).
+const uint KS4 = 1u - ((KS | (KS >> 1u)) & 1u);
+const uint AR = (KR & 1u) * (1u - TA1) * KS4;
+const uint QS = 1u + 3u * AR;
+
+// Word offset of (row, k) in the k-contiguous A tile: BK + 4 words per row.
+uint ar_word(uint row, uint k) {
+    return row * (BK + 4u) + k;
+}
 
 // (row along m, k) within the tile of A granule l; the granule runs along the contiguous dim.
 uvec2 a_slot(uint l) {
@@ -164,7 +189,14 @@ void put_a(uint base, uint l, vec4 v) {
     if (l < A_GRAN) {
         uvec2 s = a_slot(l);
         uint w = s.y * SA + s.x;  // word offset in the buffer
-        if (GA == 1u) {
+        if (AR == 1u) {
+            w = ar_word(s.x, s.y);  // granules run along k: one vec4, or one scalar
+            if (GA == 1u) {
+                As[base + (w >> 2u)][w & 3u] = v.x;
+            } else {
+                As[base + (w >> 2u)] = v;
+            }
+        } else if (GA == 1u) {
             As[base + (w >> 2u)][w & 3u] = v.x;
         } else if (TA != 0u) {
             As[base + (w >> 2u)] = v;  // along m: one aligned vec4
@@ -267,30 +299,46 @@ void main() {
 
         const uint a_base = stage * A_BUF;
         const uint b_base = stage * B_BUF;
-        [[unroll]] for (uint kq = 0u; kq < KS; ++kq) {
-            const uint kk = slice * KS + kq;
-            float a[TM];
-            [[unroll]] for (uint g = 0u; g < RGM; ++g) {
-                uint w = kk * SA + g * GSM + ty * SWM;
-                if (SWM == 4u) {
-                    vec4 v = As[a_base + (w >> 2u)];
-                    a[4u * g] = v.x;
-                    a[4u * g + 1u] = v.y;
-                    a[4u * g + 2u] = v.z;
-                    a[4u * g + 3u] = v.w;
-                } else {
-                    [[unroll]] for (uint r = 0u; r < SWM; ++r) {
-                        a[g * SWM + r] = As[a_base + ((w + r) >> 2u)][(w + r) & 3u];
-                    }
+        [[unroll]] for (uint kq = 0u; kq < KS; kq += QS) {
+            const uint k4 = slice * KS + kq;
+            // k-contiguous A: 4 k's of each of the thread's rows in one vec4 read.
+            vec4 av[TM * AR + 1u - AR];
+            if (AR == 1u) {
+                [[unroll]] for (uint i = 0u; i < TM; ++i) {
+                    av[i] = As[a_base + (ar_word(tile_row(ty, i), k4) >> 2u)];
                 }
             }
-            vec4 b[RGN];
-            [[unroll]] for (uint h = 0u; h < RGN; ++h) {
-                b[h] = Bs[b_base + ((kk * SB + tile_col(tx, h)) >> 2u)];
-            }
-            [[unroll]] for (uint i = 0u; i < TM; ++i) {
+            [[unroll]] for (uint j = 0u; j < QS; ++j) {
+                const uint kk = k4 + j;
+                float a[TM];
+                if (AR == 1u) {
+                    [[unroll]] for (uint i = 0u; i < TM; ++i) {
+                        a[i] = av[i][j];
+                    }
+                } else {
+                    [[unroll]] for (uint g = 0u; g < RGM; ++g) {
+                        uint w = kk * SA + g * GSM + ty * SWM;
+                        if (SWM == 4u) {
+                            vec4 v = As[a_base + (w >> 2u)];
+                            a[4u * g] = v.x;
+                            a[4u * g + 1u] = v.y;
+                            a[4u * g + 2u] = v.z;
+                            a[4u * g + 3u] = v.w;
+                        } else {
+                            [[unroll]] for (uint r = 0u; r < SWM; ++r) {
+                                a[g * SWM + r] = As[a_base + ((w + r) >> 2u)][(w + r) & 3u];
+                            }
+                        }
+                    }
+                }
+                vec4 b[RGN];
                 [[unroll]] for (uint h = 0u; h < RGN; ++h) {
-                    acc[i * RGN + h] = fma(vec4(a[i]), b[h], acc[i * RGN + h]);
+                    b[h] = Bs[b_base + ((kk * SB + tile_col(tx, h)) >> 2u)];
+                }
+                [[unroll]] for (uint i = 0u; i < TM; ++i) {
+                    [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+                        acc[i * RGN + h] = fma(vec4(a[i]), b[h], acc[i * RGN + h]);
+                    }
                 }
             }
         }

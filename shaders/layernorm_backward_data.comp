@@ -3,6 +3,8 @@
 //     dX = invstd * (g - mean(g) - xhat * mean(g * xhat)),
 // the means over the row's D values. The rows of padding samples (past n = stepvals[4]) get 0,
 // so the layers before never learn from them. One workgroup per row, grid-stride over rows.
+// accumulate = 1 adds Addend first (dX = Addend + the above; padding rows get Addend): the sum of
+// a residual stream's two gradients, which a separate add launch wrote otherwise (session 10).
 #version 450
 #extension GL_GOOGLE_include_directive : require
 
@@ -14,12 +16,14 @@ layout(std430, set = 0, binding = 2) readonly buffer StatsBuf { float stats[]; }
 layout(std430, set = 0, binding = 3) readonly buffer GammaBuf { float gamma[]; };
 layout(std430, set = 0, binding = 4) readonly buffer StepBuf { float stepvals[]; };
 layout(std430, set = 0, binding = 5) writeonly buffer DXBuf { float dX[]; };
+layout(std430, set = 0, binding = 6) readonly buffer AddendBuf { float addend[]; };
 
 layout(push_constant) uniform Push {
     uint N;
     uint R;
     uint D;
     float eps;
+    uint accumulate;
 } pc;
 
 shared float partial[gl_WorkGroupSize.x];
@@ -37,7 +41,7 @@ void main() {
         const uint base = row * pc.D;
         if (row >= real) {  // uniform across the workgroup: no barrier is skipped by some alone
             for (uint j = tid; j < pc.D; j += threads) {
-                dX[base + j] = 0.0;
+                dX[base + j] = pc.accumulate != 0u ? addend[base + j] : 0.0;
             }
             continue;
         }
@@ -54,7 +58,8 @@ void main() {
         const float gx_mean = group_sum(gx_sum) / float(pc.D);
         for (uint j = tid; j < pc.D; j += threads) {
             float xhat = (X[base + j] - mean) * invstd;
-            dX[base + j] = invstd * (dY[base + j] * gamma[j] - g_mean - xhat * gx_mean);
+            float grad = invstd * (dY[base + j] * gamma[j] - g_mean - xhat * gx_mean);
+            dX[base + j] = pc.accumulate != 0u ? addend[base + j] + grad : grad;
         }
     }
 }

@@ -211,6 +211,15 @@ _POOL_PUSH = (
 _NORM_PUSH = (("N", "u"), ("C", "u"), ("HW", "u"))
 # A LayerNorm input viewed as [N * R, D]: R rows of D per sample (R = 1 for flat features).
 _LAYER_NORM_PUSH = (("N", "u"), ("R", "u"), ("D", "u"), ("eps", "f"))
+
+
+def layer_norm_threads(d: int) -> int:
+    """Threads of a workgroup that normalises one row of ``d``: each row's sums are workgroup
+    trees (a barrier a level), so a GPT's 384-wide rows on 256 threads spent most of their time
+    in barriers (61 us for 16384 rows on an H100, about 3x the bytes' time; session 10)."""
+    return 64 if d <= 512 else 128 if d <= 2048 else 256
+
+
 # An Embedding: N samples of S ids each, a table of V rows of D.
 _EMBEDDING_PUSH = (("N", "u"), ("S", "u"), ("V", "u"), ("D", "u"))
 
@@ -360,6 +369,7 @@ _OPS: tuple[OpDef, ...] = (
             ("DB", 0),
             ("ACT", 0),
             ("AG", 0),
+            ("KR", 0),  # 1: A (stored [M,K]) kept k-contiguous in shared memory
         ),
         local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]) * s.get("SK", 1), 1, 1),
         tune=tune_gemm,
@@ -395,6 +405,17 @@ _OPS: tuple[OpDef, ...] = (
         (("rows", "u"), ("cols", "u"), ("axis", "u"), ("fn", "u"), ("alpha", "f")),
         _reduce_groups,
         local_size=(64, 1, 1),
+    ),
+    # out[p * cols + c] = alpha * the sum of X [rows, cols]'s column c over slice p of `parts` row
+    # slices (a bias gradient; conv_splitk_sum adds the slices when parts > 1; see the shader).
+    OpDef(
+        "column_sum",
+        "column_sum.comp",
+        ("X", "outs"),
+        (("rows", "u"), ("cols", "u"), ("parts", "u"), ("alpha", "f")),
+        lambda p, local, spec: (ceil_div(int(p["cols"]), spec["OUTS"]), int(p["parts"]), 1),
+        spec=(("OUTS", 64), ("LANES", 4)),
+        local_from_spec=lambda s: (s["OUTS"], s["LANES"], 1),
     ),
     # Row-wise softmax (log=0) or log-softmax (log=1) of X [rows, cols].
     OpDef(
@@ -572,22 +593,30 @@ _OPS: tuple[OpDef, ...] = (
         ("X", "gamma", "beta", "Y", "stats"),
         _LAYER_NORM_PUSH,
         lambda p, local, spec: capped_groups(int(p["N"]) * int(p["R"]), 1),
+        spec=(("THREADS", 256),),
+        local_from_spec=lambda s: (s["THREADS"], 1, 1),
+        tune=lambda params, facts, table=None: {"THREADS": layer_norm_threads(int(params["D"]))},
     ),
     # Over the rows of the first n = stepvals[4] samples: dbeta[d] = sum dY, dgamma[d] = sum dY * xhat.
     OpDef(
         "layernorm_backward_reduce",
         "layernorm_backward_reduce.comp",
         ("dY", "X", "stats", "dgamma", "dbeta", "stepvals"),
-        _LAYER_NORM_PUSH,
-        lambda p, local, spec: capped_groups(int(p["D"]), 1),
+        (*_LAYER_NORM_PUSH, ("parts", "u")),
+        lambda p, local, spec: (ceil_div(int(p["D"]), spec["OUTS"]), max(1, int(p.get("parts", 1))), 1),
+        spec=(("OUTS", 64), ("LANES", 4)),
+        local_from_spec=lambda s: (s["OUTS"], s["LANES"], 1),
     ),
     # dX = invstd * (g - mean(g) - xhat * mean(g * xhat)), g = dY * gamma, on real rows; 0 below.
     OpDef(
         "layernorm_backward_data",
         "layernorm_backward_data.comp",
-        ("dY", "X", "stats", "gamma", "stepvals", "dX"),
-        _LAYER_NORM_PUSH,
+        ("dY", "X", "stats", "gamma", "stepvals", "dX", "addend"),
+        (*_LAYER_NORM_PUSH, ("accumulate", "u")),
         lambda p, local, spec: capped_groups(int(p["N"]) * int(p["R"]), 1),
+        spec=(("THREADS", 256),),
+        local_from_spec=lambda s: (s["THREADS"], 1, 1),
+        tune=lambda params, facts, table=None: {"THREADS": layer_norm_threads(int(params["D"]))},
     ),
     # Fused causal (or not) multi-head self-attention on qkv [N, T, 3D] (rows [q | k | v], D = H * dh):
     # Y [N, T, D] and L [N, H, T] (each query row's log-sum-exp), no T x T buffer. The backward:
@@ -599,7 +628,8 @@ _OPS: tuple[OpDef, ...] = (
         "attention_backward_dot.comp",
         ("dY", "Y", "Drow"),
         _ATTENTION_PUSH,
-        lambda p, local, spec: capped_groups(int(p["N"]) * int(p["T"]) * int(p["H"]), local[0]),
+        lambda p, local, spec: capped_groups(int(p["N"]) * int(p["T"]) * int(p["H"]), local[1]),
+        local_size=(16, 16, 1),  # (lanes a row, rows a workgroup)
     ),
     _attention("attention_backward_kv", ("qkv", "dY", "L", "Drow", "dqkv"), "kv"),
     _attention("attention_backward_q", ("qkv", "dY", "L", "Drow", "dqkv"), "q"),
@@ -662,7 +692,7 @@ _OPS: tuple[OpDef, ...] = (
         ("ids", "dY", "stepvals", "dW"),
         (*_EMBEDDING_PUSH, ("chunks", "u")),
         lambda p, local, spec: capped_groups(int(p["V"]) * max(int(p.get("chunks", 0)), 1), 1),
-        local_size=(64, 1, 1),
+        local_size=(128, 1, 1),
     ),
     # dW = the sum of embedding_backward's chunks, added one lane per output in chunk order.
     OpDef(
@@ -796,6 +826,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "unary_backward": ("dX",),
     "binary": ("Z",),
     "reduce": ("Y",),
+    "column_sum": ("outs",),
     "softmax": ("Y",),
     "softmax_backward": ("dX",),
     "softmax_xent": ("loss_rows", "correct_rows", "dlogits"),
@@ -867,6 +898,8 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "binary": (("a", 1.0),),
     "broadcast_rows": (("alpha", 1.0),),
     "reduce": (("alpha", 1.0),),
+    "column_sum": (("alpha", 1.0), ("parts", 1)),
+    "layernorm_backward_reduce": (("parts", 1),),
     "softmax_xent": (("per_sample", 1),),
     "softmax_xent_totals": (("per_sample", 1),),
     "softmax_xent_general": (("per_sample", 1),),

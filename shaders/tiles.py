@@ -22,21 +22,25 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def gemm_shared_bytes(bm: int, bn: int, bk: int, sk: int = 1, db: int = 0) -> int:
-    """Shared memory gemm.comp needs for these tiles: 1 + db buffers of BK rows of BM + 4 and BN + 4
-    floats (the padding keeps vec4 rows aligned and spreads column stores over the banks), plus,
-    with sk > 1 K slices, one BM x BN partial tile through which the slices sum (16 bytes else)."""
-    return (1 + db) * bk * (bm + 4 + bn + 4) * 4 + min(sk - 1, 1) * bm * bn * 4 + 16
+    """Shared memory gemm.comp needs for these tiles: 1 + db buffers of BK rows of BN + 4 floats
+    for B and, for A, room for BK rows of BM + 4 or BM rows of BK + 4 (k-major or k-contiguous,
+    see the shader's KR; the padding keeps vec4 rows aligned and spreads stores over the banks),
+    plus, with sk > 1 K slices, one BM x BN partial tile through which the slices sum (16 bytes
+    else)."""
+    a_words = bk * bm + 4 * max(bm, bk)
+    return (1 + db) * (a_words + bk * (bn + 4)) * 4 + min(sk - 1, 1) * bm * bn * 4 + 16
 
 
 # Fallback fp32 GEMM tiles, for shapes a device's tuning table does not list, largest first. The
 # defaults come from bench/sweep_gemm.py on an H100: single-buffered shared tiles (DB 0) beat
-# double-buffered ones at every size measured; 64 x 128 x 32 with 4 x 8 per thread was best for
-# big shapes with A row-major (4096^3: 37.8 TFLOP/s, against 36.5 with 128 x 128 x 32 and 31.8
-# with 64 x 128 x 16; BK 32 halves the barriers per K), and fits lavapipe's 32 KiB of shared
-# memory; sliced K for an MLP's batch of 256 (256 x 1024 x 1024 in 31 us against 48 us with
-# the best plain tile).
+# double-buffered ones at every size measured; for big shapes 128 x 128 x 16 with 8 x 8 per thread
+# and A kept k-contiguous in shared memory (KR 1) was within 3 % of the best tile in every
+# transposition (4096^3: 39.0 TFLOP/s, A k-major 43.3; 8192 x 4096 x 4096 with B transposed
+# 37.7), where the earlier 64 x 128 x 32 / 4 x 8 fell to 27.3 with B transposed; it fits
+# lavapipe's 32 KiB of shared memory. Sliced K for an MLP's batch of 256 (256 x 1024 x 1024 in
+# 31 us against 48 us with the best plain tile).
 GEMM_TILES: tuple[dict[str, int], ...] = (
-    {"BM": 64, "BN": 128, "BK": 32, "TM": 4, "TN": 8, "GM": 8, "SK": 1, "DB": 0},
+    {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8, "GM": 8, "SK": 1, "DB": 0, "KR": 1},
     {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
     # Too few tiles to fill the GPU and a long K: 4 slices of K per 32 x 32 tile.
     {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "GM": 1, "SK": 4, "DB": 0},
@@ -50,7 +54,7 @@ GEMM_SLICED_MIN_K = 128
 # On a CPU driver (lavapipe): few wide threads.
 GEMM_CPU_TILES = GEMM_TILES[1]
 # Constants a tuning-table entry or a fallback tile may leave out.
-GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0}
+GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0, "KR": 0}
 
 
 def tune_gemm(
@@ -72,7 +76,7 @@ def tune_gemm(
         table: the device's tuning table, or None.
 
     Returns:
-        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, TA, TB, VEC, and ACT and AG
+        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, KR, TA, TB, VEC, and ACT and AG
         (the launch's act and act_grad: the shader compiles only the epilogue in use).
     """
     m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))

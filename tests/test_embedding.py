@@ -158,8 +158,10 @@ def skewed_ids(rng, n: int, s: int, v: int, real: int) -> np.ndarray:
 
 
 # (N, S, V, D, real samples, chunks): chunks not aligned to samples, D past two passes of the 64
-# threads, more chunks than ids (the last ones empty), a partial batch, and no split.
+# threads, more chunks than ids (the last ones empty), a partial batch, and no split (one over
+# several of the shader's 512-id windows, D past its 128 threads).
 SPLIT_CASES = [
+    (40, 30, 5, 131, 37, 1),
     (16, 37, 7, 67, 13, 8),
     (9, 31, 3, 130, 9, 5),
     (5, 11, 13, 1, 2, 64),

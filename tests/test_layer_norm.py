@@ -84,7 +84,7 @@ def run_layer_norm(backend, x, gamma, beta, dy, real: int, eps: float):
         backend,
         "layernorm_backward_data",
         {"dY": dy, "X": x, "stats": forward["stats"], "gamma": gamma, "stepvals": stepvals,
-         "dX": np.full_like(x, np.nan)},
+         "dX": np.full_like(x, np.nan), "addend": np.full_like(x, np.nan)},  # not read: no accumulate
         **dims,
     )["dX"]  # fmt: skip
     return forward["Y"], dx, reduced["dgamma"], reduced["dbeta"]

@@ -914,6 +914,46 @@ def test_gemm_every_tile_transpose_and_vec(vulkan_backend, rng, tile, m, n, k, t
     assert relative_error(vulkan_backend.read("C"), want) <= TOL
 
 
+# Tiles for the k-contiguous shared layout of A (KR): the big tile, sliced K, two buffers with a
+# BK of 8, and K slices of 2 (not a multiple of 4: the k-major fallback).
+KR_TILES = [
+    {"BM": 64, "BN": 128, "BK": 32, "TM": 4, "TN": 8, "GM": 8},
+    {"BM": 32, "BN": 64, "BK": 32, "TM": 4, "TN": 8, "SK": 4},
+    {"BM": 64, "BN": 32, "BK": 8, "TM": 2, "TN": 4, "DB": 1},
+    {"BM": 32, "BN": 32, "BK": 8, "TM": 4, "TN": 4, "SK": 4},
+]
+
+
+@pytest.mark.parametrize("kr", [0, 1])
+@pytest.mark.parametrize("tile", KR_TILES, ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
+@pytest.mark.parametrize("m,n,k", [(67, 37, 41), (68, 36, 40), (131, 133, 72)])
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+def test_gemm_k_contiguous_shared_tiles(vulkan_backend, rng, kr, tile, m, n, k, trans_a, trans_b):
+    """KR = 1 keeps A k-contiguous in shared memory where it is stored [M,K]: the same result with
+    and without, for every tile, transposition pair, aligned and odd size, with the fused row of
+    ones (bias gradient) where A is transposed."""
+    ones = trans_a  # a dW GEMM: A stores M - 1 rows of the layer's input
+    stored = m - ones
+    a = normal(rng, k, stored) if trans_a else normal(rng, stored, k)
+    b = normal(rng, n, k) if trans_b else normal(rng, k, n)
+    op_a = as64(a).T if trans_a else as64(a)
+    if ones:
+        op_a = np.vstack([op_a, np.ones((1, k))])
+    op_b = as64(b).T if trans_b else as64(b)
+    bias, c_old = normal(rng, n), normal(rng, m, n)
+    arrays = {"A": a, "B": b, "bias": bias, "C": c_old}
+    vulkan_backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        vulkan_backend.write(name, array)
+    params = {"M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b, "has_bias": 1 - ones,
+              "ones_row": ones, "act": ACTIVATIONS["relu"], "alpha": 0.5, "accumulate": 1}  # fmt: skip
+    program = Program(name="gemm_kr", steps=(launch("gemm", tuple(arrays), **params),))
+    spec = {**tile, "KR": kr}
+    vulkan_backend.wait(vulkan_backend.submit(vulkan_backend.record(program, spec_overrides={"gemm": spec})))
+    want = act_oracle(0.5 * (op_a @ op_b) + as64(c_old) + (0.0 if ones else as64(bias)), "relu", 0.0)
+    assert relative_error(vulkan_backend.read("C"), want) <= TOL
+
+
 @pytest.mark.parametrize("m,n,k", GEMM_VEC_SHAPES)
 @pytest.mark.parametrize("trans_a,trans_b", TRANS)
 def test_tune_gemm_sets_transpose_and_vec(m, n, k, trans_a, trans_b):
@@ -939,7 +979,7 @@ def test_gemm_tiles_fit_shared_memory():
     gpu = a_gpu("no table for this device")
     for tile in GEMM_TILES:
         bm, bn, bk, tm, tn, sk, db = (tile[key] for key in ("BM", "BN", "BK", "TM", "TN", "SK", "DB"))
-        need = (1 + db) * (bm + bn + 8) * bk * 4 + (bm * bn * 4 if sk > 1 else 0) + 16
+        need = (1 + db) * (bk * (bm + bn + 4) + 4 * max(bm, bk)) * 4 + (bm * bn * 4 if sk > 1 else 0) + 16
         assert gemm_shared_bytes(bm, bn, bk, sk, db) == need <= 32 * 1024
         assert (bm // tm) * (bn // tn) * sk == 256
     small = tune_gemm({"M": 256, "N": 1024, "K": 784}, gpu)

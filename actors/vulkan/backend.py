@@ -293,17 +293,19 @@ class VulkanBackend(Queues):
         return host_import.import_alignment(self._physical)
 
     def import_host_copies(self, address: int, nbytes: int, owner: object, tensor: str,
-                           into: int, back_from: int) -> tuple[int, int]:  # fmt: skip
-        """Import the host range ``address``..+``nbytes`` (kept alive by ``owner``) and record two
-        copies: ``tensor`` into the range at byte ``into``, and from byte ``back_from`` into
-        ``tensor``. Both are freed with the layout.
+                           into: int, back_from: int, parts: tuple[tuple[int, int], ...] = ()
+                           ) -> tuple[tuple[int, ...], int]:  # fmt: skip
+        """Import the host range ``address``..+``nbytes`` (kept alive by ``owner``) and record the
+        copies of ``tensor`` into the range at byte ``into``, one per part of its bytes (first,
+        count; () the whole tensor), and one from byte ``back_from`` into ``tensor``. All are freed
+        with the layout.
 
         Returns:
-            The two copies' handles for ``submit``: (to the host, back from it).
+            The copies' handles for ``submit``: (to the host, one per part; back from it).
         """
         imported = host_import.import_host(self, address, nbytes, owner)
         self._host_imports.append(imported)
-        down = host_import.record_copy(self, imported, tensor, into, to_host=True)
+        down = tuple(host_import.record_copy(self, imported, tensor, into, True, p) for p in parts or (None,))
         return down, host_import.record_copy(self, imported, tensor, back_from, to_host=False)
 
     # -- timing ---------------------------------------------------------------------------------

@@ -124,9 +124,17 @@ def import_host(backend, address: int, nbytes: int, owner: object) -> HostImport
     return imported
 
 
-def record_copy(backend, imported: HostImport, tensor: str, offset: int, to_host: bool) -> int:
-    """Record a copy of ``tensor`` to (``to_host``) or from the imported range at ``offset``, as a
-    program for ``backend.submit``.
+def record_copy(
+    backend,
+    imported: HostImport,
+    tensor: str,
+    offset: int,
+    to_host: bool,
+    part: tuple[int, int] | None = None,
+) -> int:
+    """Record a copy of ``tensor`` (or its bytes ``part``: (first, count)) to (``to_host``) or from
+    the imported range at ``offset`` (where byte 0 of the tensor goes), as a program for
+    ``backend.submit``.
 
     Returns:
         Its handle (freed with the layout's programs).
@@ -143,13 +151,14 @@ def record_copy(backend, imported: HostImport, tensor: str, offset: int, to_host
     )
     check(lib.vkBeginCommandBuffer(handles[0], begin), "vkBeginCommandBuffer")
     full_barrier(handles[0])  # after the train program's (or the host's) writes
-    device_side, host_side = (declared.offset, offset)
+    first, size = part or (0, declared.nbytes)
+    device_side, host_side = (declared.offset + first, offset + first)
     region = ffi.new(
         "VkBufferCopy*",
         {
             "srcOffset": device_side if to_host else host_side,
             "dstOffset": host_side if to_host else device_side,
-            "size": declared.nbytes,
+            "size": size,
         },
     )
     src, dst = (arena.buffer, imported.buffer) if to_host else (imported.buffer, arena.buffer)
