@@ -6,6 +6,7 @@ with any bucket size, on the CPU backend, on lavapipe twice, on lavapipe + CPU a
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -139,7 +140,9 @@ def test_two_ranks_in_buckets_train_as_one_process_in_one(tmp_path, paths):
     two CPU members summing once."""
     spec = _on(digits_spec(), ("cpu",), TINY_MB, epochs=1, checkpoint_every=10)
     how = ("-m", "flow", "run") if paths == "arena" else ("-c", STAGING_ON_RANK_1)
-    done, _ = _mpiexec(tmp_path, 2, *how, _written(tmp_path, "mpi", spec), env={"PYTHONPATH": str(ROOT)})
+    # The ranks import vkflow from this checkout, and its dependencies from where they are now.
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    done, _ = _mpiexec(tmp_path, 2, *how, _written(tmp_path, "mpi", spec), env={"PYTHONPATH": path})
     assert done.returncode == 0, done.stdout + done.stderr
     flow.run(tmp_path / _written(tmp_path, "one", _on(spec, ("cpu", "cpu"), 4.0)))
     np.testing.assert_array_equal(_final(tmp_path, "mpi"), _final(tmp_path, "one"))
