@@ -42,6 +42,14 @@ from flow.spec import (
 
 TOL = 1e-5
 
+
+def _forward_stats(backend, x, gamma, beta, dims):
+    """The LayerNorm forward's per-row statistics (mean, 1/std) that the backward kernels read."""
+    n, r = dims["N"], dims["R"]
+    stats = np.zeros((n, 2 * r), np.float32)
+    inputs = {"X": x, "gamma": gamma, "beta": beta, "Y": np.zeros_like(x), "stats": stats}
+    return run_op(backend, "layernorm", inputs, **dims)["stats"]
+
 # (rows, cols, parts, alpha): one row; fewer columns than a workgroup's 64; 64 + 3 columns; more
 # slices than rows have (the last slices empty); slices that do not divide the rows.
 SUM_CASES = [
@@ -87,12 +95,7 @@ def test_sliced_layer_norm_parameter_gradients_match_numpy(backend, rng, n, r, d
     dy[real:] = 1e3
     dims = dict(N=n, R=r, D=d, eps=eps)
     stepvals = np.array([0.0, 1.0, 1.0, 1.0, real, real], np.float32)
-    stats = run_op(
-        backend, "layernorm",
-        {"X": x, "gamma": gamma, "beta": beta, "Y": np.zeros_like(x),
-         "stats": np.zeros((n, 2 * r), np.float32)},
-        **dims,
-    )["stats"]  # fmt: skip
+    stats = _forward_stats(backend, x, gamma, beta, dims)
     sliced = run_op(
         backend, "layernorm_backward_reduce",
         {"dY": dy, "X": x, "stats": stats, "dgamma": np.full((parts, d), np.nan, np.float32),
@@ -181,12 +184,7 @@ def test_layer_norm_input_gradient_adds_the_other_gradient(backend, rng, n, r, d
     addend = rng.standard_normal((n, r, d)).astype(np.float32)
     dims = dict(N=n, R=r, D=d, eps=eps)
     stepvals = np.array([0.0, 1.0, 1.0, 1.0, real, real], np.float32)
-    stats = run_op(
-        backend, "layernorm",
-        {"X": x, "gamma": gamma, "beta": gamma, "Y": np.zeros_like(x),
-         "stats": np.zeros((n, 2 * r), np.float32)},
-        **dims,
-    )["stats"]  # fmt: skip
+    stats = _forward_stats(backend, x, gamma, gamma, dims)
     dx = run_op(
         backend, "layernorm_backward_data",
         {"dY": dy, "X": x, "stats": stats, "gamma": gamma, "stepvals": stepvals,
