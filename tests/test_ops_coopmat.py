@@ -33,20 +33,8 @@ from shaders.tiles import (
 
 TOL_FP16_ORACLE = 1e-4  # fp32 accumulation order only
 TOL_FP32_ORACLE = 5e-3  # plus the fp16 rounding of the inputs
-SHAPE_16x16x16 = "16x16x16 float16->float32 subgroup"
 
 SHAPES = [(1, 1, 1), (7, 5, 3), (33, 17, 65), (257, 31, 129), (300, 200, 1000), (130, 70, 20), (256, 128, 96)]
-
-
-@pytest.fixture
-def coop(vulkan_backend):
-    """The session's Vulkan backend when it has 16x16x16 fp16 -> fp32 cooperative matrices."""
-    facts = vulkan_backend.facts
-    if not facts.has("cooperative_matrix"):
-        pytest.skip(f"{facts.name} has no VK_KHR_cooperative_matrix")
-    if SHAPE_16x16x16 not in facts.cooperative_matrix_shapes or not facts.has("fp16"):
-        pytest.skip(f"{facts.name} lacks {SHAPE_16x16x16} cooperative matrices or shaderFloat16")
-    return vulkan_backend
 
 
 def f16(array: np.ndarray) -> np.ndarray:
