@@ -299,12 +299,10 @@ class Loader:
         if not meter.staged:
             self._staged_at = now
         await meter.stage(pending.item)
-        room = meter.room()
-        if room and self.read_ahead.hold(meter.staged, now - self._staged_at):
-            pass
-        elif room:
-            await meter.flush()
-            self.read_ahead.turned_around(time.perf_counter() - now)
+        if meter.room():
+            if not self.read_ahead.hold(meter.staged, now - self._staged_at):
+                await meter.flush()
+                self.read_ahead.turned_around(time.perf_counter() - now)
         elif meter.staged >= MAX_CHUNK:
             await meter.flush()
         self._returned = time.perf_counter()
