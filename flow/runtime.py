@@ -532,13 +532,6 @@ class Runtime:
         cpu_ops.gather_rows(arrays, {**gather.param_dict, "rows": rows})
         return x
 
-    def _jobs(self):
-        """The loader's stream, from the cursor the run starts at."""
-        data = self.plan.data
-        return jobs(
-            self.start_cursor, data.schedule, data.sampler("train"), data.sampler("val"), data.sampler("test")
-        )
-
     def _actor(self, actor: ActorPlan, meter: Meter):
         spec = self.spec
         if actor.kind == "loader":
@@ -546,14 +539,18 @@ class Runtime:
                 self.feed = meter
                 return None  # the caller feeds: PipelineHandle.feed
             self.source = self.plan.data.block_source(self.source)  # read ahead by blocks, where planned
+            data = self.plan.data
+            train = data.sampler("train")
+            stream = jobs(self.start_cursor, data.schedule, train, data.sampler("val"), data.sampler("test"))
             return Loader(
                 meter,
                 self.source,
-                self._jobs(),
+                stream,
                 workers=actor.workers,
                 inline=self.inline,
                 slots=self.slots,
                 on_device=self.stored is not None,
+                prepare_epoch=train.prepare if train is not None else None,
             )
         if actor.kind == "preprocess":
             return Preprocess(

@@ -97,3 +97,42 @@ async def test_a_batch_with_no_sample_left_gives_its_slot_back():
     # held until the device gives them back.
     with pytest.raises(trio.WouldBlock):
         slots.take_nowait()
+
+
+class Recorded(Sampler):
+    """A sampler that notes which epochs were prepared ahead, and from which thread."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prepared: list[tuple[int, bool]] = []
+
+    def prepare(self, epoch: int) -> None:
+        import threading
+
+        self.prepared.append((epoch, threading.current_thread() is threading.main_thread()))
+        super().prepare(epoch)
+
+
+async def test_the_loader_shuffles_the_next_epoch_in_a_thread_and_the_stream_is_unchanged():
+    # Shuffled on the event loop, each epoch's order stalled the loop at the epoch's start; prepared
+    # in a worker thread an epoch ahead, it must give exactly the batches computed in place.
+    train = Recorded(np.arange(203), batch_size=16, shuffle=True, seed=7, drop_last=True)
+    plain = Sampler(np.arange(203), batch_size=16, shuffle=True, seed=7, drop_last=True)
+    schedule = StepSchedule(train.batches_per_epoch(), 4 * train.batches_per_epoch(), None, None, False)
+    send, receive = trio.open_memory_channel(1000)
+    stream = jobs(Cursor(), schedule, train, None)
+    loader = Loader(
+        Meter("loader", None, [send]), CostlySource(0.0, in_memory=True), stream, prepare_epoch=train.prepare
+    )
+    await loader.run()
+    got = [
+        tuple(b.indices.tolist())
+        async for item in receive
+        for b in unpack(item)
+        if not isinstance(b, CheckpointMark)
+    ]
+    want = [tuple(j.indices.tolist()) for j in jobs(Cursor(), schedule, plain, None) if isinstance(j, Read)]
+    assert got == want and len(set(got)) == len(got)
+    assert [epoch for epoch, _ in train.prepared] == [1, 2, 3, 4]
+    assert not any(on_loop for _, on_loop in train.prepared)
+    assert np.array_equal(train.shard(4), plain.shard(4))  # the last one, prepared and never used
