@@ -10,13 +10,22 @@ a single thread however many trio workers come and go. mpi4py is imported only h
 launcher started several ranks (flow.parallel_plan.world_from_env), so a single-process run never
 loads it.
 
-Why gather then sum, not ``MPI.SUM``: MPI leaves the order of a reduction to the implementation
-(its algorithm, message sizes, topology), so a float sum may change with the rank count or the
-library. Every rank gathers every rank's partial sum (Allgather) and adds them in rank order: each
-rank computes the same bits, and they are the bits of one process whose members sum in that order
-(one member per rank: ``mpiexec -n 2`` on ``"cpu"`` trains bit for bit as one process on
-``["cpu", "cpu"]``). The cost: each rank receives (ranks - 1) times the gradient's bytes, where a
-ring all-reduce moves about twice them; fine for a few ranks at the sizes vkflow trains.
+Why not ``MPI.SUM``: MPI leaves the order of a reduction to the implementation (its algorithm,
+message sizes, topology), so a float sum may change with the rank count or the library. vkflow fixes
+the order itself, as a ring all-reduce moves the data: each bucket (its float64 step sums, then its
+float32 gradients) is cut into one slice per rank (:func:`slice_bounds`); an Alltoallv hands rank r
+slice r of every rank (and every rank's step sums, a few bytes); rank r adds them in rank order
+0, 1, ..., N - 1; an Allgatherv hands every rank every summed slice. Each rank computes the same
+bits, and they are the bits of one process whose members sum in that order (one member per rank:
+``mpiexec -n 2`` on ``"cpu"`` trains bit for bit as one process on ``["cpu", "cpu"]``), since each
+element's sum is its own. Each rank sends and receives 2 (N - 1) / N times the bucket, as a ring.
+
+Why non-blocking: where the library is MPI-3 (``Ialltoallv``, ``Iallgatherv``), :meth:`Ranks.start_sum`
+posts the bucket's Alltoallv and returns, so several buckets are in flight while the devices run
+the backward pass; the MPI thread tests the requests in flight while it has nothing else to do
+(MPI libraries move a non-blocking collective only inside an MPI call), and :meth:`Ranks.finish_sum`
+waits on that thread. Elsewhere, or with ``VKFLOW_MPI_BLOCKING=1``, the blocking calls run in the
+same order; ``Ranks.exchange`` says which, and rank 0 prints it at the start.
 
 Why a deadline: a rank that hangs or died leaves the others waiting in their next collective for
 ever. A collective unanswered within ``World.deadline_s`` prints which ranks are missing and aborts
@@ -56,6 +65,7 @@ ABORT_CODE = 3  # the exit status of every rank of a job aborted by vkflow
 # that tears the job down at once loses the line that says why (seen with MPICH's hydra).
 FORWARD_S = 1.0
 PROBE_TAG = 7  # the probes' messages, on the probe communicator (see the module docstring)
+POLL_S = 0.0005  # how often the idle MPI thread tests the requests in flight
 
 
 class RanksError(RuntimeError):
@@ -83,17 +93,78 @@ def _silent(missing: list[int] | None, seconds: float, what: str) -> str:
     return f"{named} did not answer within {seconds:g} s ({what}): {'they' if many else 'it'} died or hung"
 
 
+def slice_bounds(count: int, ranks: int) -> list[tuple[int, int]]:
+    """Cut ``count`` elements into ``ranks`` contiguous slices, the first ``count % ranks`` one
+    element longer (some empty when ``count < ranks``).
+
+    Returns:
+        Each rank's [start, stop), in rank order.
+    """
+    base, extra = divmod(count, ranks)
+    stops = np.cumsum([base + (r < extra) for r in range(ranks)], dtype=np.int64)
+    return [(int(stop - base - (r < extra)), int(stop)) for r, stop in enumerate(stops)]
+
+
+def pack(grads: np.ndarray, sums: tuple[float, ...], bounds: list[tuple[int, int]]) -> tuple:
+    """The bytes a rank sends in the Alltoallv: for each rank r in turn, ``sums`` (float64), then
+    slice r of ``grads`` (float32).
+
+    Returns:
+        (the buffer, (its bytes for each rank, their offsets)).
+    """
+    head = np.asarray(sums, np.float64).view(np.uint8)
+    grads = np.ascontiguousarray(grads, np.float32)
+    pieces = [piece for a, b in bounds for piece in (head, grads[a:b].view(np.uint8))]
+    counts = [head.size + 4 * (b - a) for a, b in bounds]
+    return np.concatenate(pieces), (counts, np.cumsum([0, *counts[:-1]]).tolist())
+
+
+def add_in_rank_order(
+    rows: np.ndarray, head: int, count: int, out: np.ndarray | None = None
+) -> tuple[np.ndarray, tuple[float, ...]]:
+    """A rank's received slices (one row per rank: ``head`` bytes of ``count`` float64 sums, then
+    float32 gradients) added in rank order.
+
+    Args:
+        rows: the slices.
+        head: the bytes of the sums.
+        count: how many sums.
+        out: where the slice's sum goes (default: a new array).
+
+    Returns:
+        (the slice's sum, the sums' sums).
+    """
+    first = rows[0, head:].view(np.float32)
+    total = np.empty_like(first) if out is None else out
+    np.copyto(total, first)
+    for row in rows[1:]:
+        total += row[head:].view(np.float32)
+    totals = [0.0] * count
+    for row in rows:
+        totals = [t + float(s) for t, s in zip(totals, row[:head].view(np.float64), strict=True)]
+    return total, tuple(totals)
+
+
 class MpiThread:
-    """One OS thread that makes every MPI call of the process (see the module docstring)."""
+    """One OS thread that makes every MPI call of the process (see the module docstring).
+
+    Attributes:
+        in_flight: the non-blocking requests it tests while idle (only this thread touches them).
+    """
 
     def __init__(self) -> None:
+        self.in_flight: list = []
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="vkflow mpi", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=POLL_S if self.in_flight else None)
+            except queue.Empty:
+                self.in_flight = [request for request in self.in_flight if not request.Test()]
+                continue
             if job is None:
                 return
             fn, args, future = job
@@ -152,7 +223,7 @@ def _finalise() -> None:
     if _thread is None:
         return
     try:
-        _thread.call(lambda: _MPI.Is_finalized() or _MPI.Finalize(), timeout=30)
+        _thread.call(lambda: _thread.in_flight.clear() or _MPI.Is_finalized() or _MPI.Finalize(), timeout=30)
     finally:
         _thread.stop()
 
@@ -196,11 +267,17 @@ class Ranks:
             raise RanksError(f"MPI says rank {found[0]} of {found[1]}, the launcher's environment "
                              f"rank {world.rank} of {world.size}")  # fmt: skip
         self.probe = self._call("the start", self.comm.Dup)
-        here = (f"pid {os.getpid()} on {socket.gethostname()}", self.watch.address)
-        self.pids, addresses = zip(*self.gather(here, "the ranks' process ids"), strict=True)
+        blocking = os.environ.get("VKFLOW_MPI_BLOCKING") == "1" or self.thread.call(_MPI.Get_version) < (3, 0)
+        self.exchange = "Alltoallv + Allgatherv" if blocking else "non-blocking Ialltoallv + Iallgatherv"
+        here = (f"pid {os.getpid()} on {socket.gethostname()}", self.watch.address, self.exchange)
+        self.pids, addresses, exchanges = zip(*self.gather(here, "the ranks' process ids"), strict=True)
+        if len(set(exchanges)) > 1:  # a blocking collective never matches a non-blocking one
+            raise RanksError(f"the ranks would exchange gradients differently: {', '.join(exchanges)} "
+                             "(set VKFLOW_MPI_BLOCKING alike on every rank)")  # fmt: skip
         if self.rank == 0:  # a launcher that stops the job when a rank dies names the rank's pid
             named = ", ".join(f"rank {r} is {p}" for r, p in enumerate(self.pids))
-            print(f"vkflow: {named}", file=sys.stderr)
+            print(f"vkflow: {named}\nvkflow: gradients summed over the ranks by {self.exchange}",
+                  file=sys.stderr)  # fmt: skip
         unreachable = self.watch.start(addresses[0])
         if unreachable:
             print(f"vkflow: {unreachable}: a rank that dies is named at the deadline only", file=sys.stderr)
@@ -287,7 +364,7 @@ class Ranks:
         self, grads: np.ndarray, sums: tuple[float, ...], what: str
     ) -> tuple[np.ndarray, tuple[float, ...]]:
         """Every rank's ``grads`` (float32) and ``sums`` (float64) added in rank order (see the
-        module docstring), in one Allgather.
+        module docstring): reduce-scatter by Alltoallv, then Allgatherv.
 
         Args:
             grads: this rank's partial sum (any length, the same on every rank; may be empty).
@@ -307,28 +384,47 @@ class Ranks:
         Returns:
             What :meth:`finish_sum` takes.
         """
-        head = np.asarray(sums, np.float64).view(np.uint8)
-        packed = np.concatenate([head, np.ascontiguousarray(grads, np.float32).view(np.uint8)])
-        gathered = np.empty((self.world.size, packed.size), np.uint8)
-        return self.thread.post(self.comm.Allgather, packed, gathered), gathered, head.size, len(sums), what
+        bounds = slice_bounds(np.size(grads), self.world.size)
+        send, sent = pack(grads, sums, bounds)
+        a, b = bounds[self.rank]
+        rows = np.empty((self.world.size, 8 * len(sums) + 4 * (b - a)), np.uint8)
+        received = ([rows.shape[1]] * self.world.size, [r * rows.shape[1] for r in range(self.world.size)])
+        future = self.thread.post(self._scatter, send, sent, rows, received)
+        return future, send, rows, len(sums), bounds, what
+
+    def _scatter(self, send: np.ndarray, sent: tuple, rows: np.ndarray, received: tuple) -> Any:
+        """On the MPI thread: the Alltoallv, posted (its request) or done (None)."""
+        if self.exchange.startswith("Alltoallv"):
+            return self.comm.Alltoallv([send, sent, _MPI.BYTE], [rows, received, _MPI.BYTE])
+        request = self.comm.Ialltoallv([send, sent, _MPI.BYTE], [rows, received, _MPI.BYTE])
+        self.thread.in_flight.append(request)
+        return request
+
+    def _finish(self, request: Any, rows: np.ndarray, count: int, bounds: list) -> tuple:
+        """On the MPI thread: wait for the Alltoallv, add this rank's slices in rank order and
+        gather every rank's summed slice (non-blocking where the Alltoallv was)."""
+        if request is not None:
+            request.Wait()
+            self.thread.in_flight = [other for other in self.thread.in_flight if other is not request]
+        total, (a, b) = np.empty(bounds[-1][1], np.float32), bounds[self.rank]
+        _, totals = add_in_rank_order(rows, 8 * count, count, out=total[a:b])  # in place: no copy
+        if total.size:
+            layout = [total, ([b - a for a, b in bounds], [a for a, _ in bounds]), _MPI.FLOAT]
+            if request is None:
+                self.comm.Allgatherv(_MPI.IN_PLACE, layout)
+            else:
+                self.comm.Iallgatherv(_MPI.IN_PLACE, layout).Wait()
+        return total, totals
 
     def finish_sum(self, started: tuple) -> tuple[np.ndarray, tuple[float, ...]]:
-        """Wait for a sum :meth:`start_sum` started (aborting the job past the deadline) and add
-        every rank's part in rank order.
+        """Wait for a sum :meth:`start_sum` started (aborting the job past the deadline), add
+        this rank's slice of every rank in rank order, and gather the summed slices.
 
         Returns:
             (the gradients' sum, the sums' sums), the same bits on every rank.
         """
-        future, gathered, head, count, what = started
-        self._wait(what, future)
-        parts = [(row[:head].view(np.float64), row[head:].view(np.float32)) for row in gathered]
-        total = parts[0][1].copy()
-        for _, rank_grads in parts[1:]:
-            total += rank_grads
-        totals = [0.0] * count
-        for rank_sums, _ in parts:
-            totals = [t + float(s) for t, s in zip(totals, rank_sums, strict=True)]
-        return total, tuple(totals)
+        future, _send, rows, count, bounds, what = started  # the send buffer lives until here
+        return self._call(what, self._finish, self._wait(what, future), rows, count, bounds)
 
     def check_weights(self, weights: np.ndarray, step: int) -> None:
         """Compare a digest of this rank's weights with every other rank's.
