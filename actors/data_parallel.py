@@ -1,7 +1,8 @@
 """The device actor of a data-parallel run: one actor drives every member device, so the stream
 the sink sees stays one ordered stream (exact resume relies on its order).
 
-Each training batch is split into the members' shards (flow.parallel_plan.DataParallelPlan.shard)
+Each training batch is split into the members' shards (flow.parallel_plan.DataParallelPlan.shard;
+where every member keeps the dataset, a shard is its sample indices, which the member gathers)
 and every member runs its train program, which stops at the gradients, with the loss averaged over
 the global batch's rows, so the members' gradients add up to the global batch's. The gradients are
 all-reduced through the host: read from every member, summed in member order (a fixed order, so a
@@ -133,8 +134,9 @@ def host_all_reduce(
 def measure_throughput(engines: Sequence[Engine], rows: Sequence[int], repeats: int = 3) -> tuple[float, ...]:
     """Each member's training throughput on its own (samples/s: the median of ``repeats`` timed
     train programs after one untimed), for shares that keep no member waiting on another. Blocking.
-    The batch is random, the loss averaged over the rows; the program writes only gradients and
-    the slot's results, which every step overwrites, so the weights are untouched.
+    The batch is random, the loss averaged over the rows; the program writes gradients and the
+    slot's results, which every step overwrites, and BatchNorm's running statistics, which live
+    with the weights: those are put back as they were, so the run starts from its own state.
 
     Args:
         engines: every member's engine, programs recorded for at least its ``rows``.
@@ -151,12 +153,14 @@ def measure_throughput(engines: Sequence[Engine], rows: Sequence[int], repeats: 
         x = rng.standard_normal((count, *plan.model.input_shape)).astype(np.float32)
         y = np.zeros(plan.layout.tensor("y").shape, plan.layout.tensor("y").dtype)[:count]
         engine.write_batch(SLOT, x, y)
+        kept = engine.weights()
         times = []
         for repeat in range(repeats + 1):
             started = time.perf_counter()
             engine.backend.wait(engine.submit("train", SLOT, count, 0))
             if repeat:
                 times.append(time.perf_counter() - started)
+        engine.set_weights(kept)
         speeds.append(count / float(np.median(times)))
     return tuple(speeds)
 
@@ -324,7 +328,10 @@ class DataParallelActor:
                 continue
             engine, end = self.engines[i], start + rows
             y = batch.y[start:end] if batch.y is not None and kind != "predict" else None
-            engine.write_batch(SLOT, batch.x[start:end], y)
+            if batch.x is None:  # the dataset is on every member: it gathers its shard by index
+                engine.write_indices(SLOT, batch.indices[start:end])
+            else:
+                engine.write_batch(SLOT, batch.x[start:end], y)
             if buckets:
                 self._tickets[i] = self._submit_train(i, rows, step, divisor)
             else:

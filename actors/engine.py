@@ -327,6 +327,10 @@ class Engine:
         Returns:
             The program's ticket.
         """
+        return self.submit(kind, slot, self.write_indices(slot, indices), step)
+
+    def write_indices(self, slot: int, indices: np.ndarray) -> int:
+        """Write a batch's sample indices into a slot (see :meth:`submit_indices`); returns its rows."""
         rows = int(len(indices))
         self._check_rows(rows)
         view = self._idx_views[slot]
@@ -337,7 +341,7 @@ class Engine:
             padded = np.zeros(self.plan.batch_size, np.int32)
             padded[:rows] = indices
             self.backend.write("idx", padded, slot)
-        return self.submit(kind, slot, rows, step)
+        return rows
 
     def submit_filled(self, kind: str, slot: int, rows: int, step: int | None = None) -> int:
         """Submit on a slot whose batch a producer wrote through :meth:`input_views`: first the

@@ -21,6 +21,16 @@ Clipping by the global norm and loss scaling make the update one decision for th
 every stage writes its partial sums of squares (its ``norm`` program), the host joins them in
 stage order with the CPU backend's own kernels (so the rule is the device's), and writes the one
 clip factor, skip flag and loss scale to every stage before its ``apply`` (see flow.stage_plan).
+BatchNorm's running statistics over micro-batches are one device's too: each stage keeps every
+training micro-batch's statistics (its ``batch_stats``) and moves the running ones by the whole
+batch's before its ``apply``.
+
+In an MPI job (``ranks``: actors.collective.Ranks) every rank runs the split over its part of
+every global batch: the ranks first tell each other their rows (each micro-batch's loss averages
+over the global batch's), then, before the update, each stage's summed gradient is read, summed
+over the ranks in rank order (the last stage's with the step's loss and metric sums) and written
+back, so every rank applies the same update; at every checkpoint the ranks compare a digest of
+their trainable weights.
 
 A stage that fails stops the run: its error names the stage and its device, trio cancels the
 others (a device call in a thread is waited for, at most its deadline), and the run ends with
@@ -39,14 +49,16 @@ import numpy as np
 import trio
 
 from actors import cpu_ops
+from actors.collective import Ranks
 from actors.device import _PROGRAMS, DEVICE_DEADLINE_S, EvalRound, wait_for_device
 from actors.engine import Engine
 from actors.messages import Batch, CheckpointMark, Cursor, Prediction, Snapshot, StepDone
 from actors.meter import Meter
 from actors.statistics import ActorStatistics
+from flow.graph import optimised_floats
 from flow.optim import CLIP_TENSORS, LOSS_SCALE, LOSS_SCALE_GROWTH, device_learning_rate
 from flow.spec_model import CrossEntropy
-from flow.stage_plan import StagePlan, merge_state
+from flow.stage_plan import StagePlan, deferred_running, merge_state
 
 
 class StageFailed(RuntimeError):
@@ -153,6 +165,8 @@ class StageActor:
         self.limiter = trio.CapacityLimiter(1)
         self.x_in = self.x_out = self.grad_in = self.grad_out = None
         self.rows = 0  # rows run forward
+        self.norms = stages.norms[index] if stages.norms else ()
+        self.batch_stats: list[tuple[int, dict[str, np.ndarray]]] = []  # this batch's micro-batches'
 
     async def run(self) -> None:
         """Run each batch's order until the node closes the inbox; report each done."""
@@ -215,6 +229,9 @@ class StageActor:
         rows = engine.write_batch(slot, x, y)
         ticket = engine.submit(program, slot, rows, step if program == "train" else None, divisor=divisor)
         wait_for_device(engine, ticket, self.deadline_s, self.index)
+        if self.norms and program in ("train", "forward"):
+            stats = {n[0]: engine.backend.read(f"batch_stats:{n[0]}", slot) for n in self.norms}
+            self.batch_stats.append((int(x.shape[0]), stats))
         if not self.last:
             return engine.outputs(slot, rows)
         if program == "predict":
@@ -247,6 +264,13 @@ class StageActor:
             engine.backend.write("clip:norm", clip)
         if scale is not None:  # every stage keeps the one scale (the last one's loss reads it)
             engine.backend.write(LOSS_SCALE, scale)
+        for norm in self.norms if self.batch_stats else ():
+            names = (f"{norm[0]}.running_mean", f"{norm[0]}.running_var")
+            running = tuple(engine.backend.read(name) for name in names)
+            parts = [(rows, stats[norm[0]]) for rows, stats in self.batch_stats]
+            for name, value in zip(names, deferred_running(running, parts, norm), strict=True):
+                engine.backend.write(name, value)
+        self.batch_stats.clear()
         wait_for_device(engine, engine.submit("apply", 0, 1, step), self.deadline_s, self.index)
 
 
@@ -260,6 +284,7 @@ class StagedActor:
         start: where the run stands (the first training step's cursor).
         inline: run device calls on the event loop (thread-free fake devices).
         deadline_s: the longest one device call may take before the run stops, naming the device.
+        ranks: the other ranks of an MPI job (None: this process trains alone).
     """
 
     def __init__(
@@ -270,8 +295,9 @@ class StagedActor:
         start: Cursor | None = None,
         inline: bool = False,
         deadline_s: float = DEVICE_DEADLINE_S,
+        ranks: Ranks | None = None,
     ) -> None:
-        self.meter = meter
+        self.meter, self.ranks = meter, ranks
         self.engines = list(engines)
         self.stages = stages
         self.optimiser = engines[0].plan.optimiser
@@ -299,6 +325,10 @@ class StagedActor:
                 elif isinstance(item, CheckpointMark):
                     states = [await actor.call(actor.engine.state) for actor in self.actors]
                     state = merge_state(self.stages, states)
+                    if self.ranks is not None:  # BatchNorm's running statistics are each rank's
+                        flat = state["params:all"]
+                        trained = flat[: optimised_floats(self.engines[0].plan.model, flat.size)]
+                        await trio.to_thread.run_sync(self.ranks.check_weights, trained, item.cursor.step)
                     await self.meter.send(Snapshot(item.cursor, state, item.final, best_only=item.best_only))
                 else:
                     await self.meter.send(item)
@@ -309,34 +339,65 @@ class StagedActor:
     async def _batch(self, batch: Batch):
         kind = _PROGRAMS[batch.split]
         lr = device_learning_rate(self.optimiser, batch.step) if kind == "train" else 0.0
-        rows = batch.rows
-        if rows == 0:  # every sample was skipped as bad: the step counts, with no update
+        rows = total = batch.rows
+        if self.ranks is not None and kind != "predict":  # the global batch's rows
+            what = f"the rows of {batch.split} batch {batch.seq}"
+            total = sum(await trio.to_thread.run_sync(self.ranks.gather, rows, what))
+        if total == 0:  # every sample was skipped as bad: the step counts, with no update
             return self._report(batch, math.nan, 0.0, lr, 0)
         started = time.perf_counter()
-        micro = self.stages.split(rows)
+        micro = self.stages.split(rows)  # none on a rank without rows: it still sums and applies
         bounds = np.cumsum((0, *micro))
         results: list[_Micro] = [_Micro() for _ in micro]
         orders = self.stages.schedule(kind, len(micro))
         step = batch.step if kind == "train" else None
         for actor, order in zip(self.actors, orders, strict=True):
-            await actor.orders.send(_Work(kind, batch, bounds, step, rows, results, order))
+            await actor.orders.send(_Work(kind, batch, bounds, step, total, results, order))
         for actor in self.actors:  # each stage's report that its part is done
             await actor.reports.receive()
+        if kind == "predict":
+            self.step_s += time.perf_counter() - started
+            return Prediction(batch.seq, batch.tag, batch.last, np.concatenate([r.outputs for r in results]))
+        count = len(self.engines[-1].metric_tensors)
+        sums = (  # each micro-batch's share of the global batch's mean
+            sum(r.loss for r in results),
+            sum(r.correct for r in results),
+            *(sum(r.metrics[i] for r in results) for i in range(count)),
+        )
         if kind == "train":
             with trio.CancelScope(shield=True):  # an interrupt waits: applied on every stage or none
-                await self._apply(step)
+                sums = await self._apply(step, sums)
                 self.applied = batch.after()
+        elif self.ranks is not None:
+            what = f"the sums of {batch.split} batch {batch.seq}"
+            nothing = np.empty(0, np.float32)
+            _, sums = await trio.to_thread.run_sync(self.ranks.sum_in_rank_order, nothing, sums, what)
         self.step_s += time.perf_counter() - started
-        if kind == "predict":
-            return Prediction(batch.seq, batch.tag, batch.last, np.concatenate([r.outputs for r in results]))
-        loss = sum(r.loss for r in results)  # each micro-batch's share of the batch's mean
-        correct = sum(r.correct for r in results)
-        metrics = tuple(map(sum, zip(*(r.metrics for r in results), strict=True)))
-        return self._report(batch, loss, correct, lr, rows, metrics)
+        return self._report(batch, sums[0], sums[1], lr, total, tuple(sums[2:]))
 
-    async def _apply(self, step: int) -> None:
-        """Every stage's update from its summed gradients, on every device at once (with the
-        whole model's norm and loss scale joined on the host first, where the update needs them)."""
+    async def _across_ranks(self, step: int, sums: tuple) -> tuple:
+        """Each stage's summed gradient summed over the ranks in rank order, stage by stage (the
+        last one's with the step's sums), written back before the update; the sums over the ranks."""
+        grads = [await actor.call(actor.engine.backend.read, "acc:all") for actor in self.actors]
+        ranks, last = self.ranks, len(grads) - 1
+
+        def exchange() -> tuple:
+            what = f"the gradients of step {step}"
+            started = [ranks.start_sum(g, sums if s == last else (), f"{what}, stage {s}")
+                       for s, g in enumerate(grads)]  # fmt: skip
+            return [ranks.finish_sum(one) for one in started]
+
+        summed = await trio.to_thread.run_sync(exchange)
+        for actor, (total, _) in zip(self.actors, summed, strict=True):
+            await actor.call(actor.engine.backend.write, "acc:all", total)
+        return summed[-1][1]
+
+    async def _apply(self, step: int, sums: tuple) -> tuple:
+        """Every stage's update from its summed gradients (over the ranks first, in an MPI job),
+        on every device at once (with the whole model's norm and loss scale joined on the host
+        first, where the update needs them); the step's sums (over the ranks)."""
+        if self.ranks is not None:
+            sums = await self._across_ranks(step, sums)
         clip, scale = None, None
         if self.stages.global_norm:
             partials: list = [None] * len(self.actors)
@@ -356,6 +417,7 @@ class StagedActor:
         async with trio.open_nursery() as nursery:
             for actor in self.actors:
                 nursery.start_soon(actor.call, actor.apply, step, clip, scale)
+        return sums
 
     def _report(self, batch: Batch, loss: float, correct: float, lr: float, rows: int, metrics: tuple = ()):
         if batch.split == "train":

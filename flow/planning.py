@@ -604,10 +604,7 @@ def plan(
     if spec.devices.stages is not None and mode == "train" and not isinstance(facts, DeviceFacts):
         from flow.stage_plan import plan_stages  # it plans each stage with this module's parts
 
-        if world.size > 1:
-            message = "a model split into stages trains in one process; MPI ranks train data parallel"
-            raise PlanError([Problem("devices.stages", message)])
-        return plan_stages(spec, facts, tuning if isinstance(tuning, tuple) else None, budget, header)
+        return plan_stages(spec, facts, tuning if isinstance(tuning, tuple) else None, budget, header, world)
     if isinstance(facts, tuple) and len(facts) > 1 and speeds is not None and bandwidth is not None:
         moved = 4 * sum(math.prod(p.shape) for p in parameters(spec.model))  # a member's gradients
         choice = choose_members(facts, spec.data.batch_size, spec.devices, world, speeds, bandwidth, moved)
@@ -665,11 +662,14 @@ def _plan_data_parallel(
 ) -> Plan:
     """:func:`plan` over several devices: a device plan per member for the rows it takes, each
     with the update apart (``apply``) to run after the all-reduce. Shards are gathered on the host
-    and written into each member's slots, so nothing is read in place or kept on a device. In an
-    MPI job the members share this rank's part of each global batch."""
+    and written into each member's slots, so nothing is read in place; with data.placement
+    "device" every member keeps the whole dataset and gathers its shard by the indices the loader
+    sends. In an MPI job the members share this rank's part of each global batch."""
+    resident = None
     if spec.data.placement == "device" and mode == "train":
-        message = "'device' asked for, but data-parallel devices take their shards from the host"
-        raise PlanError([Problem("data.placement", message)])
+        resident, why = resident_data(spec, header) if header is not None else (None, "no data to train on")
+        if resident is None:
+            raise PlanError([Problem("data.placement", f"'device' asked for, but {why}")])
     if spec.data.batch_size < world.size:
         message = f"{spec.data.batch_size} rows cannot be shared by {world.size} ranks: each needs one"
         raise PlanError([Problem("data.batch_size", message)])
@@ -683,6 +683,7 @@ def _plan_data_parallel(
             facts.features,
             facts,
             table,
+            resident,
             batch=capacity,
             separate_update=True,
         )
@@ -691,6 +692,7 @@ def _plan_data_parallel(
     buckets = grad_buckets(devices[0].layout, round(spec.devices.bucket_mb * 2**20))
     parallel = replace(parallel, buckets=buckets)
     data = plan_data(spec, header, world.rank, world.size) if header is not None and mode == "train" else None
+    data = replace(data, resident=resident) if data is not None else None
     sample_shape = header.sample_shape if header is not None else None
     pipeline = plan_pipeline(spec, mode=mode, sample_shape=sample_shape)
     return Plan(spec=spec, mode=mode, devices=devices, pipeline=pipeline, data=data, parallel=parallel)

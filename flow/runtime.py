@@ -452,7 +452,8 @@ class Runtime:
         if resident is not None:
             # Once, before the first step: every sample as stored, then batches travel as indices.
             self.stored = await self._blocking(self.source.stored)
-            await self._blocking(self.engine.upload_dataset, self.stored.x, self.stored.labels)
+            for engine in self.member_engines or [self.engine]:  # every data-parallel member keeps it
+                await self._blocking(engine.upload_dataset, self.stored.x, self.stored.labels)
         self._wire()
 
     async def _measure(self, capacity, drop: bool) -> tuple[tuple[float, ...], float | None]:
@@ -564,7 +565,8 @@ class Runtime:
             )
         if actor.kind == "device" and self.plan.stages is not None:
             engines, stages, start = self.member_engines, self.plan.stages, self.start_cursor
-            self.device = StagedActor(meter, engines, stages, start, self.inline, device_deadline())
+            deadline = device_deadline()
+            self.device = StagedActor(meter, engines, stages, start, self.inline, deadline, self.ranks)
             return self.device
         if actor.kind == "device" and self.plan.parallel is not None:
             self.device = DataParallelActor(

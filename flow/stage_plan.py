@@ -24,6 +24,22 @@ whole batch's rows and each backward adds the gradients into an ``acc`` arena, s
 batch's gradient; then every stage's ``apply`` copies it into its gradients, updates once and
 zeroes the sum.
 
+BatchNorm over micro-batches (torchgpipe's deferred_batch_norm). Each micro-batch is normalised by
+its own statistics, as GPipe does (so the loss and gradients are those of M smaller batches, not
+one device's), but the running mean and variance move once per batch, by the whole batch's
+statistics: each micro-batch's forward leaves the running statistics as they are (momentum 0) and
+copies its (mean, 1 / std) to io ``batch_stats:<layer>``; the host joins them into the batch's
+mean and unbiased variance (:func:`deferred_running`) and writes the running statistics before the
+stage's ``apply``. So the running statistics, and evaluation, are one device's with the batch.
+
+Ranks. In an MPI job every rank runs the same split on its own devices over its part of every
+global batch (loaders.sampler.rank_bounds), each micro-batch's loss averaged over the global
+batch's rows; before the update each stage's summed gradient (the last stage's with the step's
+loss and metric sums) is summed over the ranks in rank order (actors.collective), so every rank
+applies the same update and the clip factor and loss scale stay one decision for the whole job.
+``mpiexec -n 2`` with one micro-batch a rank computes the bits of one process with two. BatchNorm's
+running statistics are each rank's own, from its part, as DDP's without buffer broadcasts.
+
 One model, one update. Clipping by the global norm and loss scaling need the whole model's
 gradients: each stage's ``norm`` program copies its sum into its gradients and writes grad_norm's
 partial sums of squares; the host joins every stage's partials in stage order (actors.stages) into
@@ -58,7 +74,7 @@ from flow.optim import (
     update_groups,
     update_launch,
 )
-from flow.parallel_plan import split_rows
+from flow.parallel_plan import World, split_rows
 from flow.pipeline_plan import plan_pipeline
 from flow.planning import (
     DevicePlan,
@@ -95,6 +111,7 @@ STAGE_KINDS = {
 }
 
 Op = tuple[str, int]  # ("F" or "B", micro-batch)
+BatchNormStat = tuple[str, int, int, float, float]  # a BatchNorm's path, C, H*W, momentum, eps
 
 
 def one_f_one_b(stage_count: int, micro: int) -> tuple[tuple[Op, ...], ...]:
@@ -156,6 +173,9 @@ class StagePlan:
         global_norm: the update needs the whole model's gradient norm (clip_norm or a loss
             scale): every stage runs a ``norm`` program before its ``apply``, and the host joins them.
         precisions: each stage's precision ("mixed" falls back to "float32" per device).
+        norms: each stage's BatchNorm layers whose running statistics move once per batch
+            (micro_batches > 1; see the module docstring); empty otherwise.
+        ranks: the ranks of an MPI job, each running the split over its part of every batch.
     """
 
     members: tuple[str, ...]
@@ -173,6 +193,8 @@ class StagePlan:
     stage_floats: tuple[int, ...]
     global_norm: bool = False
     precisions: tuple[str, ...] = ()
+    norms: tuple[tuple[BatchNormStat, ...], ...] = ()
+    ranks: int = 1
 
     def split(self, rows: int) -> tuple[int, ...]:
         """The rows of each micro-batch of a batch of ``rows`` (none empty)."""
@@ -225,6 +247,7 @@ class StagePlan:
                 ),
             ],  # fmt: skip
             "total_params": self.total_params,
+            "ranks": self.ranks,
         } | ({"global_norm": True} if self.global_norm else {})
 
 
@@ -424,6 +447,8 @@ def plan_stage_device(
     ]
     io += [("dy", (rows, *out_shape), "float32")] if not last else []
     io += [("dx", (rows, *in_shape), "float32")] if not first else []
+    norms = stage_norms(spec, part)
+    io += [(f"batch_stats:{path}", (2, c), "float32") for path, c, *_ in norms]
     io_offsets, io_offset = {}, 0
     for name, shape, dtype in io:
         tensors.append(Tensor(name, shape, dtype, "io", io_offset))
@@ -436,6 +461,8 @@ def plan_stage_device(
         launch("binary", ("acc:all", "grads:all", "acc:all"), n=total, fn=BINARY["add"], a=1.0, b=0.0)
     ]
     graphs["train"].groups.append(accumulate)  # this micro-batch's gradients into the batch's sum
+    if norms:
+        _defer_running_statistics(graphs["train"])
     lives = lifetimes(graphs["train"])
     work, work_peak = assign_offsets(lives)
     declared = {}
@@ -496,12 +523,78 @@ def plan_stage_device(
     )  # fmt: skip
 
 
+# -- BatchNorm's running statistics over micro-batches ------------------------------------------
+
+
+def stage_norms(spec: Spec, part: tuple[int, int]) -> tuple[BatchNormStat, ...]:
+    """The BatchNorm layers at stage positions [lo, hi) whose running statistics the host moves
+    once per batch: every one where a batch is cut into several micro-batches, else none."""
+    if spec.devices.micro_batches <= 1:
+        return ()
+    return tuple(
+        (stage.path, stage.in_shape[0], math.prod(stage.in_shape[1:]), float(stage.layer.momentum),
+         float(stage.layer.eps))
+        for stage in stages(spec.model)[part[0] : part[1]]
+        if isinstance(stage.layer, BatchNorm1d | BatchNorm2d)
+    )  # fmt: skip
+
+
+def _defer_running_statistics(graph) -> None:
+    """Each training BatchNorm's statistics leave the running ones as they are (momentum 0: 1 * r +
+    0 * s is r, bit for bit) and are copied, (mean, 1 / std), to io ``batch_stats:<layer>``, beside
+    the normalisation that reads them (after the barrier that follows the statistics)."""
+    copies = {}
+    for group in graph.groups:
+        for i, item in enumerate(group):
+            if item.op == "batchnorm_stats":
+                still = tuple((k, 0.0 if k == "momentum" else v) for k, v in item.params)
+                group[i] = replace(item, params=still)
+                path, stats = item.args[1].rsplit(".", 1)[0], item.args[3]
+                channels = graph.tensors[stats].shape[1]
+                copies[stats] = launch("copy", (stats, f"batch_stats:{path}"), n=2 * channels)
+    for group in graph.groups:
+        reads = [item.args[1] for item in group if item.op == "batchnorm" and item.args[1] in copies]
+        group += [copies.pop(stats) for stats in reads]
+
+
+def deferred_running(
+    running: tuple[np.ndarray, np.ndarray], parts: list[tuple[int, np.ndarray]], norm: BatchNormStat
+) -> tuple[np.ndarray, np.ndarray]:
+    """A BatchNorm's running (mean, variance) after a batch cut into micro-batches, as one device
+    moves them with the whole batch: its mean and unbiased variance, joined from each micro-batch's
+    in float64 (the CPU backend's batchnorm_stats rule).
+
+    Args:
+        running: the running mean and variance before the batch.
+        parts: each micro-batch's real rows and its ``batch_stats`` [(mean, 1 / std), C].
+        norm: the layer (flow.stage_plan.BatchNormStat).
+
+    Returns:
+        The running mean and variance after the batch, float32.
+    """
+    _, c, hw, momentum, eps = norm
+    counts = np.array([rows * hw for rows, _ in parts], np.float64)[:, None]
+    means = np.stack([stats[0, :c] for _, stats in parts]).astype(np.float64)
+    variances = 1.0 / np.stack([stats[1, :c] for _, stats in parts]).astype(np.float64) ** 2 - eps
+    total = counts.sum()
+    mean = (counts * means).sum(axis=0) / total
+    variance = (counts * (variances + (means - mean) ** 2)).sum(axis=0) / total
+    unbiased = variance * (total / (total - 1)) if total > 1 else variance
+    moved = (1 - momentum) * np.stack([r[:c] for r in running]).astype(np.float64) + momentum * np.stack(
+        [mean, unbiased]
+    )
+    return moved[0].astype(np.float32), moved[1].astype(np.float32)
+
+
 # -- the whole split ---------------------------------------------------------------------------
 
 
-def _refusals(spec: Spec, count: int) -> list[Problem]:
+def _refusals(spec: Spec, count: int, ranks: int) -> list[Problem]:
     """What a model split into stages cannot do (yet), each said once."""
     problems = []
+    if spec.data.batch_size < ranks:
+        message = f"{spec.data.batch_size} rows cannot be shared by {ranks} ranks: each needs one"
+        problems.append(Problem("data.batch_size", message))
     model, devices = spec.model, spec.devices
     if spec.data.placement == "device":
         problems.append(
@@ -511,11 +604,6 @@ def _refusals(spec: Spec, count: int) -> list[Problem]:
         message = (
             f"{devices.micro_batches} micro-batches of a batch of {spec.data.batch_size} rows: each needs one"
         )
-        problems.append(Problem("devices.micro_batches", message))
-    norms = any(isinstance(n.layer, BatchNorm1d | BatchNorm2d) for n in expand(model).nodes)
-    if norms and devices.micro_batches > 1:
-        message = ("BatchNorm normalises each micro-batch by its own statistics, which differ from the whole "
-                   "batch's that one device uses (and so would the running statistics): use one")  # fmt: skip
         problems.append(Problem("devices.micro_batches", message))
     if len(model.layers) < count:
         problems.append(
@@ -530,22 +618,23 @@ def plan_stages(
     tables: tuple[GemmTable | None, ...] | None = None,
     budget: int | None = None,
     header: SourceHeader | None = None,
+    world: World | None = None,
 ) -> Plan:
     """The training plan of a model split over ``group`` (the spec's devices in order; None: the
-    spec's names, with no budget to check).
+    spec's names, with no budget to check). In an MPI job (``world``) every rank runs this split
+    on its own devices over its part of every global batch (see "Ranks" in the module docstring).
 
     Raises:
         PlanError: a cut the model does not allow, more stages than places to cut, a stage over its
-            device's budget, or what stages cannot do (BatchNorm with several micro-batches, a
-            dataset kept on the device).
+            device's budget, or what stages cannot do (a dataset kept on the device).
     """
     names = tuple(f.name for f in group) if group is not None else tuple(str(c) for c in spec.devices.choices)
-    count = len(names)
-    problems = _refusals(spec, count)
+    count, world = len(names), world or World()
+    problems = _refusals(spec, count, world.size)
     if problems:
         raise PlanError(problems)
     micro = spec.devices.micro_batches
-    rows = math.ceil(spec.data.batch_size / micro)
+    rows = math.ceil(math.ceil(spec.data.batch_size / world.size) / micro)  # the largest rank's part's
     slots = tuple(min(count - s, micro) for s in range(count))
     budgets = tuple(
         budget if budget is not None or group is None else memory_budget(f, spec.devices.memory_fraction)
@@ -606,8 +695,10 @@ def plan_stages(
         stage_floats=tuple(device.total_params for device in devices),
         global_norm=any("norm" in device.kinds for device in devices),
         precisions=tuple(device.precision for device in devices),
+        norms=tuple(stage_norms(spec, part) for part in positions),
+        ranks=world.size,
     )
-    data = plan_data(spec, header) if header is not None else None
+    data = plan_data(spec, header, world.rank, world.size) if header is not None else None
     pipeline = plan_pipeline(
         spec, mode="train", sample_shape=header.sample_shape if header is not None else None
     )

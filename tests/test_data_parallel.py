@@ -490,6 +490,27 @@ def test_measure_all_reduce_times_the_real_host_sum(vulkan_backend):
         cpu.close()
 
 
+def test_measuring_throughput_leaves_batchnorm_running_statistics_as_they_were():
+    # The timed train programs move BatchNorm's running statistics (they live with the weights, in
+    # params:all); measured before the run, they must not start it from 4 updates on random data.
+    from actors.cpu_backend import CpuBackend
+    from actors.data_parallel import measure_throughput
+    from flow.runtime import start_engine
+    from flow.spec import BatchNorm1d, Linear, ReLU
+
+    base = synthetic_spec()
+    layers = (Linear(12), BatchNorm1d(), ReLU(), Linear(3))
+    spec = dataclasses.replace(base, model=dataclasses.replace(base.model, layers=layers))
+    spec = dataclasses.replace(spec, devices=Devices(select=("cpu", "cpu")))
+    the_plan = plan(spec, facts=(cpu_facts(), cpu_facts()))
+    backends = (CpuBackend(), CpuBackend())
+    engines = [start_engine(the_plan, b, member=i)[0] for i, b in enumerate(backends)]
+    before = [e.weights() for e in engines]
+    assert min(measure_throughput(engines, (8, 8))) > 0
+    for engine, weights in zip(engines, before, strict=True):
+        np.testing.assert_array_equal(engine.weights(), weights)
+
+
 def test_a_resume_plans_from_the_measurement_its_checkpoint_recorded(tmp_path, monkeypatch):
     """Measured speeds decide the members and their rows; a resume asking for the same devices
     plans from the checkpoint's measurement instead of measuring again (which may well differ), so

@@ -1,8 +1,8 @@
 """One update for a model split over devices as pipeline stages (flow.stage_plan, actors.stages):
 clipping by the global norm over every stage's gradients, dynamic loss scaling with one scale and
 one skip decision for the whole model, "mixed" precision per stage device, each against one device
-on the bundled digits through flow.run; the host's join against a float64 oracle; and what stays
-refused."""
+on the bundled digits through flow.run; and the host's join against a float64 oracle (BatchNorm
+over micro-batches: tests/test_stage_batchnorm.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ import pytest
 import flow
 from actors import checkpoint, device_select
 from actors.stages import join_norms
-from flow.errors import PlanError
 from flow.optim import LOSS_SCALE, LOSS_SCALE_GROWTH
 from flow.planning import plan
-from flow.spec import BatchNorm1d, Devices, Linear, Model
+from flow.spec import Devices
 from tests.specs import digits_spec, synthetic_spec
 
 
@@ -223,20 +222,3 @@ def test_each_stage_is_a_device_actor_for_the_whole_run_with_its_own_statistics(
     speeds = (done.stdout + done.stderr).split("per device ")[-1].split()[:2]
     assert len(speeds) == 2 and all(float(v.rstrip(",")) > 0 for v in speeds), done.stderr
     assert "all-reduce" not in done.stdout + done.stderr  # a split run has none to show
-
-
-# -- what stays refused ----------------------------------------------------------------------------
-
-
-def test_batchnorm_with_micro_batches_stays_refused_saying_why():
-    spec = synthetic_spec()
-    model = Model(input_shape=(6,), layers=(Linear(12), BatchNorm1d(), Linear(3)), loss=spec.model.loss)
-    spec = dataclasses.replace(
-        spec, model=model, devices=Devices(("cpu", "cpu"), stages="auto", micro_batches=2)
-    )
-    with pytest.raises(
-        PlanError, match=r"devices\.micro_batches: BatchNorm normalises each micro-batch by its own"
-    ):
-        plan(spec)
-    one = dataclasses.replace(spec, devices=Devices(("cpu", "cpu"), stages="auto"))
-    assert plan(one).stages is not None
