@@ -118,7 +118,7 @@ def gemm_coopmat(arrays: list[np.ndarray], p: Params) -> None:
     """gemm with A and B rounded to float16 first, as the tensor-core shader does."""
     a, b, bias, c = arrays
     rounded = [a.astype(np.float16).astype(a.dtype), b.astype(np.float16).astype(b.dtype)]
-    gemm([*rounded, bias, c], {**p, "k_splits": 1})
+    gemm([*rounded, bias, c], p)
 
 
 def gemm_coopmat_f16(arrays: list[np.ndarray], p: Params) -> None:

@@ -61,7 +61,7 @@ from shaders.attention_tiles import attention_ops
 from shaders.conv_coopmat_tiles import conv_gemm_op
 from shaders.registry import ACTIVATIONS, BINARY, LOSSES, REDUCE
 from shaders.registry import op as op_def
-from shaders.tiles import conv_gemm_shape
+from shaders.tiles import conv_gemm_shape, coopmat_k_splits
 
 # Activations whose derivative the GEMM epilogue can take from the saved output (gelu needs its
 # input, which the forward keeps only in a separate tensor).
@@ -316,17 +316,16 @@ class _Builder:
             (launch, finish): ``finish`` adds the K slices and applies the epilogue; it must run in
             a later group. None when the GEMM is not split.
         """
-        if self.mixed:
-            # Tensor cores: no split-K there, their tiles already keep many subgroups busy.
-            return launch("gemm_coopmat", args, alpha=1.0, **params), None
         a, b, bias, c = args
         m, n, k = int(params["M"]), int(params["N"]), int(params["K"])
-        splits = k_splits(m, n, k)
+        # Tensor cores split K by their own 128x128 tiles (a weight gradient over 16384 rows).
+        op = "gemm_coopmat" if self.mixed else "gemm"
+        splits = coopmat_k_splits(m, n, k) if self.mixed else k_splits(m, n, k)
         if splits == 1:
-            return launch("gemm", args, alpha=1.0, **params), None
+            return launch(op, args, alpha=1.0, **params), None
         workspace = self.g.add(f"splitk:{c}", (splits, m, n))
         partial = {key: value for key, value in params.items() if key not in ("has_bias", "act", "slope")}
-        main = launch("gemm", (a, b, a, workspace), alpha=1.0, k_splits=splits, **partial)
+        main = launch(op, (a, b, a, workspace), alpha=1.0, k_splits=splits, **partial)
         finish = launch(
             "splitk_epilogue",
             (workspace, bias, c),

@@ -39,6 +39,13 @@
 // columns and K are zero-filled in shared memory. Shared memory (registry.coopmat_shared_bytes
 // mirrors this): max(NS * stage, epilogue staging), in 16-byte words.
 //
+// Split-K (push k_splits > 1, as gemm.comp): workgroup z multiplies whole BK slabs of its slice of
+// K and writes raw sums into slice z of C seen as [k_splits, M, N]; splitk_epilogue adds them and
+// applies the epilogue. It fills the GPU where M x N has few tiles and K is long (a weight
+// gradient over 16384 rows). ones_row (as gemm.comp): op(A)'s last row is all ones and A stores
+// only the M - 1 rows before it, so C's last row is the column sums of op(B), a bias gradient
+// beside its weight gradient; the ones enter through the edge loads, like the zero padding.
+//
 // Epilogue: after the last slab the tile memory is reused as per-subgroup fp32 staging; each
 // subgroup stores one 16-row strip of its accumulators, then its invocations apply alpha, the
 // old C, the bias and the activation per element and write C with bounds checks (vec4 where N
@@ -80,6 +87,11 @@ layout(constant_id = 11) const uint BH = 0;  // 1: B is float16 in memory, 0: fl
 layout(constant_id = 12) const uint PD = 1;  // K slabs in flight in registers (>= 1)
 layout(constant_id = 13) const uint NS = 2;  // shared stages: 2 (one barrier per slab) or 1 (two)
 
+// gemm.comp's push fields after the shared ones, so that a plan can give either op the same
+// launch: k_splits (split-K into a [splits, M, N] workspace) and ones_row (the bias gradient as
+// op(A)'s extra row of ones). act_grad is gemm.comp's fused activation derivative, which this
+// shader does not do (the planner never asks it of the tensor-core path).
+#define GEMM_PUSH_EXTRA uint k_splits; uint act_grad; uint ones_row;
 #include "gemm_head.glsl"
 
 // Each operand buffer is seen as fp32 (scalars and vec4, from gemm_head.glsl) and as fp16 (32-bit
@@ -136,9 +148,17 @@ const uint RB16 = PD * B_LOADS * BH1 + (1u - BH1);
 // 16-byte elements keep every row start aligned for wide shared loads. Reused as fp32 staging.
 shared uvec4 smem[SMEM_VECS];
 
-// Loads elements (r, c..c+7) of a stored row-major fp32 matrix with R rows of L; zeros outside it.
-// vec: rows start 16-byte aligned (L % 4 == 0), so a granule inside the matrix is two vec4 loads.
-void load8(const bool is_a, bool vec, uint r, uint c, uint R, uint L, out vec4 lo, out vec4 hi) {
+// Whether element (r, c) just outside a stored matrix of R rows of L is one of op(A)'s ones
+// (ones_row): the extra column L of a transposed A (stored [K, M-1]) or the extra row R of a plain
+// A (stored [M-1, K]).
+bool is_one(uint ones, uint r, uint c, uint R, uint L) {
+    return (ones == 1u && c == L && r < R) || (ones == 2u && r == R && c < L);
+}
+
+// Loads elements (r, c..c+7) of a stored row-major fp32 matrix with R rows of L; zeros outside it
+// (ones where is_one says so). vec: rows start 16-byte aligned (L % 4 == 0), so a granule inside the
+// matrix is two vec4 loads.
+void load8(const bool is_a, bool vec, uint r, uint c, uint R, uint L, uint ones, out vec4 lo, out vec4 hi) {
     uint base = r * L + c;
     if (vec && r < R && c + 8u <= L) {
         uint v = base / 4u;
@@ -151,6 +171,8 @@ void load8(const bool is_a, bool vec, uint r, uint c, uint R, uint L, out vec4 l
         e[i] = 0.0;
         if (r < R && c + i < L) {
             e[i] = is_a ? A[base + i] : B[base + i];
+        } else if (is_one(ones, r, c + i, R, L)) {
+            e[i] = 1.0;
         }
     }
     lo = vec4(e[0], e[1], e[2], e[3]);
@@ -160,7 +182,7 @@ void load8(const bool is_a, bool vec, uint r, uint c, uint R, uint L, out vec4 l
 // The same for a stored fp16 matrix, as 8 packed halves (the bits as stored; zero halves outside).
 // vec: rows start 16-byte aligned (L % 8 == 0), so a granule inside the matrix is one uvec4 load;
 // otherwise each half is cut out of its 32-bit word (in range: the buffer is whole words).
-uvec4 load8h(const bool is_a, bool vec, uint r, uint c, uint R, uint L) {
+uvec4 load8h(const bool is_a, bool vec, uint r, uint c, uint R, uint L, uint ones) {
     uint base = r * L + c;
     if (vec && r < R && c + 8u <= L) {
         return is_a ? Ah8[base / 8u] : Bh8[base / 8u];
@@ -172,6 +194,8 @@ uvec4 load8h(const bool is_a, bool vec, uint r, uint c, uint R, uint L) {
             uint e = base + i;
             uint w = is_a ? Aw[e / 2u] : Bw[e / 2u];
             h[i] = (w >> ((e & 1u) * 16u)) & 0xFFFFu;
+        } else if (is_one(ones, r, c + i, R, L)) {
+            h[i] = 0x3C00u;  // 1.0 in fp16
         }
     }
     return uvec4(h[0] | (h[1] << 16u), h[2] | (h[3] << 16u), h[4] | (h[5] << 16u), h[6] | (h[7] << 16u));
@@ -198,8 +222,12 @@ void mainloop(const bool TA, const bool TB) {
     // streamed as tiles of atc columns; K advances along its rows (transposed A, plain B) or
     // along its columns. The granules an invocation copies, and where they go in shared memory,
     // are fixed for the whole loop, so they are computed once.
-    const uint ar = TA ? K : M;
-    const uint al = TA ? M : K;
+    // ones_row: op(A)'s last row is ones, and A stores only the Ma rows before it.
+    const uint one = min(pc.ones_row, 1u);
+    const uint Ma = M - one;
+    const uint ones = one * (TA ? 1u : 2u);  // is_one's code
+    const uint ar = TA ? K : Ma;
+    const uint al = TA ? Ma : K;
     const uint atc = TA ? BM : BK;
     const bool avec = (al % AG) == 0u;
     const uint br = TB ? N : K;
@@ -225,7 +253,7 @@ void mainloop(const bool TA, const bool TB) {
         b_s[i] = A_VECS + (row * (btc + PAD) + col) / 8u;
     }
     // Whole tiles in range along m (n): with K in range too, a slab needs no bounds checks.
-    const bool a_inside = avec && m0 + BM <= M;
+    const bool a_inside = avec && m0 + BM <= Ma;
     const bool b_inside = bvec && n0 + BN <= N;
     const uint sa = TA ? BM + PAD : BK + PAD;  // shared strides in halves
     const uint sb = TB ? BK + PAD : BN + PAD;
@@ -239,7 +267,12 @@ void mainloop(const bool TA, const bool TB) {
     uvec4 rah[RA16];
     vec4 rb[RB32];
     uvec4 rbh[RB16];
-    const uint slabs = (K + BK - 1u) / BK;
+    // Split-K (k_splits > 1): workgroup z multiplies only its slice of K, whole slabs of BK, so
+    // every slab still ends at a multiple of BK or at K and the bounds checks stay those of K.
+    const uint splits = max(pc.k_splits, 1u);
+    const uint k_chunk = ((K + splits * BK - 1u) / (splits * BK)) * BK;
+    const uint k_begin = min(K, gl_WorkGroupID.z * k_chunk);
+    const uint slabs = (min(K, k_begin + k_chunk) - k_begin + BK - 1u) / BK;
     const uint steps = slabs + PD;
 
     // Iteration t issues the global loads of slab t into register slot t % PD, multiplies slab
@@ -251,7 +284,7 @@ void mainloop(const bool TA, const bool TB) {
             const uint t = s + u;
             if (PD == 1u || t < steps) {
                 if (t < slabs) {
-                    const uint k0 = t * BK;
+                    const uint k0 = k_begin + t * BK;
                     const uint akr = TA ? k0 : 0u;
                     const uint akc = TA ? 0u : k0;
                     const uint bkr = TB ? 0u : k0;
@@ -268,7 +301,7 @@ void mainloop(const bool TA, const bool TB) {
                             [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
                                 if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
                                     rah[u * A_LOADS + i] =
-                                        load8h(true, avec, a_r[i] + akr, a_c[i] + akc, ar, al);
+                                        load8h(true, avec, a_r[i] + akr, a_c[i] + akc, ar, al, ones);
                                 }
                             }
                         }
@@ -284,7 +317,7 @@ void mainloop(const bool TA, const bool TB) {
                         } else {
                             [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
                                 if (A_GRANULES % NT == 0u || tid + i * NT < A_GRANULES) {
-                                    load8(true, avec, a_r[i] + akr, a_c[i] + akc, ar, al,
+                                    load8(true, avec, a_r[i] + akr, a_c[i] + akc, ar, al, ones,
                                           ra[2u * (u * A_LOADS + i)], ra[2u * (u * A_LOADS + i) + 1u]);
                                 }
                             }
@@ -301,7 +334,7 @@ void mainloop(const bool TA, const bool TB) {
                             [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
                                 if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
                                     rbh[u * B_LOADS + i] =
-                                        load8h(false, bvec, b_r[i] + bkr, b_c[i] + bkc, br, bl);
+                                        load8h(false, bvec, b_r[i] + bkr, b_c[i] + bkc, br, bl, 0u);
                                 }
                             }
                         }
@@ -317,7 +350,7 @@ void mainloop(const bool TA, const bool TB) {
                         } else {
                             [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
                                 if (B_GRANULES % NT == 0u || tid + i * NT < B_GRANULES) {
-                                    load8(false, bvec, b_r[i] + bkr, b_c[i] + bkc, br, bl,
+                                    load8(false, bvec, b_r[i] + bkr, b_c[i] + bkc, br, bl, 0u,
                                           rb[2u * (u * B_LOADS + i)], rb[2u * (u * B_LOADS + i) + 1u]);
                                 }
                             }
@@ -428,6 +461,9 @@ void main() {
     // Epilogue, one 16-row strip of the warp tile at a time through this subgroup's staging.
     const uint stage = warp * ST_VECS;
     const bool vec_c = (N % 4u) == 0u;
+    // Split-K: raw sums into slice z of C seen as [splits, M, N]; splitk_epilogue finishes them.
+    const bool raw = pc.k_splits > 1u;
+    const uint slice = gl_WorkGroupID.z * M * N;
     const uint quads = T * WN / 4u;
     [[unroll]] for (uint i = 0u; i < FM; ++i) {
         [[unroll]] for (uint j = 0u; j < FN; ++j) {
@@ -444,9 +480,20 @@ void main() {
             if (m >= M || n >= N) {
                 continue;
             }
-            // Same order as cpu_ops.gemm: scale, then the old C, then the bias, then act.
-            vec4 v = uintBitsToFloat(smem[stage + r * ST_STRIDE + c / 4u]) * pc.alpha;
+            vec4 v = uintBitsToFloat(smem[stage + r * ST_STRIDE + c / 4u]);
             uint o = m * N + n;
+            if (raw) {
+                if (vec_c && n + 4u <= N) {
+                    C4[(slice + o) / 4u] = v;
+                } else {
+                    for (uint e = 0u; e < 4u && n + e < N; ++e) {
+                        C[slice + o + e] = v[e];
+                    }
+                }
+                continue;
+            }
+            // Same order as cpu_ops.gemm: scale, then the old C, then the bias, then act.
+            v *= pc.alpha;
             if (vec_c && n + 4u <= N) {
                 if (pc.accumulate != 0u) {
                     v += C4[o / 4u];

@@ -331,7 +331,7 @@ def _attention_coopmat(name: str, bindings: tuple[str, ...], kind: str) -> OpDef
     )
 
 
-# The push constants gemm and gemm_coopmat share (gemm adds k_splits).
+# The push constants gemm and gemm_coopmat share, all of gemm's (gemm_coopmat ignores act_grad).
 _GEMM_PUSH = (
     ("M", "u"),
     ("N", "u"),
@@ -343,6 +343,9 @@ _GEMM_PUSH = (
     ("accumulate", "u"),
     ("alpha", "f"),
     ("slope", "f"),
+    ("k_splits", "u"),
+    ("act_grad", "u"),
+    ("ones_row", "u"),
 )
 
 _OPS: tuple[OpDef, ...] = (
@@ -351,7 +354,7 @@ _OPS: tuple[OpDef, ...] = (
         "gemm",
         "gemm.comp",
         ("A", "B", "bias", "C"),
-        (*_GEMM_PUSH, ("k_splits", "u"), ("act_grad", "u"), ("ones_row", "u")),
+        _GEMM_PUSH,
         _gemm_groups,
         local_size=(256, 1, 1),
         # TA/TB: transposition flags (from trans_a/trans_b via tune_gemm); VEC: vec4 access mask.
@@ -905,8 +908,8 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "softmax_xent_general": (("per_sample", 1),),
     "class_weight_sum": (("per_sample", 1),),
     "mse": (("delta", 1.0),),
-    "gemm_coopmat": (("alpha", 1.0),),
-    "gemm_coopmat_f16": (("alpha", 1.0),),
+    "gemm_coopmat": (("alpha", 1.0), ("k_splits", 1)),
+    "gemm_coopmat_f16": (("alpha", 1.0), ("k_splits", 1)),
 }
 
 OPS: dict[str, OpDef] = {

@@ -135,16 +135,17 @@ COOPMAT_SPEC = (
 # the smallest among the drivers with cooperative matrices we know of.
 COOPMAT_ASSUMED_SHARED_BYTES = 49152
 # Tiles for fp16 inputs, first choice first: the first that fits the device's shared memory and
-# still gives GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_F16_SMALL. Order from bench/sweep_coopmat.py
-# on an H100 (48 KiB of shared memory, 2026-11-22): 128x256x32 with one shared stage was the best
-# fixed tile over 4096^3, 8192^3 and 4000^3 (120, 128 and 86 TFLOP/s); 128x256x32 with two stages
-# needs 60 KiB and is taken only where a driver reports that much; 32x32x64 was best at 256 x 1024 x
-# 784 (37 TFLOP/s, 1.5x cuBLAS fp16 there).
+# still gives GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_F16_SMALL. 128x256x32 with two stages
+# needs 60 KiB and is taken only where a driver reports that much. On an H100 (48 KiB of shared
+# memory) bench/ab_coopmat.py (interleaved rounds, session 11) measured at 4096^3 / 8192^3 / 4000^3:
+# 128x128x64 with one stage and 4 subgroups 289 / 324 / 210 TFLOP/s, 128x128x32 with two stages
+# 266 / 271 / 193, 128x256x32 with one stage (the earlier first choice) 258 / 281 / 167; 32x32x64
+# was best at 256 x 1024 x 784 (37 TFLOP/s, 1.5x cuBLAS fp16 there).
 COOPMAT_F16_TILES: tuple[dict[str, int], ...] = (
     {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
-    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
     {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
     {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 2},
+    {"BM": 128, "BN": 256, "BK": 32, "WM": 64, "WN": 64, "PD": 1, "NS": 1},
     {"BM": 64, "BN": 64, "BK": 64, "WM": 32, "WN": 32, "PD": 1, "NS": 2},
 )
 COOPMAT_F16_SMALL: dict[str, int] = {"BM": 32, "BN": 32, "BK": 64, "WM": 16, "WN": 16, "PD": 1, "NS": 2}
@@ -199,27 +200,56 @@ def coopmat_tile_problem(spec: dict[str, int], facts: DeviceFacts | None = None)
 
 
 # gemm_coopmat's tiles (BM, BN, BK, WM, WN), largest first, and the one for problems too small to
-# fill the GPU with either.
+# fill the GPU with either. With fp32 operands (two vec4 staging registers per 8 elements) the
+# wider fp16 tiles lose: on an H100 (bench/ab_coopmat.py, session 11) 128x128x32 gave 187 / 193 /
+# 170 TFLOP/s at 4096^3 / 8192^3 / 4000^3, 128x256x32 with one stage 163 / 168 / 144, 128x128x64
+# with one stage 129 / 134 / 116.
 COOPMAT_TILES: tuple[tuple[int, int, int, int, int], ...] = ((128, 128, 32, 64, 64), (64, 64, 64, 32, 32))
 COOPMAT_SMALL: tuple[int, int, int, int, int] = (32, 32, 64, 16, 16)
+
+
+# Split-K for gemm_coopmat (k_splits, then splitk_epilogue): a weight gradient's output has few
+# 128x128 tiles (the char GPT's 384 x 1536 has 36) over a long K (16384 rows), so a one-slice
+# launch leaves most of an H100's 132 multiprocessors idle. Slices are added until the launch has
+# about COOPMAT_SPLIT_WORKGROUPS workgroups (two a multiprocessor), each slice at least
+# COOPMAT_SPLIT_MIN_K deep. bench/bench_coopmat_wgrad.py on an H100: 384 x 1536 x 16384 took 323 us
+# unsplit, 126 us in 7 slices (252 workgroups) and 194 us in 8 (288: a second, partial wave).
+COOPMAT_SPLIT_WORKGROUPS = 264
+COOPMAT_SPLIT_MIN_K = 512
+COOPMAT_MAX_SPLITS = 32
+
+
+def coopmat_k_splits(m: int, n: int, k: int) -> int:
+    """How many K slices a gemm_coopmat launch of this shape should take (1: no split).
+
+    Args:
+        m, n, k: the GEMM's shape.
+
+    Returns:
+        1 to COOPMAT_MAX_SPLITS.
+    """
+    tiles = ceil_div(m, COOPMAT_TILES[0][0]) * ceil_div(n, COOPMAT_TILES[0][1])
+    wanted = COOPMAT_SPLIT_WORKGROUPS // tiles
+    return max(1, min(wanted, k // COOPMAT_SPLIT_MIN_K, COOPMAT_MAX_SPLITS))
 
 
 def tune_gemm_coopmat(
     params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
 ) -> dict[str, int]:
     """Specialise gemm_coopmat for one launch: the largest of COOPMAT_TILES that still gives
-    GEMM_MIN_WORKGROUPS workgroups, else COOPMAT_SMALL.
+    GEMM_MIN_WORKGROUPS workgroups (K slices included), else COOPMAT_SMALL.
 
     Args:
-        params: the launch's parameters (M and N are read).
+        params: the launch's parameters (M, N and k_splits are read).
         facts: unused (the tiles depend on the launch's size only).
         table: unused (no table is measured for tensor-core tiles yet).
 
     Returns:
         Specialisation constants BM, BN, BK, WM, WN.
     """
-    m, n = int(params["M"]), int(params["N"])
-    filling = (t for t in COOPMAT_TILES if ceil_div(m, t[0]) * ceil_div(n, t[1]) >= GEMM_MIN_WORKGROUPS)
+    m, n, splits = int(params["M"]), int(params["N"]), max(1, int(params.get("k_splits", 1)))
+    need = ceil_div(GEMM_MIN_WORKGROUPS, splits)
+    filling = (t for t in COOPMAT_TILES if ceil_div(m, t[0]) * ceil_div(n, t[1]) >= need)
     choice = next(filling, COOPMAT_SMALL)
     return dict(zip(("BM", "BN", "BK", "WM", "WN"), choice, strict=True))
 

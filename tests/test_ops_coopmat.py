@@ -21,7 +21,7 @@ from test_ops_gemm_conv import TRANS, a_gpu, act_oracle, as64, gemm_case, normal
 
 from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op, single_op_layout
-from flow.program import Program, launch
+from flow.program import Barrier, Program, launch
 from shaders.registry import ACTIVATIONS, op
 from shaders.tiles import (
     COOPMAT_ASSUMED_SHARED_BYTES,
@@ -72,12 +72,12 @@ def check(got, expected16, expected32):
 
 
 def test_registry_matches_gemm():
-    """Same launch interface as gemm (less gemm's split-K and backward fusions), so a plan can
-    swap one for the other."""
+    """Same launch interface as gemm (split-K and the ones row included), so a plan can swap one
+    for the other."""
     coop_def, gemm_def = op("gemm_coopmat"), op("gemm")
     assert coop_def.bindings == gemm_def.bindings
-    assert gemm_def.push == (*coop_def.push, ("k_splits", "u"), ("act_grad", "u"), ("ones_row", "u"))
-    assert dict(gemm_def.defaults) == {**dict(coop_def.defaults), "k_splits": 1}
+    assert gemm_def.push == coop_def.push
+    assert dict(gemm_def.defaults) == dict(coop_def.defaults)
     assert coop_def.outputs == gemm_def.outputs
     assert "cooperative_matrix" in coop_def.features
     spec = coop_def.spec_values()
@@ -202,6 +202,8 @@ F16_EXTRA_TILES = [
     {"BM": 192, "BN": 128, "BK": 16, "WM": 64, "WN": 64, "PD": 2},
     {"BM": 64, "BN": 128, "BK": 32, "WM": 32, "WN": 64, "PD": 3, "GM": 3},
     {"BM": 16, "BN": 16, "BK": 16, "WM": 16, "WN": 16, "PD": 2},
+    {"BM": 128, "BN": 192, "BK": 64, "WM": 64, "WN": 64, "NS": 1},
+    {"BM": 128, "BN": 128, "BK": 64, "WM": 64, "WN": 64, "NS": 1, "PD": 2},
 ]
 F16_TILES = [*COOPMAT_F16_TILES, COOPMAT_F16_SMALL, *F16_EXTRA_TILES]
 
@@ -287,8 +289,9 @@ def test_registry_f16():
             assert coopmat_tile_problem(tuned, facts) is None
             limit = facts.shared_memory_bytes if facts else COOPMAT_ASSUMED_SHARED_BYTES
             assert coopmat_shared_bytes(tuned) <= limit
-    # A big GEMM gets the widest tile the device has room for; a small one the small tile.
-    assert f16_def.tune({"M": 4096, "N": 4096}, small)["BN"] == 256
+    # A big GEMM gets 128x256x32 with two stages where the device has room, else the measured best
+    # under 48 KiB (128x128x64, one stage); a small one the small tile.
+    assert f16_def.tune({"M": 4096, "N": 4096}, small) == {**COOPMAT_F16_TILES[1], "AH": 1, "BH": 1}
     assert f16_def.tune({"M": 4096, "N": 4096}, big) == {**COOPMAT_F16_TILES[0], "AH": 1, "BH": 1}
     assert f16_def.tune({"M": 256, "N": 1024}, small) == {**COOPMAT_F16_SMALL, "AH": 1, "BH": 1}
 
@@ -489,3 +492,125 @@ def test_epilogue_propagates_nan(coop, rng, act, m, n, k):
     assert nan[rows].all() and not nan.all()
     np.testing.assert_array_equal(np.isnan(got), nan)
     assert relative_error(got[~nan], expected[~nan]) <= TOL_FP16_ORACLE
+
+
+# -- split-K and the ones row (the weight gradient's launches) ----------------------------------------
+
+
+def run_split(backend, op_name, a, b, bias, splits, spec=None, **params):
+    """gemm_coopmat(_f16) with k_splits into a [splits, M, N] workspace, then splitk_epilogue into
+    C, one program as a plan emits them; returns C."""
+    m, n = int(params["M"]), int(params["N"])
+    arrays = {"A": a, "B": b, "bias": bias, "W": np.full((splits, m, n), np.nan, np.float32),
+              "C": np.zeros((m, n), np.float32)}  # fmt: skip
+    backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        backend.write(name, array)
+    main = {key: value for key, value in params.items() if key not in ("has_bias", "act")}
+    finish = dict(M=m, N=n, splits=splits, has_bias=params.get("has_bias", 0), act=params.get("act", 0))
+    alpha = params.get("alpha", 1.0)
+    steps = (launch(op_name, ("A", "B", "bias", "W"), k_splits=splits, **main), Barrier(),
+             launch("splitk_epilogue", ("W", "bias", "C"), alpha=alpha, **finish))  # fmt: skip
+    program = Program(name="gemm_coopmat_splitk", steps=steps)
+    overrides = {"spec_overrides": {op_name: spec}} if spec else {}  # the CPU backend takes none
+    backend.wait(backend.submit(backend.record(program, **overrides)))
+    return backend.read("C")
+
+
+SPLIT_TILES = [
+    None,
+    {"BM": 128, "BN": 128, "BK": 32, "WM": 64, "WN": 64},
+    {"BM": 64, "BN": 64, "BK": 64, "WM": 32, "WN": 32},
+]
+
+
+@pytest.mark.parametrize("spec", SPLIT_TILES, ids=["tuned", "128", "64"])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize(
+    "m,n,k,trans_a,trans_b", [(67, 45, 333, 1, 0), (130, 96, 1000, 0, 0), (33, 70, 95, 1, 1)]
+)
+def test_split_k(coop, rng, spec, splits, m, n, k, trans_a, trans_b):
+    """Slices of K (some empty, as 95 in 7 slices of 32 leaves) summed by splitk_epilogue, with the
+    bias and activation applied there: the same result as one launch."""
+    a, b, _, _ = gemm_case(rng, m, n, k, trans_a, trans_b)
+    bias = normal(rng, n)
+    got = run_split(coop, "gemm_coopmat", a, b, bias, splits, spec, M=m, N=n, K=k, trans_a=trans_a,
+                    trans_b=trans_b, has_bias=1, act=ACTIVATIONS["tanh"], alpha=0.5)  # fmt: skip
+    p16, p32 = oracles(a, b, trans_a, trans_b)
+    check(
+        got, act_oracle(0.5 * p16 + as64(bias), "tanh", 0.0), act_oracle(0.5 * p32 + as64(bias), "tanh", 0.0)
+    )
+
+
+@pytest.mark.parametrize("splits", [2, 7])
+def test_cpu_split_k(rng, splits):
+    """The CPU backend's emulation honours k_splits as the kernel does (the mixed path's weight
+    gradients take split-K): each slice into its workspace plane, summed by splitk_epilogue."""
+    m, n, k, trans_a, trans_b = 67, 45, 333, 1, 0
+    a, b, _, _ = gemm_case(rng, m, n, k, trans_a, trans_b)
+    bias = normal(rng, n)
+    got = run_split(CpuBackend(), "gemm_coopmat", a, b, bias, splits, M=m, N=n, K=k, trans_a=trans_a,
+                    trans_b=trans_b, has_bias=1, act=ACTIVATIONS["tanh"], alpha=0.5)  # fmt: skip
+    p16, p32 = oracles(a, b, trans_a, trans_b)
+    check(
+        got, act_oracle(0.5 * p16 + as64(bias), "tanh", 0.0), act_oracle(0.5 * p32 + as64(bias), "tanh", 0.0)
+    )
+
+
+def ones_oracle(a, b, trans_a, trans_b):
+    """oracles() with a row of ones appended to op(A)."""
+    a16, b16 = f16(a), f16(b)
+    op_a16, op_a = (a16.T, as64(a).T) if trans_a else (a16, as64(a))
+    op_b16, op_b = (b16.T, as64(b).T) if trans_b else (b16, as64(b))
+    ones = np.ones((1, op_a.shape[1]))
+    return np.vstack([op_a16, ones]) @ op_b16, np.vstack([op_a, ones]) @ op_b
+
+
+ONES_CASES = [(64, 45, 333, 1, 0), (67, 130, 200, 1, 0), (128, 33, 77, 0, 1), (31, 96, 129, 0, 0)]
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("spec", SPLIT_TILES, ids=["tuned", "128", "64"])
+@pytest.mark.parametrize("m,n,k,trans_a,trans_b", ONES_CASES)
+def test_ones_row(coop, rng, splits, spec, m, n, k, trans_a, trans_b):
+    """[dW; db] = [h, 1]^T dz in one launch: A stores M rows of op(A), C gets M + 1 rows, the last
+    the column sums of op(B), through the edge tiles (M a multiple of the tile, or not)."""
+    a, b, _, _ = gemm_case(rng, m, n, k, trans_a, trans_b)
+    bias = normal(rng, n)
+    params = dict(M=m + 1, N=n, K=k, trans_a=trans_a, trans_b=trans_b, ones_row=1)
+    if splits == 1:
+        got = run_coopmat(coop, a, b, bias, normal(rng, m + 1, n), spec=spec, **params)
+    else:
+        got = run_split(coop, "gemm_coopmat", a, b, bias, splits, spec, **params)
+    check(got, *ones_oracle(a, b, trans_a, trans_b))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_f16_split_k_ones_row(coop, rng, splits):
+    """The fp16-input op takes the same split-K and ones row (one halves 0x3C00)."""
+    m, n, k = 67, 130, 300
+    a, b = halves(rng, k, m), halves(rng, k, n)
+    bias = normal(rng, n)
+    params = dict(M=m + 1, N=n, K=k, trans_a=1, ones_row=1)
+    if splits == 1:
+        got = run_f16(coop, a, b, bias, normal(rng, m + 1, n), **params)
+    else:
+        got = run_split(coop, "gemm_coopmat_f16", a, b, bias, splits, None, **params)
+    want = np.vstack([as64(a).T, np.ones((1, k))]) @ as64(b)
+    assert relative_error(got, want) <= TOL_FP16_ORACLE
+
+
+def test_k_splits_policy():
+    """Slices until about two 128x128 workgroups per H100 multiprocessor (the measured optimum of
+    bench_coopmat_wgrad.py), none where the output fills the GPU or K is short; a split launch
+    keeps the 128x128 tiles."""
+    from shaders.tiles import COOPMAT_TILES, coopmat_k_splits, tune_gemm_coopmat
+
+    gpt = [(384, 1536), (384, 1152), (1536, 384), (384, 384)]  # the char GPT's dW, K = 16384
+    assert [coopmat_k_splits(m, n, 16384) for m, n in gpt] == [7, 9, 7, 29]
+    assert coopmat_k_splits(4096, 4096, 4096) == coopmat_k_splits(16384, 1536, 384) == 1
+    assert coopmat_k_splits(64, 64, 1000) == 1  # slices of at least 512
+    assert coopmat_k_splits(16, 16, 10**6) == 32  # at most 32
+    spec = tune_gemm_coopmat({"M": 384, "N": 1536, "k_splits": 7}, None)
+    assert (spec["BM"], spec["BN"]) == COOPMAT_TILES[0][:2]
+    assert tune_gemm_coopmat({"M": 384, "N": 1536}, None)["BM"] == 64
