@@ -4,7 +4,11 @@ checkpoints; it computes nothing heavy.
 Metrics are JSON lines, one per event: ``{"event": "step", "step", "epoch", "loss", "accuracy",
 "lr", "samples_per_second", "elapsed"}``, ``{"event": "eval", ...}`` and ``{"event": "checkpoint",
 "step", "path"}``; step and eval lines also carry the model's metrics by name (``"top5"``,
-``"mae"``, ``"rmse"``, ``"perplexity"``: flow.metrics). Every step has its line. Each actor's
+``"mae"``, ``"rmse"``, ``"perplexity"``: flow.metrics). Every step has its line, or with
+``RunSettings.metrics_every`` N > 1 its place in a ``{"event": "steps", ...}`` line whose fields
+are arrays over N steps (written when the N-th arrives, or before any other line: the order stays
+the steps' order; flow.metrics.step_lines turns it back into step lines), which saves the event loop a
+line's work on all but one step in N. Each actor's
 statistics (``"statistics": {actor: {...}}``, cumulative counters) ride on the first step's line,
 then on one step line a second (``STATISTICS_EVERY_S``) and on the run's last step: gathering them
 costs more than a whole step on a fast GPU. Bad items the source skipped (``on_error="skip"``) ride
@@ -57,7 +61,7 @@ from actors.messages import EvalDone, InputStatistics, Profile, Snapshot, StepDo
 from actors.meter import Meter
 from actors.progress import Progress, ProgressState, Rate
 from actors.statistics import ActorStatistics
-from flow.metrics import finish, summed
+from flow.metrics import finish, metric_name, summed
 from flow.spec import Model, Spec
 
 STATISTICS_EVERY_S = 1.0
@@ -106,6 +110,45 @@ def step_record(
     if model is not None and done.rows:
         values = finish(model, summed(model, done.metrics, done.rows), done.rows, done.loss)
         record.update((name, _number(value)) for name, value in values.items())
+    if statistics is not None:
+        record["statistics"] = {name: s.as_dict() for name, s in statistics.items()}
+    return record
+
+
+def steps_record(
+    steps: Sequence[tuple[StepDone, float, float]],
+    statistics: dict[str, ActorStatistics] | None = None,
+    model: Model | None = None,
+) -> dict[str, Any]:
+    """The metrics line for several training steps (``RunSettings.metrics_every``): each field of
+    :func:`step_record` as an array over the steps, built in one pass with no record per step.
+
+    Args:
+        steps: (the step, the throughput then, its seconds since the run began), in order.
+        statistics: every actor's statistics at the last of them; None leaves them out.
+        model: the model, whose metrics the line carries (None for an empty batch's step).
+
+    Returns:
+        The record: ``{"event": "steps", "step": [...], "epoch": [...], ...}``.
+    """
+    names = [metric_name(m) for m in model.metrics] if model is not None else []
+    fields = ("step", "epoch", "loss", "accuracy", "lr", "samples_per_second", "elapsed")
+    columns: dict[str, list] = {key: [] for key in (*fields, *names)}
+    for done, rate, elapsed in steps:
+        columns["step"].append(done.step)
+        columns["epoch"].append(done.epoch)
+        columns["loss"].append(_number(done.loss))
+        columns["accuracy"].append(_number(done.correct / done.rows) if done.rows else None)
+        columns["lr"].append(_number(done.lr))
+        columns["samples_per_second"].append(round(rate, 3))
+        columns["elapsed"].append(round(elapsed, 6))
+        if names:
+            values = {}
+            if done.rows:
+                values = finish(model, summed(model, done.metrics, done.rows), done.rows, done.loss)
+            for name in names:
+                columns[name].append(_number(values.get(name)))
+    record: dict[str, Any] = {"event": "steps", **columns}
     if statistics is not None:
         record["statistics"] = {name: s.as_dict() for name, s in statistics.items()}
     return record
@@ -240,6 +283,9 @@ class Sink:
         self.checkpoint: Path | None = None
         self._metrics = None
         self._next_statistics = 0.0  # monotonic time the next step line carries statistics
+        self.metrics_every = spec.run.metrics_every
+        self._held: list[tuple[StepDone, float, float]] = []  # steps for the next "steps" line
+        self._held_statistics: dict[str, ActorStatistics] | None = None
         # Health checks (actors.health), each reported once: warnings go to the log and the file.
         self.inputs: InputStatistics | None = None
         self.warnings: list[str] = []
@@ -250,7 +296,17 @@ class Sink:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._metrics is not None:
+            if self._held:  # the held steps came first
+                self._write_held()
             self._metrics.write(_encode(record) + "\n")
+
+    def _write_held(self) -> None:
+        held, self._held = self._held, []
+        statistics, self._held_statistics = self._held_statistics, None
+        record = steps_record(held, statistics, self.model)
+        if statistics is not None and (skipped := self._skipped()):
+            record["skipped"] = skipped
+        self._metrics.write(_encode(record) + "\n")
 
     def _skipped(self) -> dict[str, Any] | None:
         """The source's skipped items for a metrics line; None when it has skipped none."""
@@ -365,12 +421,19 @@ class Sink:
             if last or now >= self._next_statistics:
                 statistics = self.all_statistics()
                 self._next_statistics = now + STATISTICS_EVERY_S
-            record = step_record(item, self.samples_per_second, now - self.started, statistics, self.model)
-            if statistics is not None and (skipped := self._skipped()):
-                record["skipped"] = skipped
             if previous is not None and previous.epoch != item.epoch:
                 self._devices(previous.step, previous.epoch)
-            self._write(record)
+            if self.metrics_every > 1:  # one line per metrics_every steps
+                self._held.append((item, self.samples_per_second, now - self.started))
+                self._held_statistics = statistics or self._held_statistics
+                if len(self._held) >= self.metrics_every or last:
+                    self._write_held()
+            else:
+                elapsed = now - self.started
+                record = step_record(item, self.samples_per_second, elapsed, statistics, self.model)
+                if statistics is not None and (skipped := self._skipped()):
+                    record["skipped"] = skipped
+                self._write(record)
             if last:
                 self._devices(item.step, item.epoch)
         if self.progress.due(force=last, epoch=item.epoch):  # building the state costs: only when drawn
@@ -471,6 +534,8 @@ class Sink:
                 self._write({"event": "skipped", "step": step, **skipped})
         finally:
             if self._metrics is not None:
+                if self._held:  # a run stopped early: the steps it did
+                    self._write_held()
                 self._metrics.close()
             self.progress.close()
 

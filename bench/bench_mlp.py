@@ -279,11 +279,18 @@ def spread(values: list[float]) -> dict:
 
 
 def actor_spec(
-    sizes: Sizes, opt: str, in_flight: int, samples: int, epochs: int, placement: str, metrics: str
+    sizes: Sizes,
+    opt: str,
+    in_flight: int,
+    samples: int,
+    epochs: int,
+    placement: str,
+    metrics: str,
+    metrics_every: int = 1,
 ):
     """The actor figure's spec: ``vk_spec``'s MLP on a Synthetic set of ``samples`` rows, whole
     batches only (each timed step is ``small_batch`` samples), no validation split (no evaluation
-    rounds inside the timed epochs)."""
+    rounds inside the timed epochs); ``metrics_every`` steps a metrics line (RunSettings)."""
     from dataclasses import replace
 
     from flow.spec import Data, RunSettings, Synthetic
@@ -292,7 +299,7 @@ def actor_spec(
     spec = vk_spec(sizes.small, batch, opt, in_flight)
     source = Synthetic(samples=samples, features=(sizes.small[0],), classes=sizes.small[-1])
     data = Data(source, batch_size=batch, drop_last=True, placement=placement)
-    run = RunSettings(epochs=epochs, in_flight=in_flight, metrics_file=metrics)
+    run = RunSettings(epochs=epochs, in_flight=in_flight, metrics_file=metrics, metrics_every=metrics_every)
     return replace(spec, data=data, run=run)
 
 
@@ -309,6 +316,7 @@ def run_actors(backend, spec, warm_steps: int) -> ActorRun:
     """
     import trio
 
+    from flow.metrics import step_lines
     from flow.runner import open_pipeline
 
     async def main() -> tuple[object, list[tuple[int, float, float, float]]]:
@@ -332,9 +340,9 @@ def run_actors(backend, spec, warm_steps: int) -> ActorRun:
     total = readings[-1][0]
     elapsed = {}
     for line in Path(spec.run.metrics_file).read_text().splitlines():
-        record = json.loads(line)
-        if record.get("event") == "step":
-            elapsed[int(record["step"])] = float(record["elapsed"])
+        for record in step_lines(json.loads(line)):  # a "steps" line: metrics_every's steps
+            if record.get("event") == "step":
+                elapsed[int(record["step"])] = float(record["elapsed"])
     # Step numbers count from 0: the line of step s is written when s + 1 steps are done.
     last = max(elapsed)
     warm = min((s for s in elapsed if s >= warm_steps - 1), default=min(elapsed))
@@ -367,6 +375,7 @@ def run_actors_in_process(
     placement: str,
     metrics: str,
     warm_steps: int,
+    metrics_every: int = 1,
 ) -> ActorRun:
     """``run_actors`` in a child process (``bench_mlp.py --actor-run``) that opens the device, runs
     once and exits; its figures come back as one JSON line, the run's result as a small dict."""
@@ -374,7 +383,8 @@ def run_actors_in_process(
     import sys
 
     job = dict(device=device, quick=quick, opt=opt, in_flight=in_flight, samples=samples, epochs=epochs,
-               placement=placement, metrics=metrics, warm_steps=warm_steps)  # fmt: skip
+               placement=placement, metrics=metrics, warm_steps=warm_steps,
+               metrics_every=metrics_every)  # fmt: skip
     done = subprocess.run(
         [sys.executable, __file__, "--actor-run", json.dumps(job)],
         capture_output=True,
@@ -397,8 +407,9 @@ def actor_run_child(job_json: str) -> None:
         raise SystemExit(f"no Vulkan device: {why}")
     sizes = QUICK if job["quick"] else FULL
     spec = actor_spec(
-        sizes, job["opt"], job["in_flight"], job["samples"], job["epochs"], job["placement"], job["metrics"]
-    )
+        sizes, job["opt"], job["in_flight"], job["samples"], job["epochs"], job["placement"], job["metrics"],
+        job["metrics_every"],
+    )  # fmt: skip
     run = run_actors(backend, spec, job["warm_steps"])
     result = run.result
     busy = {
@@ -411,7 +422,13 @@ def actor_run_child(job_json: str) -> None:
 
 
 def measure_actors(
-    device: str, sizes: Sizes, opt: str, in_flight: int, reps: int, placement: str = "auto"
+    device: str,
+    sizes: Sizes,
+    opt: str,
+    in_flight: int,
+    reps: int,
+    placement: str = "auto",
+    metrics_every: int = 1,
 ) -> dict:
     """Steady-state samples/s of ``flow.run`` (loader, preprocess, device, optimiser and sink actors)
     on a Synthetic source of ``sizes.actor_samples`` rows (60000 x 784 in full: a real data set's
@@ -424,7 +441,7 @@ def measure_actors(
     step, and how many of the loader's reads went to worker threads (a cheap source's reads belong
     on the loop: each in a thread costs it a hop and GIL handoffs). ``placement`` is the spec's
     ``Data.placement``: "auto" keeps the data on the device (the loader sends indices), "host"
-    streams every batch through the loader.
+    streams every batch through the loader. ``metrics_every``: RunSettings' steps a metrics line.
     """
     import tempfile
 
@@ -444,8 +461,9 @@ def measure_actors(
         quick = sizes == QUICK
         runs = [
             run_actors_in_process(
-                device, quick, opt, in_flight, samples, epochs, placement, metrics("run"), per_epoch
-            )
+                device, quick, opt, in_flight, samples, epochs, placement, metrics("run"), per_epoch,
+                metrics_every,
+            )  # fmt: skip
             for _ in range(reps)
         ]
     rates = [batch / r.seconds_per_step if r.seconds_per_step > 0 else float("nan") for r in runs]
@@ -461,6 +479,7 @@ def measure_actors(
         "reps": reps,
         "in_flight": in_flight,
         "placement": placement,
+        "metrics_every": metrics_every,
         "samples": samples,
         "epochs_timed": sizes.actor_epochs,
         "steps_timed": per_epoch * sizes.actor_epochs,
@@ -645,7 +664,7 @@ def part_a(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, to
             ks = [k for k in sizes.in_flight if k > 1] or list(sizes.in_flight)
 
             def actors(k: int, opt: str = opt) -> dict:
-                return measure_actors(args.device, sizes, opt, k, args.reps)
+                return measure_actors(args.device, sizes, opt, k, args.reps, metrics_every=args.metrics_every)
 
             actors_best = swept(rep, bench, "vkflow_actors", vk_device, ks, actors, opt=opt, shape=shape)
             if actors_best is not None:
@@ -661,7 +680,7 @@ def part_a(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch, to
                     bench,
                     "vkflow_actors_streamed",
                     lambda k=k, opt=opt: measure_actors(
-                        args.device, sizes, opt, k, args.reps, placement="host"
+                        args.device, sizes, opt, k, args.reps, "host", args.metrics_every
                     ),
                     opt=opt,
                     shape=shape,

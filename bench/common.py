@@ -57,6 +57,9 @@ def parse_args(description: str, default_parts: str) -> argparse.Namespace:
         "--reps", type=int, default=None, help="timed repetitions per figure (median reported)"
     )
     parser.add_argument("--device", default="auto", help="Vulkan device: index, name substring or auto")
+    parser.add_argument(
+        "--metrics-every", type=int, default=1, help="RunSettings.metrics_every: steps a metrics line"
+    )
     args = parser.parse_args()
     parts = {p.strip().lower() for p in args.only.split(",") if p.strip()}
     unknown = parts - set(PARTS)

@@ -8,6 +8,7 @@ then takes RMSE's square root and Perplexity's exp of the round's mean loss.
 """
 
 import math
+from typing import Any
 
 from flow.spec_model import RMSE, Metric, Model, Perplexity, TopK
 
@@ -40,3 +41,25 @@ def finish(model: Model, sums: tuple[float, ...], rows: int, loss: float) -> dic
 
 # How a mean over steps is taken (CSVLogger's training columns): through these, then back.
 STEP_MEANS = {"rmse": (lambda v: v * v, math.sqrt), "perplexity": (math.log, math.exp)}
+
+
+def step_lines(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A metrics line as per-step records: a ``"steps"`` line (actors.sink.steps_record) becomes the
+    ``"step"`` lines it stands for, its statistics and skipped items on the last; any other line
+    is itself.
+
+    Args:
+        record: one line of the metrics file, as a dict.
+
+    Returns:
+        The records, in order.
+    """
+    if record.get("event") != "steps":
+        return [record]
+    shared = ("statistics", "skipped")
+    columns = {key: value for key, value in record.items() if key != "event" and key not in shared}
+    count = len(columns["step"])
+    lines = [{"event": "step", **{key: values[i] for key, values in columns.items()}} for i in range(count)]
+    if lines:
+        lines[-1].update((key, record[key]) for key in shared if key in record)
+    return lines

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from flow.metrics import step_lines
+
 INSTALL_HINT = "the report draws with matplotlib: pip install 'vkflow-ml[report]' (or pip install matplotlib)"
 TIMES = ("busy", "idle", "blocked")
 # Bar charts' legends go under the x label, in one row: inside the axes they would hide bars.
@@ -132,7 +134,7 @@ def read_events(path: Path) -> list[dict[str, Any]]:
                 raise ReportError(
                     f"{path}:{number}: not a metrics line (a JSON object): {line.strip()[:60]!r}"
                 )
-            events.append(event)
+            events.extend(step_lines(event))  # a "steps" line (RunSettings.metrics_every): its steps
     if not any(event.get("event") == "step" for event in events):
         raise ReportError(f"{path}: no training step lines, nothing to report")
     return events

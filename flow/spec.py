@@ -398,6 +398,12 @@ class RunSettings(Record):
             with a ``"run"`` event naming the run; a fresh run refuses a file another run began.
         keep_checkpoints: how many checkpoints to keep, the newest, > 0 (default 3); None keeps
             every one.
+        metrics_every: training steps a metrics line holds, > 0. 1 (default): a ``"step"`` line
+            for every step. N > 1: one ``{"event": "steps", "step": [...], "loss": [...], ...}``
+            line per N steps (and before any other line), each field an array of those steps'
+            values, so nothing is lost and the file has N times fewer lines
+            (``flow.metrics.step_lines`` turns a line back into per-step records; ``python -m
+            flow report`` reads both). A killed run loses at most the N steps' lines not yet written.
         in_flight: training steps submitted ahead of the one being waited on, > 0 (default 2).
         precision: "float32" (default), or "mixed": GEMMs round their inputs to float16 and run on
             tensor cores (cooperative matrices) with float32 accumulation, and so does SelfAttention
@@ -431,6 +437,9 @@ class RunSettings(Record):
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None  # in steps
     metrics_file: str | None = None
+    # Steps a metrics line holds: 1 writes a "step" line each; N > 1 one "steps" line per N steps,
+    # each field an array of the steps' values. Left out of files at its default (spec_base.LATER).
+    metrics_every: int = field(default=1, metadata=LATER)
     in_flight: int = 2  # training steps submitted ahead of the one being waited on
     keep_checkpoints: int | None = 3  # the newest; None keeps every one
     # "mixed": GEMMs round their inputs to float16 and run on tensor cores (cooperative matrices)

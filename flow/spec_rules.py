@@ -563,7 +563,7 @@ def _cycles(names: list[str], edges: list[Edge]) -> list[list[str]]:
 
 
 def _run(r: Rule) -> None:
-    for name in ("epochs", "steps", "eval_every", "checkpoint_every", "in_flight"):
+    for name in ("epochs", "steps", "eval_every", "checkpoint_every", "in_flight", "metrics_every"):
         r.need(name, _positive, "must be > 0")
     r.need("keep_checkpoints", _positive, "must be > 0 (or null to keep every checkpoint)")
     limit = "must be an int > 0 (batches) or a float in (0, 1] (a fraction of the batches)"
