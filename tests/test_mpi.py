@@ -143,6 +143,19 @@ def _final(tmp_path: Path, name: str) -> np.ndarray:
     return checkpoints.load(tmp_path / name / "ckpt").state["params:all"]
 
 
+def _resumes_exactly(tmp_path, spec) -> None:
+    """Two ranks stop ``spec`` (39 steps) at step 15 and resume to the end: the bits of the
+    uninterrupted two-rank run under ``tmp_path / "mpi"``."""
+    half = dataclasses.replace(spec, run=dataclasses.replace(spec.run, epochs=None, steps=15))
+    done, _ = _mpiexec(tmp_path, 2, "-m", "flow", "run", _written(tmp_path, "resumed", half))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rest = _written(tmp_path, "resumed", spec)
+    done, _ = _mpiexec(tmp_path, 2, "-m", "flow", "run", rest, "--resume", str(tmp_path / "resumed" / "ckpt"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert checkpoints.load(tmp_path / "resumed" / "ckpt").cursor.step == 39
+    np.testing.assert_array_equal(_final(tmp_path, "resumed"), _final(tmp_path, "mpi"))
+
+
 def _outputs(tmp_path: Path, name: str) -> tuple[list[str], list[tuple[int, float]]]:
     """The checkpoint files and the metrics' (step, loss) lines of a run."""
     files = sorted(p.name for p in (tmp_path / name / "ckpt").iterdir() if not p.name.startswith("."))
@@ -170,14 +183,7 @@ def test_two_ranks_train_as_one_process_and_only_rank_0_writes(tmp_path):
     np.testing.assert_allclose(_final(tmp_path, "mpi"), _final(tmp_path, "alone"), rtol=1e-4, atol=1e-5)
 
     # Resume with two ranks: stop at step 15, then go on to the end: the same bits.
-    half = dataclasses.replace(spec, run=dataclasses.replace(spec.run, epochs=None, steps=15))
-    done, _ = _mpiexec(tmp_path, 2, "-m", "flow", "run", _written(tmp_path, "resumed", half))
-    assert done.returncode == 0, done.stdout + done.stderr
-    rest = _written(tmp_path, "resumed", spec)
-    done, _ = _mpiexec(tmp_path, 2, "-m", "flow", "run", rest, "--resume", str(tmp_path / "resumed" / "ckpt"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert checkpoints.load(tmp_path / "resumed" / "ckpt").cursor.step == 39
-    np.testing.assert_array_equal(_final(tmp_path, "resumed"), _final(tmp_path, "mpi"))
+    _resumes_exactly(tmp_path, spec)
 
 
 @needs_mpi

@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 
 import flow
-from actors import checkpoint as checkpoints
 from flow.parallel_plan import World
 from flow.planning import plan
 from flow.spec import Devices
 from tests.specs import synthetic_spec
-from tests.test_mpi import _final, _mpiexec, _outputs, _written, needs_mpi
+from tests.test_mpi import _final, _mpiexec, _outputs, _resumes_exactly, _written, needs_mpi
 
 
 def _split(spec, micro: int, clip: float | None = None):
@@ -53,14 +52,7 @@ def test_two_ranks_of_stages_train_as_one_process_bit_for_bit_and_resume_exactly
     assert (files, steps) == _outputs(tmp_path, "one") and len(steps) == 39
     assert np.abs(_final(tmp_path, "mpi")).sum() > 0
 
-    half = dataclasses.replace(spec, run=dataclasses.replace(spec.run, epochs=None, steps=15))
-    done, _ = _mpiexec(tmp_path, 2, "-m", "flow", "run", _written(tmp_path, "resumed", half))
-    assert done.returncode == 0, done.stdout + done.stderr
-    rest = _written(tmp_path, "resumed", spec)
-    done, _ = _mpiexec(tmp_path, 2, "-m", "flow", "run", rest, "--resume", str(tmp_path / "resumed" / "ckpt"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert checkpoints.load(tmp_path / "resumed" / "ckpt").cursor.step == 39
-    np.testing.assert_array_equal(_final(tmp_path, "resumed"), _final(tmp_path, "mpi"))
+    _resumes_exactly(tmp_path, spec)
 
 
 @needs_mpi
