@@ -77,7 +77,7 @@ class Sampler:
             raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
         self.indices = np.array(indices, dtype=np.int64).reshape(-1)
         self.indices.setflags(write=False)
-        self._prepared: tuple[int, np.ndarray] | None = None  # (epoch, shard) from prepare()
+        self._prepared: dict[int, np.ndarray] = {}  # epoch: shard, from prepare(), until used
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -135,22 +135,22 @@ class Sampler:
         Returns:
             Every ``world``-th sample of the epoch order from ``rank``, tail cut as documented.
         """
-        prepared = self._prepared
-        if prepared is not None and prepared[0] == epoch:
-            return prepared[1]
-        order = self.epoch_order(epoch)
+        prepared = self._prepared.pop(epoch, None)
+        return prepared if prepared is not None else self._cut(self.epoch_order(epoch))
+
+    def _cut(self, order: np.ndarray) -> np.ndarray:
         return order[: self.samples_per_epoch * self.world][self.rank :: self.world]
 
     def prepare(self, epoch: int) -> None:
         """Compute ``epoch``'s shard now, for :meth:`shard` to return (the loader calls this from a
         worker thread an epoch ahead: shuffling 60,000 indices takes the event loop ~1.5 ms on the
         H100 host, longer than the few steps queued on a fast GPU last). Safe from another thread:
-        the result is the same whoever computes it, and one assignment publishes it.
+        the result is the same whoever computes it, and one dict assignment publishes it.
 
         Args:
             epoch: the epoch.
         """
-        self._prepared = (epoch, self.shard(epoch))
+        self._prepared[epoch] = self._cut(self.epoch_order(epoch))
 
     def batches_per_epoch(self) -> int:
         """Batches this rank emits per epoch.

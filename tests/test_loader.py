@@ -133,6 +133,7 @@ async def test_the_loader_shuffles_the_next_epoch_in_a_thread_and_the_stream_is_
     ]
     want = [tuple(j.indices.tolist()) for j in jobs(Cursor(), schedule, plain, None) if isinstance(j, Read)]
     assert got == want and len(set(got)) == len(got)
-    assert [epoch for epoch, _ in train.prepared] == [1, 2, 3, 4]
+    # Each epoch after the first prepared once, off the loop (the threads may finish in any order).
+    assert sorted(epoch for epoch, _ in train.prepared) == [1, 2, 3, 4]
     assert not any(on_loop for _, on_loop in train.prepared)
     assert np.array_equal(train.shard(4), plain.shard(4))  # the last one, prepared and never used
