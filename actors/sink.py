@@ -7,8 +7,8 @@ Metrics are JSON lines, one per event: ``{"event": "step", "step", "epoch", "los
 ``"mae"``, ``"rmse"``, ``"perplexity"``: flow.metrics). Every step has its line, or with
 ``RunSettings.metrics_every`` N > 1 its place in a ``{"event": "steps", ...}`` line whose fields
 are arrays over N steps (written when the N-th arrives, or before any other line: the order stays
-the steps' order; flow.metrics.step_lines turns it back into step lines), which saves the event loop a
-line's work on all but one step in N. Each actor's
+the steps' order; flow.metrics.step_lines turns it back into step lines): one line to encode and
+write per N steps. Each actor's
 statistics (``"statistics": {actor: {...}}``, cumulative counters) ride on the first step's line,
 then on one step line a second (``STATISTICS_EVERY_S``) and on the run's last step: gathering them
 costs more than a whole step on a fast GPU. Bad items the source skipped (``on_error="skip"``) ride
@@ -61,7 +61,7 @@ from actors.messages import EvalDone, InputStatistics, Profile, Snapshot, StepDo
 from actors.meter import Meter
 from actors.progress import Progress, ProgressState, Rate
 from actors.statistics import ActorStatistics
-from flow.metrics import finish, metric_name, summed
+from flow.metrics import finish, summed
 from flow.spec import Model, Spec
 
 STATISTICS_EVERY_S = 1.0
@@ -121,34 +121,20 @@ def steps_record(
     model: Model | None = None,
 ) -> dict[str, Any]:
     """The metrics line for several training steps (``RunSettings.metrics_every``): each field of
-    :func:`step_record` as an array over the steps, built in one pass with no record per step.
+    :func:`step_record` as an array over the steps (None where a step's line lacks the field: an
+    empty batch has no model metrics).
 
     Args:
         steps: (the step, the throughput then, its seconds since the run began), in order.
         statistics: every actor's statistics at the last of them; None leaves them out.
-        model: the model, whose metrics the line carries (None for an empty batch's step).
+        model: the model, whose metrics the line carries.
 
     Returns:
         The record: ``{"event": "steps", "step": [...], "epoch": [...], ...}``.
     """
-    names = [metric_name(m) for m in model.metrics] if model is not None else []
-    fields = ("step", "epoch", "loss", "accuracy", "lr", "samples_per_second", "elapsed")
-    columns: dict[str, list] = {key: [] for key in (*fields, *names)}
-    for done, rate, elapsed in steps:
-        columns["step"].append(done.step)
-        columns["epoch"].append(done.epoch)
-        columns["loss"].append(_number(done.loss))
-        columns["accuracy"].append(_number(done.correct / done.rows) if done.rows else None)
-        columns["lr"].append(_number(done.lr))
-        columns["samples_per_second"].append(round(rate, 3))
-        columns["elapsed"].append(round(elapsed, 6))
-        if names:
-            values = {}
-            if done.rows:
-                values = finish(model, summed(model, done.metrics, done.rows), done.rows, done.loss)
-            for name in names:
-                columns[name].append(_number(values.get(name)))
-    record: dict[str, Any] = {"event": "steps", **columns}
+    records = [step_record(done, rate, elapsed, None, model) for done, rate, elapsed in steps]
+    keys = dict.fromkeys(key for record in records for key in record if key != "event")
+    record: dict[str, Any] = {"event": "steps", **{key: [r.get(key) for r in records] for key in keys}}
     if statistics is not None:
         record["statistics"] = {name: s.as_dict() for name, s in statistics.items()}
     return record
