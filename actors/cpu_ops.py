@@ -115,10 +115,28 @@ def gemm(arrays: list[np.ndarray], p: Params) -> None:
 
 
 def gemm_coopmat(arrays: list[np.ndarray], p: Params) -> None:
-    """gemm with A and B rounded to float16 first, as the tensor-core shader does."""
+    """gemm with A and B rounded to float16 first, as the tensor-core shader does: an fp32
+    operand as it enters shared memory, an fp16 one (``a_half``/``b_half``, the shader's AH/BH)
+    as stored. Products of halves are exact in fp32, so both are widened to C's type.
+
+    Raises:
+        TypeError: an operand's type disagrees with its flag (the GPU would read fp32 words as
+            halves, or halves as fp32 words, and give garbage; the emulation refuses instead).
+    """
     a, b, bias, c = arrays
-    rounded = [a.astype(np.float16).astype(a.dtype), b.astype(np.float16).astype(b.dtype)]
-    gemm([*rounded, bias, c], p)
+    operands = []
+    for name, x in (("a", a), ("b", b)):
+        flagged, stored = bool(p.get(f"{name}_half", 0)), _is_half(x, c)
+        if flagged != stored:
+            raise TypeError(f"gemm_coopmat: {name}_half={int(flagged)} but {name.upper()} is {x.dtype}")
+        operands.append((x if stored else x.astype(np.float16)).astype(c.dtype))
+    gemm([*operands, bias, c], p)
+
+
+def _is_half(x: np.ndarray, c: np.ndarray) -> bool:
+    """Whether ``x`` is a float16 tensor, beside float32 ``c`` (in the backend's float64
+    precision float16 tensors are widened to float32 and float32 ones to float64)."""
+    return x.dtype == (np.float32 if c.dtype == np.float64 else np.float16)
 
 
 def gemm_coopmat_f16(arrays: list[np.ndarray], p: Params) -> None:
@@ -901,7 +919,9 @@ def gather_rows(arrays: list[np.ndarray], p: Params) -> None:
 def cast(arrays: list[np.ndarray], p: Params) -> None:
     x, y = arrays
     n, mode = int(p["n"]), int(p["mode"])
-    if mode == CASTS["f32_to_f16"]:
+    if mode == CASTS["f32_to_f16"] and x.dtype == np.float64:  # the backend's float64 precision
+        y[:n] = x[:n].astype(np.float16)
+    elif mode == CASTS["f32_to_f16"]:
         y.view(np.float16)[:n] = x.view(np.float32)[:n]
     elif mode == CASTS["f16_to_f32"]:
         y.view(np.float32)[:n] = x.view(np.float16)[:n]

@@ -59,13 +59,28 @@ from flow.spec_model import (
 )
 from shaders.attention_tiles import attention_ops
 from shaders.conv_coopmat_tiles import conv_gemm_op
-from shaders.registry import ACTIVATIONS, BINARY, LOSSES, REDUCE
+from shaders.registry import ACTIVATIONS, BINARY, CASTS, LOSSES, REDUCE
 from shaders.registry import op as op_def
 from shaders.tiles import conv_gemm_shape, coopmat_k_splits
 
 # Activations whose derivative the GEMM epilogue can take from the saved output (gelu needs its
 # input, which the forward keeps only in a separate tensor).
 EPILOGUE_DERIVATIVES = frozenset({"relu", "leaky_relu", "sigmoid", "tanh"})
+
+
+# Which float16 operand copies mixed-precision plans make, so that GEMMs stream halves instead of
+# rounding fp32 in the kernel (gemm_coopmat's AH/BH): "weights", each dense weight's copy, cast from
+# its fp32 master at the start of every program; "activations", a Linear's input and its output's
+# gradient, each cast once where its GEMMs are wide enough to pay for the cast (HALF_ACTIVATION_MIN_N,
+# HALF_ACTIVATION_MIN_FLOATS): every GEMM of such a layer then reads two halves.
+# A module constant so that bench/ab_mixed_copies.py can time each choice in one process.
+HALF_COPIES = frozenset({"weights", "activations"})
+# An fp16 copy of an activation costs 6 bytes a float of traffic and a barrier; a GEMM saves in
+# proportion to the width it multiplies the copy against. On an H100 (session 12) the large MLP's
+# 4096-wide layers gained 38 % with copies from width 2048, and the char GPT's qkv (1152) and MLP
+# (1536) layers another 0.7 % from 1024.
+HALF_ACTIVATION_MIN_N = 1024
+HALF_ACTIVATION_MIN_FLOATS = 1 << 21
 
 
 # The layers with parameters of their own.
@@ -192,6 +207,10 @@ class _Builder:
         self.stages = stages(model)
         self.saved: dict[int, dict[str, str]] = {}  # stage position -> names of tensors backward needs
         self.fused_bias_grads = {} if self.mixed else fused_bias_grads(model)
+        # Mixed precision: the float16 copy of each dense weight that GEMMs read (copy -> (master,
+        # floats)), cast from the fp32 master at the start of every program (_prepend_weight_casts).
+        self.halves: dict[str, tuple[str, int]] = {}
+        self.half_copies: dict[str, str] = {}  # an activation or gradient -> its fp16 copy (_half_copy)
         # Stage positions whose activation backward an input-gradient GEMM already applied.
         self.activation_done: set[int] = set()
         # A pipeline stage's part of the model (flow.stage_plan): the stages at positions lo..hi-1,
@@ -228,7 +247,12 @@ class _Builder:
             w, bias = f"{prefix}.weight", f"{prefix}.bias"
             k, n = stage.in_shape[-1], layer.units
             main, finish = self._gemm(
-                (h, w, bias if layer.bias else h, target),
+                (
+                    self._half_copy(h, self._rows(stage) * k, n),
+                    self._half_weight(w, k * n),
+                    bias if layer.bias else h,
+                    target,
+                ),
                 M=self._rows(stage),
                 N=n,
                 K=k,
@@ -321,11 +345,14 @@ class _Builder:
         # Tensor cores split K by their own 128x128 tiles (a weight gradient over 16384 rows).
         op = "gemm_coopmat" if self.mixed else "gemm"
         splits = coopmat_k_splits(m, n, k) if self.mixed else k_splits(m, n, k)
+        # An operand that is a float16 copy is read as halves (gemm_coopmat's AH/BH, tune_gemm_coopmat).
+        half_names = {*self.halves, *self.half_copies.values()}
+        halves = {flag: 1 for flag, x in (("a_half", a), ("b_half", b)) if x in half_names}
         if splits == 1:
-            return launch(op, args, alpha=1.0, **params), None
+            return launch(op, args, alpha=1.0, **params, **halves), None
         workspace = self.g.add(f"splitk:{c}", (splits, m, n))
         partial = {key: value for key, value in params.items() if key not in ("has_bias", "act", "slope")}
-        main = launch(op, (a, b, a, workspace), alpha=1.0, k_splits=splits, **partial)
+        main = launch(op, (a, b, a, workspace), alpha=1.0, k_splits=splits, **partial, **halves)
         finish = launch(
             "splitk_epilogue",
             (workspace, bias, c),
@@ -338,6 +365,32 @@ class _Builder:
             slope=float(params.get("slope", 0.0)),
         )
         return main, finish
+
+    def _half_weight(self, w: str, floats: int) -> str:
+        """The operand a GEMM reads for the dense weight ``w`` of ``floats`` floats: in mixed
+        precision its float16 copy ``half:<w>`` (declared here, cast at the start of the program,
+        so the kernel never rounds it: gemm_coopmat with BH = 1 streams halves), else ``w``. The
+        copy has an even length: the cast writes whole 32-bit words."""
+        if not (self.mixed and "weights" in HALF_COPIES):
+            return w
+        name = self.g.add(f"half:{w}", (floats + floats % 2,), dtype="float16")
+        self.halves[name] = (w, floats)
+        return name
+
+    def _half_copy(self, x: str, floats: int, width: int) -> str:
+        """The operand a Linear's GEMMs read for the activation or gradient ``x`` of ``floats``
+        floats, which they multiply against ``width`` columns or rows (the forward GEMM's input h
+        against N outputs; the output gradient dz against the K inputs in dX = dz W^T and in
+        dW = h^T dz): in mixed precision, where that pays (HALF_COPIES, HALF_ACTIVATION_MIN_N and
+        _FLOATS), an fp16 copy cast in a group of its own just before; else ``x``."""
+        wide = width >= HALF_ACTIVATION_MIN_N and floats >= HALF_ACTIVATION_MIN_FLOATS
+        if not (self.mixed and "activations" in HALF_COPIES and wide):
+            return x
+        if x not in self.half_copies:
+            name = self.g.add(f"half:{x}", (floats + floats % 2,), dtype="float16")
+            self.g.emit(launch("cast", (x, name), n=floats, mode=CASTS["f32_to_f16"]))
+            self.half_copies[x] = name
+        return self.half_copies[x]
 
     def _input_grad_gemm(
         self, position: int, dz: str, w: str, h: str, in_grad: str, k: int, n: int
@@ -359,7 +412,7 @@ class _Builder:
             and k_splits(rows, k, n) == 1
         )
         if not fusable:
-            return self._gemm((dz, w, dz, in_grad), M=rows, N=k, K=n, trans_b=1)
+            return self._gemm((dz, self._half_weight(w, k * n), dz, in_grad), M=rows, N=k, K=n, trans_b=1)
         assert previous is not None
         self.activation_done.add(source)
         fused = launch(
@@ -425,11 +478,11 @@ class _Builder:
         qkv = g.add(f"qkv[{stage.index}]", (self.b, t, 3 * d))
         heads = g.add(f"heads[{stage.index}]", (self.b, t, d))
         lse = g.add(f"lse[{stage.index}]", (self.b, layer.heads, t))
-        w_qkv, b_qkv = f"{prefix}.qkv_weight", f"{prefix}.qkv_bias"
+        w_qkv, b_qkv = self._half_weight(f"{prefix}.qkv_weight", 3 * d * d), f"{prefix}.qkv_bias"
         for step in self._gemm((h, w_qkv, b_qkv if bias else h, qkv), M=rows, N=3 * d, K=d, has_bias=bias):
             g.emit(step)
         g.emit(launch(attention_ops(self.mixed, int(params["dh"]))["forward"], (qkv, heads, lse), **params))
-        w_out, b_out = f"{prefix}.out_weight", f"{prefix}.out_bias"
+        w_out, b_out = self._half_weight(f"{prefix}.out_weight", d * d), f"{prefix}.out_bias"
         for step in self._gemm(
             (heads, w_out, b_out if bias else heads, out), M=rows, N=d, K=d, has_bias=bias
         ):
@@ -450,7 +503,8 @@ class _Builder:
         out_weight, finish_out = self._gemm(
             (heads, grad, heads, f"grad:{w_out}"), M=d, N=d, K=rows, trans_a=1
         )
-        to_heads, finish_heads = self._gemm((grad, w_out, grad, d_heads), M=rows, N=d, K=d, trans_b=1)
+        half_out = self._half_weight(w_out, d * d)
+        to_heads, finish_heads = self._gemm((grad, half_out, grad, d_heads), M=rows, N=d, K=d, trans_b=1)
         out_bias, finish_bias = self._bias_grad(layer.bias, grad, f"grad:{prefix}.out_bias", rows, d)
         g.emit(out_weight, to_heads, out_bias)
         g.emit(finish_out, finish_heads, finish_bias)
@@ -462,7 +516,9 @@ class _Builder:
         )
         qkv_weight, finish_qkv = self._gemm((h, d_qkv, h, f"grad:{w_qkv}"), M=d, N=3 * d, K=rows, trans_a=1)
         to_input, finish_input = (
-            self._gemm((d_qkv, w_qkv, d_qkv, in_grad), M=rows, N=d, K=3 * d, trans_b=1)
+            self._gemm(
+                (d_qkv, self._half_weight(w_qkv, 3 * d * d), d_qkv, in_grad), M=rows, N=d, K=3 * d, trans_b=1
+            )
             if in_grad
             else (None, None)
         )
@@ -792,10 +848,12 @@ class _Builder:
                     )
                     bias_grad, finish_bias = None, None
                 else:
-                    weight_grad, finish_weight = self._gemm((h, dz, h, dw), M=k, N=n, K=rows, trans_a=1)
+                    a, b = self.half_copies.get(h, h), self._half_copy(dz, rows * n, k)
+                    weight_grad, finish_weight = self._gemm((a, b, h, dw), M=k, N=n, K=rows, trans_a=1)
                     bias_grad, finish_bias = self._bias_grad(layer.bias, dz, db, rows, n)
                 input_grad, finish_input = (None, None)
                 if in_grad:
+                    dz = self.half_copies.get(dz, dz)
                     input_grad, finish_input = self._input_grad_gemm(position, dz, w, h, in_grad, k, n)
                 g.emit(weight_grad, bias_grad, input_grad)
                 g.emit(finish_weight, finish_input, finish_bias)
@@ -967,6 +1025,37 @@ def build_graph(
     """
     graph = Graph()
     builder = _Builder(model, batch, graph, precision, training=program == "train", part=part)
+    _emit_program(builder, optimiser, program, total_params, update, sample, loss_scaled, part)
+    _prepend_weight_casts(graph, builder.halves)
+    return graph
+
+
+def _prepend_weight_casts(graph: Graph, halves: dict[str, tuple[str, int]]) -> None:
+    """Mixed precision: one group first that casts each dense weight's fp32 master to its fp16
+    copy (cast.comp rounds to nearest even, bit for bit numpy's astype). Every program refreshes
+    its copies so, after each update and after a checkpoint load alike, and the copies are work
+    tensors that no checkpoint holds. One cast reads 4 and writes 2 bytes a weight (the large
+    MLP's 42 M weights: ~250 MB, ~0.1 ms of its ~10 ms step)."""
+    if not halves:
+        return
+    mode = CASTS["f32_to_f16"]
+    graph.groups.insert(0, [launch("cast", (w, half), n=n, mode=mode) for half, (w, n) in halves.items()])
+    if graph.backward_from is not None:
+        graph.backward_from += 1
+
+
+def _emit_program(
+    builder: _Builder,
+    optimiser: Optimiser | None,
+    program: str,
+    total_params: int,
+    update: bool,
+    sample: dict[str, float] | None,
+    loss_scaled: bool,
+    part: tuple[int, int] | None,
+) -> None:
+    """build_graph's launches for ``program`` (see there), into ``builder``'s graph."""
+    graph, model, batch = builder.g, builder.model, builder.b
     first = builder.stages[builder.lo] if builder.lo > 0 else None
     graph.add("x", (batch, *(first.in_shape if first else model.input_shape)), role="io")
     out = builder.forward("x")
@@ -975,12 +1064,12 @@ def build_graph(
         if program == "train":
             graph.backward_from = len(graph.groups)
             builder.backward(graph.add("dy", graph.tensors[out].shape, role="io"))
-        return graph
+        return
     if program == "generate":
         assert sample is not None
         cols = graph.tensors[out].shape[-1]
         graph.emit(launch("sample_token", (out, "cursor", "token"), cols=cols, **sample))
-        return graph
+        return
     if program == "predict":
         cols = math.prod(graph.tensors[out].shape[1:]) if out != "x" else math.prod(model.input_shape)
         if isinstance(model.loss, CrossEntropy):  # probabilities over the last dimension
@@ -991,7 +1080,7 @@ def build_graph(
             graph.emit(launch("unary", (out, "output"), n=batch * cols, fn=sigmoid, a=0.0, b=0.0))
         else:
             graph.emit(launch("copy", (out, "output"), n=batch * cols))
-        return graph
+        return
     grad = builder.loss(out, "y", write_grad=program == "train")
     if program == "train":
         assert grad is not None and optimiser is not None
@@ -1002,4 +1091,3 @@ def build_graph(
         if update and part is None:
             for group in update_groups(optimiser, optimised_floats(model, total_params), loss_scaled):
                 graph.emit(*group)
-    return graph

@@ -237,21 +237,26 @@ def tune_gemm_coopmat(
     params: dict[str, float], facts: DeviceFacts | None, table: GemmTable | None = None
 ) -> dict[str, int]:
     """Specialise gemm_coopmat for one launch: the largest of COOPMAT_TILES that still gives
-    GEMM_MIN_WORKGROUPS workgroups (K slices included), else COOPMAT_SMALL.
+    GEMM_MIN_WORKGROUPS workgroups (K slices included), else COOPMAT_SMALL. An operand that is a
+    float16 tensor (launch params ``a_half``/``b_half``: mixed precision's weight copies) sets AH/BH;
+    with both halves and no split, the tiles are gemm_coopmat_f16's (tune_gemm_coopmat_f16).
 
     Args:
-        params: the launch's parameters (M, N and k_splits are read).
-        facts: unused (the tiles depend on the launch's size only).
+        params: the launch's parameters (M, N, k_splits, a_half and b_half are read).
+        facts: the device, read only for two float16 operands (shared memory); else unused.
         table: unused (no table is measured for tensor-core tiles yet).
 
     Returns:
-        Specialisation constants BM, BN, BK, WM, WN.
+        Specialisation constants BM, BN, BK, WM, WN, AH, BH (and PD, NS for fp16 tiles).
     """
     m, n, splits = int(params["M"]), int(params["N"]), max(1, int(params.get("k_splits", 1)))
+    halves = {"AH": int(params.get("a_half", 0)), "BH": int(params.get("b_half", 0))}
+    if halves["AH"] and halves["BH"] and splits == 1:
+        return tune_gemm_coopmat_f16(params, facts, table)
     need = ceil_div(GEMM_MIN_WORKGROUPS, splits)
     filling = (t for t in COOPMAT_TILES if ceil_div(m, t[0]) * ceil_div(n, t[1]) >= need)
     choice = next(filling, COOPMAT_SMALL)
-    return dict(zip(("BM", "BN", "BK", "WM", "WN"), choice, strict=True))
+    return {**dict(zip(("BM", "BN", "BK", "WM", "WN"), choice, strict=True)), **halves}
 
 
 def tune_gemm_coopmat_f16(

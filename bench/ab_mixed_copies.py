@@ -1,0 +1,99 @@
+"""Mixed precision with and without fp16 operand copies (issue 18), A/B in one process.
+
+The large MLP of ``bench_mlp.py --only b`` (1024-4096-4096-4096-1024, batch 8192, SGD, 2 in flight)
+planned with each choice of ``flow.autodiff.HALF_COPIES``: none (every GEMM rounds fp32 operands in
+the kernel, as before session 12), the weights' copies, and the weights' plus wide activations'
+copies. The variants are timed in turn, round after round (the H100's clocks drift; see
+bench/RESULTS.md), each a median of host-timed step loops (``bench_mlp.measure``); then one
+timestamped run of each gives the GPU time of its GEMMs and casts by kind. torch bf16 autocast on the
+same model, timed once, gives the ratio the issue's target is set against.
+
+Usage: ``python3 bench/ab_mixed_copies.py [--rounds 2] [--reps 3] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import bench_mlp
+import common
+import numpy as np
+
+from flow import autodiff
+
+VARIANTS = {"none": (), "weights": ("weights",), "weights+activations": ("weights", "activations")}
+
+
+def trainer(backend, copies: tuple[str, ...], timestamps: bool = False):
+    autodiff.HALF_COPIES = frozenset(copies)
+    sizes = bench_mlp.FULL
+    return bench_mlp.VkTrainer(
+        backend, sizes.large, sizes.large_batch, "sgd", 2, 2, timestamps=timestamps, precision="mixed"
+    )
+
+
+def kind(item: dict) -> str:
+    """A launch's label: GEMMs by direction and operand types, casts, the rest by op."""
+    if item["op"] == "gemm_coopmat":
+        direction = (
+            "dW" if "trans_a=1" in item["params"] else "dX" if "trans_b=1" in item["params"] else "fwd"
+        )
+        return f"gemm {direction}"
+    return item["op"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    backend, why = common.open_vulkan("auto")
+    if backend is None or not backend.facts.has("cooperative_matrix"):
+        sys.exit(f"needs a Vulkan device with cooperative matrices: {why or backend.facts.name}")
+    sizes, batch = bench_mlp.FULL, bench_mlp.FULL.large_batch
+    rows: list[dict] = []
+    rates: dict[str, list[float]] = defaultdict(list)
+    for round_ in range(args.rounds):
+        for name, copies in VARIANTS.items():
+            run = trainer(backend, copies)
+            value, steps = bench_mlp.measure(run, args.reps, sizes.large_target_s, batch, start=1)
+            rates[name].append(value)
+            print(f"round {round_} {name:>20}: {value:,.0f} samples/s ({steps} steps), loss {run.loss:.4f}")
+    for name, copies in VARIANTS.items():
+        run = trainer(backend, copies, timestamps=True)
+        run.run(2)
+        run.launch_ns.clear()
+        run.run(6)
+        by_kind: dict[str, float] = defaultdict(float)
+        for item in bench_mlp.kernel_breakdown(run):
+            by_kind[kind(item)] += item["us"]
+        total = sum(by_kind.values())
+        print(
+            f"{name}: GPU {total / 1e3:.2f} ms/step: "
+            + ", ".join(f"{k} {v / 1e3:.3f}" for k, v in by_kind.items())
+        )
+        median = float(np.median(rates[name]))
+        ms_by_kind = {k: round(v / 1e3, 4) for k, v in by_kind.items()}
+        rows.append({"variant": name, "samples_per_s": median, "all": rates[name], "gpu_ms": total / 1e3,
+                     "ms_by_kind": ms_by_kind})  # fmt: skip
+    torch, device = common.open_torch()
+    if torch is not None and torch.cuda.is_available():
+        run = bench_mlp.TorchTrainer(torch, sizes.large, batch, "sgd", "eager", False, 2, autocast_bf16=True)
+        value, _ = bench_mlp.measure(run, args.reps, sizes.large_target_s, batch, start=1)
+        print(f"torch bf16 autocast: {value:,.0f} samples/s")
+        for row in rows:
+            row["vs_torch_bf16"] = row["samples_per_s"] / value
+        rows.append({"variant": "torch_bf16_autocast", "samples_per_s": value})
+    for row in rows:
+        print(json.dumps(row))
+        if args.out:
+            with open(args.out, "a") as out:
+                out.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Mixed precision's float16 operand copies (issue 18): each dense weight's fp16 copy is cast from
+its fp32 master at the start of every program, and wide Linear layers' inputs and output gradients
+get one before their GEMMs, so that gemm_coopmat streams halves (AH/BH) instead of rounding fp32 in
+the kernel.
+
+Checked here: the plan binds the copies with the right flags and tiles; the copies equal
+fp16(master) bit for bit after every step (CPU backend, and the GPU where it has cooperative
+matrices; lavapipe, which has none, casts the plan's weights the same way); a mixed MLP trains on
+the digits as a float64 numpy oracle that rounds every GEMM operand to fp16 does, with each choice of
+copies, and within tolerance of float32; resume is exact and checkpoints hold the fp32 masters only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import relative_error
+
+import flow
+from actors import checkpoint
+from actors.cpu_backend import CpuBackend
+from actors.engine import Engine
+from flow import autodiff
+from flow.planning import plan
+from flow.program import Barrier, Program
+from flow.spec import SGD, Devices
+from loaders.digits import load_digits_arrays
+from shaders.registry import op
+from tests.specs import digits, digits_spec
+
+WIDE_MIN = {"HALF_ACTIVATION_MIN_N": 1, "HALF_ACTIVATION_MIN_FLOATS": 1}
+
+
+def _mixed(spec, **run):
+    return dataclasses.replace(spec, run=dataclasses.replace(spec.run, precision="mixed", **run))
+
+
+def _sgd_digits(batch: int = 64):
+    """The digits example (64-128-64-10, ReLU) with plain SGD and no loss scale, on the CPU."""
+    spec = digits_spec()
+    data = dataclasses.replace(spec.data, batch_size=batch)
+    spec = dataclasses.replace(spec, optimiser=SGD(0.1), data=data, devices=Devices("cpu"))
+    return _mixed(spec, loss_scale="off")
+
+
+def _first_group(program: Program) -> Program:
+    """The launches before a program's first barrier (mixed precision: the weight casts)."""
+    steps = program.steps
+    end = next((i for i, s in enumerate(steps) if isinstance(s, Barrier)), len(steps))
+    return Program("weight casts", steps[:end])
+
+
+def _copies(engine: Engine) -> dict[str, np.ndarray]:
+    """Run the train program's first group and read each weight's fp16 copy."""
+    part = _first_group(engine.plan.program("train"))
+    engine.backend.wait(engine.submit_part(part, 0))
+    return {item.args[0]: engine.backend.read(item.args[1]) for item in part.steps}
+
+
+@pytest.fixture
+def wide_inputs(monkeypatch):
+    """Every Linear input and output gradient gets an fp16 copy (the digits' layers are far below
+    the width where it pays)."""
+    for name, value in WIDE_MIN.items():
+        monkeypatch.setattr(autodiff, name, value)
+
+
+def test_the_plan_reads_fp16_copies_with_matching_flags_and_tiles(wide_inputs):
+    device = plan(_sgd_digits()).devices[0]
+    program = device.program("train")
+    weights = [p.name for p in device.parameters if p.name.endswith(".weight")]
+    casts = _first_group(program).steps
+    assert sorted((c.op, c.args[0]) for c in casts) == sorted(("cast", w) for w in weights)
+    gemms = [s for s in program.launches if s.op == "gemm_coopmat"]
+    assert len(gemms) == 3 * len(weights) - 1  # forward, weight and input gradients (none for the first)
+    for gemm in gemms:
+        (a, b), flags = gemm.args[:2], dict(gemm.params)
+        spec = op("gemm_coopmat").tune(flags, None, None)
+        halves = (flags.get("a_half", 0), flags.get("b_half", 0))
+        assert (spec["AH"], spec["BH"]) == halves, gemm
+        assert (a.startswith("half:"), b.startswith("half:")) == (bool(halves[0]), bool(halves[1])), gemm
+        assert b not in weights, f"a GEMM reads the fp32 master {b}"
+    # Each layer's input and output gradient are copied too: every GEMM multiplies two halves.
+    assert all(dict(g.params).get("a_half") and dict(g.params).get("b_half") for g in gemms)
+    float32 = plan(
+        dataclasses.replace(_sgd_digits(), run=dataclasses.replace(_sgd_digits().run, precision="float32"))
+    )
+    assert not any(s.op == "cast" for s in float32.devices[0].program("train").launches)
+
+
+def test_without_wide_layers_only_the_weights_are_copied():
+    program = plan(_sgd_digits()).devices[0].program("train")
+    casts = [s for s in program.launches if s.op == "cast"]
+    assert casts and all(c.args[0].endswith(".weight") for c in casts)
+
+
+@pytest.mark.parametrize("steps", [3])
+def test_the_copies_are_fp16_of_the_masters_after_every_step(backend, rng, steps):
+    """Train steps where the backend has cooperative matrices (else fresh masters written from the
+    host: lavapipe runs only the casts); after each, the casts that start the next program give
+    numpy's astype(float16) of every master, bit for bit."""
+    device = plan(_sgd_digits(batch=37)).devices[0]
+    engine = Engine(device, backend)
+    engine.initialise("he", int(rng.integers(1 << 30)))
+    trains = backend.facts.has("cooperative_matrix")
+    images, labels = load_digits_arrays()
+    for step in range(steps):
+        if trains:
+            rows = rng.choice(len(labels), 37, replace=False)
+            x = (images[rows].astype(np.float32) / 8.0 - 1.0).reshape(37, 1, 8, 8)
+            engine.train_step(x, labels[rows].astype(np.int32), step)
+        else:
+            engine.initialise("he", int(rng.integers(1 << 30)))
+        masters = engine.parameters()
+        copies = _copies(engine)
+        assert copies, "a mixed plan casts its weights"
+        for name, copy in copies.items():
+            want = masters[name].reshape(-1).astype(np.float16)
+            np.testing.assert_array_equal(
+                copy[: want.size].view(np.uint16), want.view(np.uint16), err_msg=name
+            )
+
+
+def _oracle_steps(
+    params: dict[str, np.ndarray], batches, lr: float
+) -> tuple[list[float], dict[str, np.ndarray]]:
+    """SGD on the digits MLP in float64 with every GEMM operand rounded to fp16 first (what the
+    tensor cores multiply, however the halves are made), the rest exact."""
+    half = lambda a: a.astype(np.float32).astype(np.float16).astype(np.float64)  # noqa: E731
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    names = sorted({k.rsplit(".", 1)[0] for k in p}, key=lambda n: int(n.split("[")[1].rstrip("]")))
+    losses = []
+    for x, y in batches:
+        hs = [x.reshape(len(x), -1).astype(np.float64)]
+        for i, layer in enumerate(names):
+            z = half(hs[-1]) @ half(p[f"{layer}.weight"]) + p[f"{layer}.bias"]
+            hs.append(np.maximum(z, 0) if i < len(names) - 1 else z)
+        logits = hs[-1] - hs[-1].max(axis=1, keepdims=True)
+        probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+        losses.append(float(-np.log(probs[np.arange(len(y)), y]).mean()))
+        dz = probs
+        dz[np.arange(len(y)), y] -= 1
+        dz /= len(y)
+        for i in reversed(range(len(names))):
+            w = f"{names[i]}.weight"
+            grad_w, grad_b = half(hs[i]).T @ half(dz), dz.sum(axis=0)
+            if i:
+                dz = (half(dz) @ half(p[w]).T) * (hs[i] > 0)
+            p[w] -= lr * grad_w
+            p[f"{names[i]}.bias"] -= lr * grad_b
+    return losses, p
+
+
+@pytest.mark.parametrize("copies,casts", [((), 0), (("weights",), 3), (("weights", "activations"), 9)])
+def test_mixed_steps_on_the_digits_match_the_fp16_operand_oracle(monkeypatch, wide_inputs, copies, casts):
+    """No copies, the weights', and also every layer's input and output gradient (3 + 3 + 3 casts)."""
+    monkeypatch.setattr(autodiff, "HALF_COPIES", frozenset(copies))
+    device = plan(_sgd_digits()).devices[0]
+    assert sum(s.op == "cast" for s in device.program("train").launches) == casts
+    engine = Engine(device, CpuBackend())
+    engine.initialise("he", 11)
+    start = engine.parameters()
+    images, labels = load_digits_arrays()
+    batches = [
+        (
+            (images[i : i + 64].astype(np.float32) / 8.0 - 1.0).reshape(64, 1, 8, 8),
+            labels[i : i + 64].astype(np.int32),
+        )
+        for i in range(0, 5 * 64, 64)
+    ]
+    losses = [engine.train_step(x, y, step).loss for step, (x, y) in enumerate(batches)]
+    want_losses, want = _oracle_steps(start, batches, 0.1)
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-3)
+    for name, value in engine.parameters().items():
+        moved, want_moved = value - start[name], want[name] - start[name]
+        assert relative_error(moved, want_moved) < 1e-2, name
+
+
+def test_mixed_training_on_the_digits_tracks_float32(tmp_path, wide_inputs):
+    """Whole runs of the digits example (Adam, the "auto" loss scale) through flow.run."""
+    spec = dataclasses.replace(digits_spec(epochs=6), devices=Devices("cpu"))
+    full, mixed = flow.run(spec), flow.run(_mixed(spec))
+    assert mixed.accuracy > 0.9 and abs(mixed.accuracy - full.accuracy) < 0.03
+    assert abs(mixed.loss - full.loss) < 0.1 * max(full.loss, 0.05)
+    assert mixed.loss != full.loss  # it really ran on (emulated) tensor cores
+
+
+def test_resume_is_exact_and_checkpoints_hold_the_fp32_masters_only(tmp_path, wide_inputs):
+    spec = _mixed(digits(tmp_path, "straight", epochs=2))
+    straight = flow.run(spec)
+    saved = checkpoint.load(tmp_path / "straight").state
+    assert all(array.dtype == np.float32 for array in saved.values())
+    assert not any("half" in name for name in saved), sorted(saved)
+    assert saved["params:all"].size == plan(spec).devices[0].total_params
+    half_way = _mixed(digits(tmp_path, "resumed", epochs=2, steps=straight.steps // 2))
+    flow.run(half_way)
+    resumed = flow.run(_mixed(digits(tmp_path, "resumed", epochs=2)), resume=tmp_path / "resumed")
+    for name, value in straight.parameters.items():
+        np.testing.assert_array_equal(resumed.parameters[name], value, err_msg=name)
