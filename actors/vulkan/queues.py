@@ -124,6 +124,9 @@ class Queues:
             },
         )
         self._counter = ffi.new("uint64_t*")
+        # The highest compute ticket seen done: a check at or below it needs no Vulkan call (the
+        # device actor checks each ticket in order, and waits after a check found it done).
+        self._compute_done = 0
         self.upload_semaphore = self._new_timeline_semaphore()
         self._upload_semaphore_array = ffi.new("VkSemaphore[]", [self.upload_semaphore])
         self._upload_signal = ffi.new("uint64_t[]", [0])
@@ -283,6 +286,8 @@ class Queues:
         thread under trio)."""
         timeout = TIMEOUT_NS if timeout_s is None else int(timeout_s * 1e9)
         if self.timeline:
+            if ticket <= self._compute_done:
+                return
             semaphores, value = self._timeline_of(ticket)
             values = ffi.new("uint64_t[]", [value])
             info = ffi.new(
@@ -295,6 +300,8 @@ class Queues:
                 },
             )
             result = lib.vkWaitSemaphores(self.device, info, timeout)
+            if result == 0 and ticket <= UPLOAD_TICKETS:
+                self._compute_done = max(self._compute_done, ticket)
         else:
             with self._lock:
                 done = [t for t in self._fences if t <= ticket]
@@ -322,9 +329,14 @@ class Queues:
     def is_done(self, ticket: int) -> bool:
         """Whether ``ticket``'s submission is done, without blocking."""
         if self.timeline:
+            if ticket <= self._compute_done:
+                return True
             semaphores, value = self._timeline_of(ticket)
             lib.vkGetSemaphoreCounterValue(self.device, semaphores[0], self._counter)
-            return self._counter[0] >= value
+            reached = self._counter[0]
+            if ticket <= UPLOAD_TICKETS:
+                self._compute_done = max(self._compute_done, reached)
+            return reached >= value
         with self._lock:
             pending = [self._fences[t] for t in self._fences if t <= ticket]
         return all(lib.vkGetFenceStatus(self.device, f) == 0 for f in pending)
