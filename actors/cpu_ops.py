@@ -133,6 +133,24 @@ def gemm_coopmat(arrays: list[np.ndarray], p: Params) -> None:
     gemm([*operands, bias, c], p)
 
 
+def gemm_coopmat_copy(arrays: list[np.ndarray], p: Params) -> None:
+    """gemm_coopmat that also writes H, C's float16 copy, rounded as cast.comp rounds (to nearest
+    even: numpy's astype). The shader writes it as whole words of two halves from its epilogue.
+
+    Raises:
+        ValueError: K is split (the raw sums are no result to copy) or N is odd (two invocations
+            would share a word of H), which the shader does not do.
+    """
+    a, b, bias, c, h = arrays
+    m, n = int(p["M"]), int(p["N"])
+    if int(p.get("k_splits", 1)) > 1 or n % 2:
+        raise ValueError(
+            f"gemm_coopmat_copy needs an even N and no split, got N={n}, k_splits={p.get('k_splits')}"
+        )
+    gemm_coopmat([a, b, bias, c], p)
+    h[: m * n] = c[: m * n].astype(np.float16)
+
+
 def _is_half(x: np.ndarray, c: np.ndarray) -> bool:
     """Whether ``x`` is a float16 tensor, beside float32 ``c`` (in the backend's float64
     precision float16 tensors are widened to float32 and float32 ones to float64)."""
@@ -997,6 +1015,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "splitk_epilogue": splitk_epilogue,
     "gemm_coopmat": gemm_coopmat,
     "gemm_coopmat_f16": gemm_coopmat_f16,
+    "gemm_coopmat_copy": gemm_coopmat_copy,
     "unary": unary,
     "unary_backward": unary_backward,
     "binary": binary,

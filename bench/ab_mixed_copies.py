@@ -3,12 +3,15 @@
 The large MLP of ``bench_mlp.py --only b`` (1024-4096-4096-4096-1024, batch 8192, SGD, 2 in flight)
 planned with each choice of ``flow.autodiff.HALF_COPIES``: none (every GEMM rounds fp32 operands in
 the kernel, as before session 12), the weights' copies, and the weights' plus wide activations'
-copies. The variants are timed in turn, round after round (the H100's clocks drift; see
+copies, made by cast launches (``MIXED_FUSIONS`` off: helper H13's path) or written by the GEMMs that
+produce them, with the activation derivative in the input-gradient epilogue (H14). The variants
+are timed in turn, round after round (the H100's clocks drift; see
 bench/RESULTS.md), each a median of host-timed step loops (``bench_mlp.measure``); then one
 timestamped run of each gives the GPU time of its GEMMs and casts by kind. torch bf16 autocast on the
 same model, timed once, gives the ratio the issue's target is set against.
 
-Usage: ``python3 bench/ab_mixed_copies.py [--rounds 2] [--reps 3] [--out FILE]``.
+Usage: ``python3 bench/ab_mixed_copies.py [--rounds 2] [--reps 3] [--variants casts,producers]
+[--out FILE]``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,18 @@ import numpy as np
 
 from flow import autodiff
 
-VARIANTS = {"none": (), "weights": ("weights",), "weights+activations": ("weights", "activations")}
+BOTH = ("weights", "activations")
+# name -> (HALF_COPIES, MIXED_FUSIONS)
+VARIANTS = {
+    "none": ((), False),
+    "weights": (("weights",), False),
+    "casts": (BOTH, False),
+    "producers": (BOTH, True),
+}
 
 
-def trainer(backend, copies: tuple[str, ...], timestamps: bool = False):
+def trainer(backend, variant: tuple[tuple[str, ...], bool], timestamps: bool = False):
+    copies, autodiff.MIXED_FUSIONS = variant
     autodiff.HALF_COPIES = frozenset(copies)
     sizes = bench_mlp.FULL
     return bench_mlp.VkTrainer(
@@ -37,7 +48,7 @@ def trainer(backend, copies: tuple[str, ...], timestamps: bool = False):
 
 def kind(item: dict) -> str:
     """A launch's label: GEMMs by direction and operand types, casts, the rest by op."""
-    if item["op"] == "gemm_coopmat":
+    if item["op"] in ("gemm_coopmat", "gemm_coopmat_copy"):
         direction = (
             "dW" if "trans_a=1" in item["params"] else "dX" if "trans_b=1" in item["params"] else "fwd"
         )
@@ -49,8 +60,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--timed-rounds", type=int, default=1)
+    parser.add_argument("--variants", default="casts,producers", help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
     backend, why = common.open_vulkan("auto")
     if backend is None or not backend.facts.has("cooperative_matrix"):
         sys.exit(f"needs a Vulkan device with cooperative matrices: {why or backend.facts.name}")
@@ -58,28 +72,32 @@ def main() -> None:
     rows: list[dict] = []
     rates: dict[str, list[float]] = defaultdict(list)
     for round_ in range(args.rounds):
-        for name, copies in VARIANTS.items():
-            run = trainer(backend, copies)
+        for name, variant in variants.items():
+            run = trainer(backend, variant)
             value, steps = bench_mlp.measure(run, args.reps, sizes.large_target_s, batch, start=1)
             rates[name].append(value)
             print(f"round {round_} {name:>20}: {value:,.0f} samples/s ({steps} steps), loss {run.loss:.4f}")
-    for name, copies in VARIANTS.items():
-        run = trainer(backend, copies, timestamps=True)
-        run.run(2)
-        run.launch_ns.clear()
-        run.run(6)
-        by_kind: dict[str, float] = defaultdict(float)
-        for item in bench_mlp.kernel_breakdown(run):
-            by_kind[kind(item)] += item["us"]
-        total = sum(by_kind.values())
-        print(
-            f"{name}: GPU {total / 1e3:.2f} ms/step: "
-            + ", ".join(f"{k} {v / 1e3:.3f}" for k, v in by_kind.items())
-        )
+    # Timestamped runs interleaved too (--timed-rounds): a clock dip slows every kernel of one run.
+    timed: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for _ in range(args.timed_rounds):
+        for name, variant in variants.items():
+            run = trainer(backend, variant, timestamps=True)
+            run.run(2)
+            run.launch_ns.clear()
+            run.run(6)
+            by_kind: dict[str, float] = defaultdict(float)
+            for item in bench_mlp.kernel_breakdown(run):
+                by_kind[kind(item)] += item["us"] / 1e3
+            print(
+                f"{name}: GPU {sum(by_kind.values()):.2f} ms/step: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in by_kind.items())
+            )
+            timed[name].append({k: round(v, 4) for k, v in by_kind.items()})
+    for name in variants:
+        gpu_ms = [round(sum(t.values()), 3) for t in timed[name]]
         median = float(np.median(rates[name]))
-        ms_by_kind = {k: round(v / 1e3, 4) for k, v in by_kind.items()}
-        rows.append({"variant": name, "samples_per_s": median, "all": rates[name], "gpu_ms": total / 1e3,
-                     "ms_by_kind": ms_by_kind})  # fmt: skip
+        row = {"variant": name, "samples_per_s": median, "all": rates[name], "gpu_ms": gpu_ms}
+        rows.append({**row, "ms_by_kind": timed[name]})
     torch, device = common.open_torch()
     if torch is not None and torch.cuda.is_available():
         run = bench_mlp.TorchTrainer(torch, sizes.large, batch, "sgd", "eager", False, 2, autocast_bf16=True)

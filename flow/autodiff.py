@@ -81,6 +81,11 @@ HALF_COPIES = frozenset({"weights", "activations"})
 # (1536) layers another 0.7 % from 1024.
 HALF_ACTIVATION_MIN_N = 1024
 HALF_ACTIVATION_MIN_FLOATS = 1 << 21
+# Mixed precision: an activation's or gradient's fp16 copy is written by the GEMM that produces it
+# (gemm_coopmat_copy, _fold_casts_into_producers) rather than by a cast launch after a barrier, and
+# input-gradient GEMMs apply the previous activation's derivative in their epilogue (gemm_coopmat's
+# AD) rather than a unary_backward launch. False keeps those launches (bench/ab_mixed_copies.py).
+MIXED_FUSIONS = True
 
 
 # The layers with parameters of their own.
@@ -408,25 +413,16 @@ class _Builder:
             and isinstance(unwrap(previous.layer)[0], Linear | Conv)
             and self.saved[source]["output"] == h
             and self.readers[source] == 1
-            and not self.mixed
-            and k_splits(rows, k, n) == 1
+            and (MIXED_FUSIONS or not self.mixed)
+            and (coopmat_k_splits if self.mixed else k_splits)(rows, k, n) == 1
         )
+        w = self._half_weight(w, k * n)
         if not fusable:
-            return self._gemm((dz, self._half_weight(w, k * n), dz, in_grad), M=rows, N=k, K=n, trans_b=1)
+            return self._gemm((dz, w, dz, in_grad), M=rows, N=k, K=n, trans_b=1)
         assert previous is not None
         self.activation_done.add(source)
-        fused = launch(
-            "gemm",
-            (dz, w, h, in_grad),
-            M=rows,
-            N=k,
-            K=n,
-            trans_b=1,
-            alpha=1.0,
-            act_grad=ACTIVATIONS[previous.activation],
-            slope=unwrap(previous.layer)[1],
-        )
-        return fused, None
+        derivative = dict(act_grad=ACTIVATIONS[previous.activation], slope=unwrap(previous.layer)[1])
+        return self._gemm((dz, w, h, in_grad), M=rows, N=k, K=n, trans_b=1, **derivative)
 
     def _rows(self, stage: Stage) -> int:
         """The rows a Linear's GEMM has: one per sample, or per position of a (T, D) input."""
@@ -1026,8 +1022,50 @@ def build_graph(
     graph = Graph()
     builder = _Builder(model, batch, graph, precision, training=program == "train", part=part)
     _emit_program(builder, optimiser, program, total_params, update, sample, loss_scaled, part)
+    if MIXED_FUSIONS:
+        _fold_casts_into_producers(graph)
     _prepend_weight_casts(graph, builder.halves)
     return graph
+
+
+def _fold_casts_into_producers(graph: Graph) -> None:
+    """Mixed precision: each cast to fp16 whose source a whole unsplit gemm_coopmat wrote last (a
+    Linear's output, or an input gradient with its activation derivative applied) becomes that
+    launch's second output (gemm_coopmat_copy: the same rounding, bit for bit, from the epilogue's
+    registers), and a group left empty goes with its barrier. N must be even (whole words of H)."""
+    writers: dict[str, tuple[int, int]] = {}  # tensor -> (group, index) of its last writer
+    folds: dict[tuple[int, int], tuple[int, int]] = {}  # cast position -> its producer's
+    for at, group in enumerate(graph.groups):
+        for index, item in enumerate(group):
+            producer = writers.get(item.args[0]) if item.op == "cast" else None
+            fresh = producer not in folds.values()  # a GEMM writes one copy
+            if producer and fresh and _copyable(graph.groups[producer[0]][producer[1]], item):
+                folds[(at, index)] = producer
+                writers[item.args[1]] = producer
+                continue
+            writers.update((name, (at, index)) for name in _written(item))
+    for (at, index), (g, i) in folds.items():
+        gemm = graph.groups[g][i]
+        graph.groups[g][i] = launch(
+            "gemm_coopmat_copy", (*gemm.args, graph.groups[at][index].args[1]), **gemm.param_dict
+        )
+    kept = [[x for i, x in enumerate(group) if (at, i) not in folds] for at, group in enumerate(graph.groups)]
+    if graph.backward_from is not None:
+        graph.backward_from -= sum(1 for group in kept[: graph.backward_from] if not group)
+    graph.groups = [group for group in kept if group]
+
+
+def _copyable(gemm: Launch, cast: Launch) -> bool:
+    """Whether ``gemm``'s epilogue can write what ``cast`` writes: the fp16 copy of all of its C."""
+    params = gemm.param_dict
+    return (
+        gemm.op == "gemm_coopmat"
+        and cast.param("mode") == CASTS["f32_to_f16"]
+        and gemm.args[3] == cast.args[0]
+        and int(params.get("k_splits", 1)) == 1
+        and int(params["N"]) % 2 == 0
+        and int(params["M"]) * int(params["N"]) == int(cast.param("n"))
+    )
 
 
 def _prepend_weight_casts(graph: Graph, halves: dict[str, tuple[str, int]]) -> None:

@@ -2,15 +2,16 @@
 // or f32_to_i32.
 // float16 is packed two per 32-bit word, element 2k in the low half of word k.
 //
-// The half conversions are done with integer arithmetic, not packHalf2x16/unpackHalf2x16, whose
-// rounding and denormal handling the specs leave to the driver: this way every device rounds to
-// nearest-even and keeps subnormal halves, bit-identical to numpy's astype(float16).
+// The half conversions are done with integer arithmetic (half_bits.glsl), not packHalf2x16/
+// unpackHalf2x16, whose rounding and denormal handling the specs leave to the driver: this way every
+// device rounds to nearest-even and keeps subnormal halves, bit-identical to numpy's astype(float16).
 // f32_to_f16 writes whole words (one invocation per word, so no two invocations share one); for
 // odd n the high half of the last word keeps its old contents, as numpy's view assignment does.
 // f32_to_i32 truncates toward zero (GLSL int()), as numpy does; out-of-range values are undefined.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #include "op_codes.glsl"
+#include "half_bits.glsl"
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -21,28 +22,6 @@ layout(push_constant) uniform Push {
     uint n;
     uint mode;
 } pc;
-
-// float32 bits -> float16 bits, round to nearest even.
-uint half_bits(uint x) {
-    uint sign = (x >> 16) & 0x8000u;
-    uint a = x & 0x7fffffffu;
-    if (a >= 0x7f800000u) {
-        // inf stays inf; NaN stays a (quiet) NaN with the top of its payload, as numpy keeps it.
-        return a == 0x7f800000u ? sign | 0x7c00u : sign | 0x7e00u | ((a >> 13) & 0x3ffu);
-    }
-    if (a >= 0x477ff000u) {
-        return sign | 0x7c00u;  // >= 65520 rounds to inf
-    }
-    if (a >= 0x38800000u) {
-        // Normal half: add the rounding bias (ties to even), then rebias the exponent 127 -> 15.
-        uint r = a + 0xfffu + ((a >> 13) & 1u);
-        return sign | ((r >> 13) - 0x1c000u);
-    }
-    // Subnormal half (or zero): the value in units of 2^-24. The scaling is exact and roundEven
-    // rounds ties to even; a result of 1024 is correctly the smallest normal half.
-    float units = uintBitsToFloat(a) * 16777216.0;
-    return sign | uint(roundEven(units));
-}
 
 // float16 bits -> float32 bits, exact.
 uint float_bits(uint h) {

@@ -819,6 +819,21 @@ _OPS: tuple[OpDef, ...] = (
         local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
         tune=tune_gemm_coopmat_f16,
     ),
+    # gemm_coopmat that also writes C's float16 copy H (cast.comp's rounding, bit for bit) from its
+    # epilogue, for the next GEMMs of a mixed plan to read as halves: no cast launch, no barrier.
+    # N even and no split (flow.autodiff only asks it so).
+    OpDef(
+        "gemm_coopmat_copy",
+        "gemm_coopmat_copy.comp",
+        ("A", "B", "bias", "C", "H"),
+        _GEMM_PUSH,
+        _gemm_groups,
+        local_size=(128, 1, 1),
+        spec=COOPMAT_SPEC,
+        features=frozenset({"cooperative_matrix"}),
+        local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
+        tune=tune_gemm_coopmat,
+    ),
 )
 
 # What each op writes; everything else it binds is read only.
@@ -890,6 +905,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "topk": ("hits",),
     "gemm_coopmat": ("C",),
     "gemm_coopmat_f16": ("C",),
+    "gemm_coopmat_copy": ("C", "H"),
 }
 
 # Scale factors default to 1, not 0.
@@ -910,6 +926,7 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "mse": (("delta", 1.0),),
     "gemm_coopmat": (("alpha", 1.0), ("k_splits", 1)),
     "gemm_coopmat_f16": (("alpha", 1.0), ("k_splits", 1)),
+    "gemm_coopmat_copy": (("alpha", 1.0), ("k_splits", 1)),
 }
 
 OPS: dict[str, OpDef] = {

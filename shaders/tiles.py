@@ -116,8 +116,8 @@ def gemm_fits(tiles: dict[str, int], shared_bytes: int, max_threads: int) -> boo
 # -- cooperative-matrix GEMM (gemm_coopmat.comp) ---------------------------------------------------
 
 # gemm_coopmat's specialisation constants with their defaults, in the registry's order. After the
-# tiles: AH/BH (operand is float16 in memory), PD (K slabs in flight in registers) and NS (shared
-# stages); see the shader's header.
+# tiles: AH/BH (operand is float16 in memory), PD (K slabs in flight in registers), NS (shared
+# stages) and AD (the launch's act_grad: the epilogue multiplies by f'(D)); see the shader's header.
 COOPMAT_SPEC = (
     ("BM", 128),
     ("BN", 128),
@@ -130,6 +130,7 @@ COOPMAT_SPEC = (
     ("BH", 0),
     ("PD", 1),
     ("NS", 2),
+    ("AD", 0),
 )
 # Shared memory per workgroup assumed where the device is unknown: NVIDIA's Vulkan limit (48 KiB),
 # the smallest among the drivers with cooperative matrices we know of.
@@ -239,24 +240,26 @@ def tune_gemm_coopmat(
     """Specialise gemm_coopmat for one launch: the largest of COOPMAT_TILES that still gives
     GEMM_MIN_WORKGROUPS workgroups (K slices included), else COOPMAT_SMALL. An operand that is a
     float16 tensor (launch params ``a_half``/``b_half``: mixed precision's weight copies) sets AH/BH;
-    with both halves and no split, the tiles are gemm_coopmat_f16's (tune_gemm_coopmat_f16).
+    with both halves and no split, the tiles are gemm_coopmat_f16's (tune_gemm_coopmat_f16). The
+    launch's ``act_grad`` becomes AD, so only a fused input-gradient GEMM's epilogue applies f'.
 
     Args:
-        params: the launch's parameters (M, N, k_splits, a_half and b_half are read).
+        params: the launch's parameters (M, N, k_splits, a_half, b_half and act_grad are read).
         facts: the device, read only for two float16 operands (shared memory); else unused.
         table: unused (no table is measured for tensor-core tiles yet).
 
     Returns:
-        Specialisation constants BM, BN, BK, WM, WN, AH, BH (and PD, NS for fp16 tiles).
+        Specialisation constants BM, BN, BK, WM, WN, AH, BH, AD (and PD, NS for fp16 tiles).
     """
     m, n, splits = int(params["M"]), int(params["N"]), max(1, int(params.get("k_splits", 1)))
     halves = {"AH": int(params.get("a_half", 0)), "BH": int(params.get("b_half", 0))}
+    derivative = {"AD": int(params.get("act_grad", 0))}
     if halves["AH"] and halves["BH"] and splits == 1:
-        return tune_gemm_coopmat_f16(params, facts, table)
+        return {**tune_gemm_coopmat_f16(params, facts, table), **derivative}
     need = ceil_div(GEMM_MIN_WORKGROUPS, splits)
     filling = (t for t in COOPMAT_TILES if ceil_div(m, t[0]) * ceil_div(n, t[1]) >= need)
     choice = next(filling, COOPMAT_SMALL)
-    return {**dict(zip(("BM", "BN", "BK", "WM", "WN"), choice, strict=True)), **halves}
+    return {**dict(zip(("BM", "BN", "BK", "WM", "WN"), choice, strict=True)), **halves, **derivative}
 
 
 def tune_gemm_coopmat_f16(

