@@ -166,6 +166,12 @@ def _rows_groups(params, local, spec) -> Groups:
     return capped_groups(int(params["rows"]), 1)
 
 
+def _coopmat_local(spec: dict[str, int]) -> Groups:
+    """A cooperative-matrix tile's workgroup: one subgroup of SG invocations per WM x WN warp tile
+    of its BM x BN block."""
+    return (spec["BM"] // spec["WM"]) * (spec["BN"] // spec["WN"]) * spec["SG"], 1, 1
+
+
 def _gemm_groups(params, local, spec) -> Groups:
     splits = max(1, int(params.get("k_splits", 1)))
     return (ceil_div(int(params["N"]), spec["BN"]), ceil_div(int(params["M"]), spec["BM"]), splits)
@@ -273,7 +279,7 @@ def _conv_gemm_coopmat(name: str, kind: str, bindings: tuple[str, ...]) -> OpDef
         _conv_gemm_groups(kind),
         spec=(("BM", 64), ("BN", 64), ("BK", 32), ("WM", 32), ("WN", 32), ("ACT", 0), ("SG", 32)),
         features=frozenset({"cooperative_matrix"}),
-        local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
+        local_from_spec=_coopmat_local,
         tune=lambda params, facts, table=None: tune_conv_coopmat(kind, params, facts),
     )
 
@@ -800,7 +806,7 @@ _OPS: tuple[OpDef, ...] = (
         local_size=(128, 1, 1),
         spec=COOPMAT_SPEC,
         features=frozenset({"cooperative_matrix"}),
-        local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
+        local_from_spec=_coopmat_local,
         tune=tune_gemm_coopmat,
     ),
     # gemm_coopmat with A and B float16 tensors (C and bias stay float32): the same shader with
@@ -816,7 +822,7 @@ _OPS: tuple[OpDef, ...] = (
         local_size=(256, 1, 1),
         spec=COOPMAT_F16_SPEC,
         features=frozenset({"cooperative_matrix"}),
-        local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
+        local_from_spec=_coopmat_local,
         tune=tune_gemm_coopmat_f16,
     ),
     # gemm_coopmat that also writes C's float16 copy H (cast.comp's rounding, bit for bit) from its
@@ -831,7 +837,7 @@ _OPS: tuple[OpDef, ...] = (
         local_size=(128, 1, 1),
         spec=COOPMAT_SPEC,
         features=frozenset({"cooperative_matrix"}),
-        local_from_spec=lambda s: ((s["BM"] // s["WM"]) * (s["BN"] // s["WN"]) * s["SG"], 1, 1),
+        local_from_spec=_coopmat_local,
         tune=tune_gemm_coopmat,
     ),
 )
