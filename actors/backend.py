@@ -48,6 +48,10 @@ class Backend(Protocol):
     def submit(self, handle: int) -> int:
         """Queue a recorded program; returns a ticket that ``wait`` accepts. Never blocks."""
 
+    def submit_group(self, handles: tuple[int, ...]) -> list[int]:
+        """Queue several recorded programs to run in the order given, at once; returns one ticket
+        per program. Never blocks."""
+
     def wait(self, ticket: int, timeout_s: float | None = None) -> None:
         """Block until the submission of ``ticket`` has finished."""
 

@@ -226,6 +226,11 @@ class CpuBackend:
         self._ticket += 1
         return self._ticket
 
+    def submit_group(self, handles: tuple[int, ...]) -> list[int]:
+        """Run several recorded programs in order; one ticket each (as the Vulkan backend's one
+        submission for them all)."""
+        return [self.submit(handle) for handle in handles]
+
     def wait(self, ticket: int, timeout_s: float | None = None) -> None:
         return None
 

@@ -253,8 +253,20 @@ class Engine:
             divisor: the rows the loss averages over (None: ``rows``; a data-parallel member's
                 shard: the global batch's).
         """
+        return self.backend.submit(self.stage(kind, slot, rows, step, divisor))
+
+    def stage(
+        self, kind: str, slot: int, rows: int, step: int | None = None, divisor: int | None = None
+    ) -> int:
+        """Everything :meth:`submit` does but the submission: write the step values (its
+        arguments) and return the slot's recorded program, for :meth:`submit_staged`."""
         self.set_step(kind, slot, rows, step, divisor)
-        return self.backend.submit(self._handle(kind, slot))
+        return self._handle(kind, slot)
+
+    def submit_staged(self, handles: tuple[int, ...]) -> list[int]:
+        """Submit programs :meth:`stage` (or ``stage_*``) returned, in order, at once; returns
+        one ticket per program."""
+        return self.backend.submit_group(handles)
 
     def set_step(
         self, kind: str, slot: int, rows: int, step: int | None = None, divisor: int | None = None
@@ -327,7 +339,11 @@ class Engine:
         Returns:
             The program's ticket.
         """
-        return self.submit(kind, slot, self.write_indices(slot, indices), step)
+        return self.backend.submit(self.stage_indices(kind, slot, indices, step))
+
+    def stage_indices(self, kind: str, slot: int, indices: np.ndarray, step: int | None = None) -> int:
+        """:meth:`submit_indices` but the submission (see :meth:`stage`)."""
+        return self.stage(kind, slot, self.write_indices(slot, indices), step)
 
     def write_indices(self, slot: int, indices: np.ndarray) -> int:
         """Write a batch's sample indices into a slot (see :meth:`submit_indices`); returns its rows."""
@@ -348,6 +364,11 @@ class Engine:
         DMA upload of the staged inputs where the backend stages them (the program is ordered
         after it by the backend), then the program; returns the program's ticket. The rows past
         ``rows`` are zeroed first, as :meth:`write_batch` pads."""
+        return self.backend.submit(self.stage_filled(kind, slot, rows, step))
+
+    def stage_filled(self, kind: str, slot: int, rows: int, step: int | None = None) -> int:
+        """:meth:`submit_filled` but the program's submission (see :meth:`stage`): the upload is
+        queued now, and the program, submitted later, runs after it."""
         self._check_rows(rows)
         if self.vocabulary is not None:
             staged = self._staged and self.backend.staging_view("x", slot)  # type: ignore[attr-defined]
@@ -359,7 +380,7 @@ class Engine:
                 self._views[slot].x[rows:] = 0  # type: ignore[union-attr]
         if self._staged:
             self.backend.upload("x", slot)  # type: ignore[attr-defined]
-        return self.submit(kind, slot, rows, step)
+        return self.stage(kind, slot, rows, step)
 
     def loss_and_correct(self, slot: int) -> tuple[float, float]:
         """The finished program's loss and correct count on ``slot`` (NaN count for regression).

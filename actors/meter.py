@@ -228,6 +228,31 @@ class Meter:
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
 
+    def peek(self) -> Any:
+        """The next inbox item if it is here already (the rest of the current chunk, or a message
+        waiting in the inbox), without taking it and without a schedule point; None if none is
+        (or hooks watch this actor: they observe every receive, which may wait).
+        """
+        if self.hooks is not None:
+            return None
+        if not self._local:
+            if self.inbox is None:
+                return None
+            try:
+                item = self.inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return None  # the end, if it is that, is seen by the next ``async for`` turn
+            if type(item) is Chunk:
+                self._local.extend(item)
+            else:
+                self._local.append(item)
+        return self._local[0]
+
+    def take(self) -> Any:
+        """Take the item :meth:`peek` just returned (not None)."""
+        self._in += 1
+        return self._local.popleft()
+
     @property
     def holding(self) -> int:
         """Messages of the chunk being received that the actor has not taken yet."""

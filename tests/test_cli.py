@@ -201,7 +201,7 @@ def test_cli_plan_shows_the_whole_run():
     assert data["steps"] == 30 * train["batches"]  # the example trains 30 epochs
     kinds = {a["name"]: a["kind"] for a in whole["pipeline"]["actors"]}
     assert set(kinds.values()) == {"loader", "preprocess", "device", "optimiser", "sink"}
-    assert ["preprocess", "device", 2] in whole["pipeline"]["channels"]
+    assert ["preprocess", "device", 4] in whole["pipeline"]["channels"]  # the example's in_flight
     assert [p["name"] for p in whole["devices"][0]["programs"]] == ["train[64]", "eval[64]", "predict[64]"]
     text = subprocess.run([sys.executable, "-m", "flow", "plan", example],
                           capture_output=True, text=True, cwd=ROOT, check=True).stdout  # fmt: skip

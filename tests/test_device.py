@@ -122,6 +122,45 @@ def test_steps_still_in_flight_on_the_device_are_awaited_in_order():
     assert vkflow_threads(existing) == []
 
 
+class BurstyTickets(CpuBackend):
+    """A device whose steps finish in bursts (every ``quantum`` seconds, all that are due), as a
+    GPU looks to a host that fell behind it: several slots come free at once."""
+
+    def __init__(self, quantum: float = 0.01):
+        super().__init__()
+        self.quantum = quantum
+        self.ready: dict[int, float] = {}
+        self.groups: list[int] = []  # the size of each submission
+
+    def submit(self, handle: int) -> int:
+        ticket = super().submit(handle)
+        self.ready[ticket] = (time.monotonic() // self.quantum + 1) * self.quantum
+        return ticket
+
+    def submit_group(self, handles: tuple[int, ...]) -> list[int]:
+        self.groups.append(len(handles))
+        return [self.submit(handle) for handle in handles]
+
+    def is_done(self, ticket: int) -> bool:
+        return time.monotonic() >= self.ready[ticket]
+
+    def wait(self, ticket: int, timeout_s: float | None = None) -> None:
+        time.sleep(max(0.0, self.ready[ticket] - time.monotonic()))
+
+
+@pytest.mark.parametrize("in_flight", [2, 4])
+def test_steps_that_pile_up_go_to_the_device_in_one_submission_and_train_the_same(in_flight):
+    spec = image_spec(epochs=2, in_flight=in_flight)
+    reference = run(spec, backend=CpuBackend())
+    bursty = BurstyTickets()
+    result = run(spec, backend=bursty)
+    assert max(bursty.groups) == in_flight  # all the slots a burst freed, refilled by one submission
+    assert sum(bursty.groups) == result.steps + len(result.evals) * 3  # every batch went exactly once
+    assert result.steps == reference.steps and result.loss == reference.loss
+    assert result.accuracy == reference.accuracy
+    assert_same_weights(result.parameters, reference.parameters)
+
+
 async def test_input_slots_follow_trios_nowait_convention():
     slots = InputSlots(2)
     assert [slots.take_nowait(), slots.take_nowait()] == [0, 1]

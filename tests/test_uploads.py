@@ -232,3 +232,33 @@ def test_without_timeline_semaphores_fences_order_uploads_and_programs(monkeypat
         upload_and_copy_rounds(backend, rng, "x", "y", n, rounds=3)
     finally:
         backend.close()
+
+
+def test_a_group_submitted_at_once_runs_in_order_after_its_uploads(backend, rng):
+    """``submit_group``: one submission for several programs (the device actor's steps that piled
+    up), each with its own ticket. Every slot's input was uploaded just before, with no wait, and
+    the last program reads what the first one wrote: the group runs in order, after the uploads."""
+    n = 1023
+    layout = io_layout(n)
+    per_slot_out = Layout(
+        arenas=(*layout.arenas, Arena("out", align_up(n * 4), per_slot=True)),
+        tensors=(*layout.tensors, Tensor("out", (n,), "float32", "out", 0)),
+    )
+    backend.open_layout(per_slot_out, slots=3)
+    values = [fresh(rng, n) for _ in range(3)]
+    handles = [backend.record(copy_program("x", "out", n), slot) for slot in range(3)]
+    chained = backend.record(Program(name="chain", steps=(launch("copy", ("out", "wy"), n=n),)), 0)
+    for rounds in range(2):  # the second round replays the group's cached submit structs
+        for slot in range(3):
+            backend.staging_view("x", slot)[:] = values[slot] + rounds
+            backend.upload("x", slot)
+        tickets = backend.submit_group((*handles, chained))
+        assert len(tickets) == 4 and np.all(np.diff(tickets) == 1)
+        backend.wait(tickets[-1])
+        assert all(backend.is_done(ticket) for ticket in tickets)
+        for slot in range(3):
+            np.testing.assert_array_equal(backend.read("out", slot), values[slot] + rounds)
+        np.testing.assert_array_equal(backend.read("wy"), values[0] + rounds)
+    if hasattr(backend, "queue"):  # Vulkan: a command buffer may be pending only once
+        with pytest.raises(ValueError, match="submitted twice"):
+            backend.submit_group((handles[0], handles[1], handles[0]))

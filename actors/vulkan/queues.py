@@ -72,6 +72,7 @@ class Queues:
         self.upload_pool = self._new_command_pool(self.upload_family)
         self._lock = threading.Lock()
         self._programs: list[Recorded] = []
+        self._groups: dict[tuple[int, ...], Recorded] = {}  # submit_group's infos per tuple of handles
         self._submitted = 0  # the compute timeline's last signalled value (or the last fence ticket)
         self._upload_value = 0  # the transfer timeline's last signalled value
         self._fences: dict[int, object] = {}
@@ -229,6 +230,7 @@ class Queues:
         for recorded in self._programs:
             lib.vkFreeCommandBuffers(self.device, self.command_pool, 1, recorded.handles)
         self._programs = []
+        self._groups = {}
         self._order = QueueOrder()
 
     # -- submission -----------------------------------------------------------------------------
@@ -254,6 +256,67 @@ class Queues:
                 check(lib.vkQueueSubmit(self.queue, 1, submit, fence), "vkQueueSubmit")
                 self._fences[ticket] = fence
         return ticket
+
+    def submit_group(self, handles: tuple[int, ...]) -> list[int]:
+        """Queue several recorded programs with one ``vkQueueSubmit``, in the order given. Returns
+        one ticket per program (consecutive: each is done when its program is); never blocks.
+
+        When the host falls behind the GPU, the device actor submits the steps that have piled up
+        together, so its cost per step falls just when it matters; each step still signals its
+        own value, so its slot is free as soon as it is done.
+        """
+        if len(handles) == 1 or not self.timeline:
+            return [self.submit(handle) for handle in handles]
+        group = self._groups.get(handles)
+        if group is None:
+            if len(set(handles)) < len(handles):  # a command buffer may be pending only once
+                raise ValueError(f"submit_group: a program submitted twice in one group {handles}")
+            group = self._groups[handles] = self._group(handles)
+        count = len(handles)
+        with self._lock:
+            first = self._submitted + 1
+            self._submitted += count
+            values = group.keep[0]
+            for i in range(count):
+                values[i] = first + i
+            submit = group.plain
+            after = self._order.program(group.buffers, self._submitted)
+            if after:
+                group.keep[1][0] = after
+                submit = group.waiting
+            check(lib.vkQueueSubmit(self.queue, count, submit, ffi.NULL), "vkQueueSubmit")
+        return list(range(first, first + count))
+
+    def _group(self, handles: tuple[int, ...]) -> Recorded:
+        """``submit_group``'s structs for ``handles``: one VkSubmitInfo per program, each signalling
+        its own value of the compute timeline (``keep[0]``); the waiting form's all first wait for
+        the upload value in ``keep[1]`` (values already reached cost nothing)."""
+        programs = [self._programs[handle] for handle in handles]
+        count = len(programs)
+        values, after = ffi.new("uint64_t[]", count), ffi.new("uint64_t[]", 1)
+        plain, waiting = ffi.new("VkSubmitInfo[]", count), ffi.new("VkSubmitInfo[]", count)
+        signals = ffi.new("VkTimelineSemaphoreSubmitInfo[]", count)
+        waits = ffi.new("VkTimelineSemaphoreSubmitInfo[]", count)
+        for i, program in enumerate(programs):
+            for info, timeline, waits_too in ((plain + i, signals + i, 0), (waiting + i, waits + i, 1)):
+                timeline.sType = vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO
+                timeline.signalSemaphoreValueCount = 1
+                timeline.pSignalSemaphoreValues = values + i
+                info.sType = vk.VK_STRUCTURE_TYPE_SUBMIT_INFO
+                info.pNext = timeline
+                info.commandBufferCount = 1
+                info.pCommandBuffers = program.handles
+                info.signalSemaphoreCount = 1
+                info.pSignalSemaphores = self._semaphore_array
+                if waits_too:
+                    timeline.waitSemaphoreValueCount = 1
+                    timeline.pWaitSemaphoreValues = after
+                    info.waitSemaphoreCount = 1
+                    info.pWaitSemaphores = self._upload_semaphore_array
+                    info.pWaitDstStageMask = self._wait_stage
+        union = frozenset().union(*(program.buffers for program in programs))
+        keep = [values, after, signals, waits, programs]
+        return Recorded(handles=None, plain=plain, waiting=waiting, buffers=union, keep=keep)
 
     def submit_upload(self, command: Recorded, buffer: Hashable) -> int:
         """Queue an upload's recorded copy into ``buffer`` on the upload queue, after any program
