@@ -6,9 +6,17 @@ on an odd shape with every transposition pair, then times each shape with Vulkan
 training step; split-K adds its epilogue launch to the time). torch.matmul on the same shapes and
 transpositions (TF32 off) is timed with CUDA events in the same run when CUDA is present.
 
-    python bench/sweep_gemm.py [--quick] [--out FILE] [--only SHAPE,...] [--configs NAME,...] [--kr 0,1]
+    python bench/sweep_gemm.py [--quick] [--out FILE] [--only SHAPE,...] [--configs NAME,...] [--exact]
+                               [--kr 0,1] [--wl 0,4,8] [--xs 0,1] [--ct 0,1] [--nr 0,1]
 
-``--kr 0,1`` times every config both ways of gemm.comp's KR (A kept k-contiguous in shared memory).
+``--kr 0,1`` times every config both ways of gemm.comp's KR (A kept k-contiguous in shared memory);
+``--wl``, ``--xs`` and ``--ct`` likewise for its warp tiling (lanes along n of a warp tile; 0:
+block-wide layout), its transposed shared stores by runs of rows and C^T = op(B)^T op(A)^T stored
+transposed: every combination of the values given,
+so an A/B of one choice is two configs that differ in one of them. ``--exact`` makes ``--configs``
+whole names (after the cross product) instead of substrings. ``--nr 0,1`` forces gemm.comp's NR
+(no row of ones: its runtime test compiled out), which tune_gemm otherwise sets from the launch;
+NR 1 is checked and timed only on shapes without that row, and table entries never carry it.
 
 One JSON line per (config, shape); then, per shape, the configs sorted by time against cuBLAS. The
 registry's tile choice (``shaders.tiles.tune_gemm``) is timed too, under the name ``tuned``.
@@ -28,7 +36,7 @@ from actors.single_op import single_op_layout
 from flow.autodiff import k_splits
 from flow.program import Barrier, Program, launch
 from shaders import gemm_tuning
-from shaders.tiles import gemm_shared_bytes
+from shaders.tiles import gemm_layout_problem, gemm_shared_bytes
 
 # (M, N, K, trans_a, trans_b, what): the launches of the benchmark's models. The weight-gradient
 # GEMMs of dense layers with a bias have M = inputs + 1: their last row of op(A) is ones
@@ -50,6 +58,9 @@ SHAPES = (
     (4097, 4096, 8192, 1, 0, "large dW+b"),
     (4096, 4096, 4096, 0, 0, "4096^3"),
     (4096, 4096, 4096, 1, 0, "4096^3 tn"),  # A k-major: the layout without a transposition
+    # C^T = B^T A^T of the 4096^3 NN product (A' = B stored [K,N], B' = A stored [M,K]): what
+    # running NN transposed would cost, before its transposed store
+    (4096, 4096, 4096, 1, 1, "4096^3 tt"),
     (4000, 4000, 4000, 0, 0, "4000^3"),
     (8192, 8192, 8192, 0, 0, "8192^3"),
 )
@@ -57,8 +68,11 @@ QUICK_SHAPES = ((96, 128, 80, 0, 0, "quick"), (65, 96, 64, 1, 0, "quick dW+b"))
 SMALL = 300  # M or N below this: also try split-K
 
 
-def config(bm, bn, bk, tm, tn, gm=1, sk=1, db=1) -> dict[str, int]:
-    return {"BM": bm, "BN": bn, "BK": bk, "TM": tm, "TN": tn, "GM": gm, "SK": sk, "DB": db}
+def config(bm, bn, bk, tm, tn, gm=1, sk=1, db=1, kr=0, wl=0, xs=0, ct=0) -> dict[str, int]:
+    # Every constant set: an override is merged over the tuned constants of the shape, so a config
+    # without KR would inherit the tuning table's.
+    return {"BM": bm, "BN": bn, "BK": bk, "TM": tm, "TN": tn, "GM": gm, "SK": sk, "DB": db, "KR": kr,
+            "WL": wl, "XS": xs, "CT": ct}  # fmt: skip
 
 
 CONFIGS = (
@@ -76,6 +90,9 @@ CONFIGS = (
     config(64, 128, 16, 4, 8, gm=8, db=0),
     config(64, 64, 16, 4, 4, db=0),
     config(128, 256, 16, 8, 8, gm=8, db=0),  # 512 threads
+    # 128 threads of 8 x 8: smaller workgroups, so more of them fit a multiprocessor's registers
+    config(64, 128, 32, 8, 8, gm=8, db=0),
+    config(128, 64, 32, 8, 8, gm=8, db=0),
     config(64, 256, 16, 4, 8, gm=8, db=0),
     # small tiles and sliced K, for an MLP's batch of 256
     config(32, 64, 16, 2, 4, db=0),
@@ -110,8 +127,11 @@ def name(cfg: dict[str, int] | None) -> str:
         text += f" sk{cfg['SK']}"
     if not cfg["DB"]:
         text += " single"
-    if cfg.get("KR"):
-        text += f" kr{cfg['KR']}"
+    for key in ("KR", "WL", "XS", "CT"):
+        if cfg.get(key):
+            text += f" {key.lower()}{cfg[key]}"
+    if "NR" in cfg:
+        text += f" nr{cfg['NR']}"
     return text
 
 
@@ -237,7 +257,12 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings of shape names")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; shapes left then are skipped")
     parser.add_argument("--configs", default="", help="comma-separated substrings of config names")
+    parser.add_argument("--exact", action="store_true", help="--configs are whole config names")
     parser.add_argument("--kr", default="", help="comma-separated KR values (gemm.comp) to time")
+    parser.add_argument("--wl", default="", help="comma-separated WL values (warp tiling) to time")
+    parser.add_argument("--xs", default="", help="comma-separated XS values (transposed stores) to time")
+    parser.add_argument("--ct", default="", help="comma-separated CT values (C^T stored transposed) to time")
+    parser.add_argument("--nr", default="", help="comma-separated NR values (no row of ones) to force")
     parser.add_argument("--table", help="where to write the best tiles per shape (default: the user cache)")
     args = parser.parse_args()
     backend, why_not = open_vulkan()
@@ -249,10 +274,15 @@ def main() -> None:
     if args.only:
         shapes = tuple(s for s in shapes if any(word in s[5] for word in args.only.split(",")))
     configs = QUICK_CONFIGS if args.quick else CONFIGS
+    for key in ("kr", "wl", "xs", "ct", "nr"):
+        if getattr(args, key):
+            values = getattr(args, key).split(",")
+            configs = tuple({**cfg, key.upper(): int(v)} for cfg in configs for v in values)
     if args.configs:
-        configs = tuple(c for c in configs if any(word in name(c) for word in args.configs.split(",")))
-    if args.kr:
-        configs = tuple({**cfg, "KR": int(kr)} for cfg in configs for kr in args.kr.split(","))
+        words = args.configs.split(",")
+        configs = tuple(
+            c for c in configs if (name(c) in words if args.exact else any(w in name(c) for w in words))
+        )
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
 
     def emit(record: dict) -> None:
@@ -265,16 +295,22 @@ def main() -> None:
     for cfg in configs:
         threads = (cfg["BM"] // cfg["TM"]) * (cfg["BN"] // cfg["TN"]) * cfg["SK"]
         shared = gemm_shared_bytes(cfg["BM"], cfg["BN"], cfg["BK"], cfg["SK"], cfg["DB"])
-        if threads > backend.facts.max_workgroup_invocations or shared > backend.facts.shared_memory_bytes:
+        layout = gemm_layout_problem(cfg)
+        if (
+            threads > backend.facts.max_workgroup_invocations
+            or shared > backend.facts.shared_memory_bytes
+            or layout
+        ):
             emit({"bench": "sweep_gemm", "config": name(cfg), "status": "skipped", "threads": threads,
-                  "shared": shared})  # fmt: skip
+                  "shared": shared, "layout": layout})  # fmt: skip
             continue
         worst = 0.0
         try:
             for ta, tb in ((0, 0), (1, 1)):  # the tests cover every pair for the shipped tiles
                 for ones in (0, 1):
                     case = Case(backend, *CHECK, ta, tb, ones, seed=ta * 2 + tb)
-                    worst = max(worst, case.error(cfg))
+                    if not (ones and cfg.get("NR")):  # NR 1 is only for launches without the row
+                        worst = max(worst, case.error(cfg))
         except Exception as error:  # noqa: BLE001 - one bad config must not end the sweep
             emit({"bench": "sweep_gemm", "config": name(cfg), "status": "failed", "error": repr(error)[:300]})
             continue
@@ -303,6 +339,8 @@ def main() -> None:
         rows = []
         case = Case(backend, m, n, k, ta, tb, ones)  # one upload per shape, every config reads it
         for cfg in usable:
+            if cfg and ones and cfg.get("NR"):
+                continue
             if cfg and min(m, n) >= SMALL * 4 and (cfg["BM"] * cfg["BN"] < BIG_TILE or cfg["SK"] > 1):
                 continue  # small tiles and sliced K are for shapes with few tiles
             started = time.perf_counter()
@@ -330,7 +368,8 @@ def main() -> None:
         # Tiles only: whether to split K is the plan's decision (k_splits), timed here as made.
         winner = next((r for r in rows if r["cfg"]), None)
         if winner:
-            best[gemm_tuning.shape_key(m, n, k, ta, tb)] = dict(winner["cfg"])
+            tiles = {key: value for key, value in winner["cfg"].items() if key != "NR"}  # the launch's
+            best[gemm_tuning.shape_key(m, n, k, ta, tb)] = tiles
 
     print()
     for what, ref, rows in summary:

@@ -12,11 +12,12 @@
 // One workgroup computes a BM x BN tile of C with (BM/TM)*(BN/TN)*SK threads (local_size_x must
 // equal that; TN must be a multiple of 4). Each thread owns TM x TN outputs, as a grid of
 // sub-blocks up to 4 x 4 that are spread over the tile (rows g * BM/RGM + ty * SWM + r, columns
-// h * BN/RGN + tx * 4 + c): so in the inner loop the threads of a warp read consecutive vec4s of
-// a shared row, which is free of bank conflicts (contiguous TM x TN blocks put successive
-// threads TN words apart: a 2-way conflict at TN = 8). The accumulators are vec4s, one per row
-// and column group: as a 64-element float array, a 128 x 128 tile with 8 x 8 per thread ran at
-// 2.3 TFLOP/s on an H200 (it looked spilled); as vec4s, 34 TFLOP/s on an H100.
+// h * BN/RGN + tx * 4 + c; with WL, over the thread's warp tile instead): so in the inner loop
+// the threads of a warp read consecutive vec4s of a shared row, which is free of bank conflicts
+// (contiguous TM x TN blocks put successive threads TN words apart: a 2-way conflict at TN = 8).
+// The accumulators are vec4s, one per row and column group: as a 64-element float array, a
+// 128 x 128 tile with 8 x 8 per thread ran at 2.3 TFLOP/s on an H200 (it looked spilled); as
+// vec4s, 34 TFLOP/s on an H100.
 //
 // A and B stream through shared memory BK at a time, stored k-major (A row-major may stay
 // k-contiguous instead: KR, below): the next K tile is loaded from global memory into registers
@@ -73,8 +74,44 @@ layout(constant_id = 15) const uint AG = 0;
 // H100, 4096^3, 128 x 128 x 32 / 8 x 8: 36.6 -> 39.9 TFLOP/s (A k-major: 44.6); the best tile
 // without it, 64 x 128 x 32 / 4 x 8, drops to 33.8 with it. The same layout for B stored [N,K]
 // (slots rotated against bank conflicts) was slower at BK 32 and is not kept. Ignored when A is
-// stored k-major or a K slice is not a multiple of 4.
+// stored k-major or a K slice is not a multiple of 4. Session 13: those figures had the runtime
+// test for a row of ones (see NR) in A's loads; without it, KR 0 with warp tiles (WL 8) is faster
+// (43.2 against 41.5 with KR).
 layout(constant_id = 16) const uint KR = 0;
+// WL != 0: warp tiling. Each group of 32 invocations (a subgroup on NVIDIA) owns a sub-tile of
+// the block tile, (32 / WL) lanes along m by WL along n, each lane TM x TN outputs as its
+// sub-blocks: so a shared read of A or B by a warp touches 32 / WL or WL distinct vec4s, in
+// consecutive words (conflict-free, and broadcast to the lanes sharing them), where the
+// block-wide layout (WL = 0) has a warp span all BN columns. With KR, a lane's rows are
+// interleaved with its neighbours' (row r of a sub-block at lane_m + r * lanes along m), so the
+// k-contiguous reads of 32 / WL lanes fall in distinct banks. Needs (BM/TM)(BN/TN) a multiple of
+// 32 and the warp tile to divide the block tile (tiles.gemm_layout_problem). H100, 128 x 128 x 32
+// / 8 x 8, NR 1: A k-major 44.4 -> 47.0 TFLOP/s with WL 8; row-major A (KR 0) 43.2 either way.
+layout(constant_id = 17) const uint WL = 0;
+// XS = 1: an operand stored k-contiguous in global memory and transposed to k-major on the way
+// into shared memory (A stored [M,K] without KR, B stored [N,K]) is loaded by runs of 16
+// consecutive rows per k granule instead of whole rows: a warp's scalar stores of one k then hit
+// 16 consecutive words of two k rows 16 banks apart (BM + 4 = 4 mod 32): no bank conflicts,
+// where whole rows put 4 rows of 8 granules on 8 banks (4-way). Each row still reads one
+// 32-byte sector per two lanes. Ignored when BM (BN for B) is not a multiple of 16. Slower on an
+// H100 wherever it applies (4096^3, 128 x 128 x 32 with KR 1: 40.4 -> 36.9; B stored [N,K]:
+// 39.1 -> 32.8), even where it changes only the loads (with KR): 16 rows a warp instruction.
+layout(constant_id = 18) const uint XS = 0;
+// CT = 1: compute C^T = op(B)^T op(A)^T, a (N x M) product whose operands are the launch's B and
+// A, and store it transposed. Row-major A and B (NN) become A' = B stored k-major and B' = A
+// stored [N', K]: the transposition moves from A's shared stores to B's. It first looked faster
+// (4096^3: 42.2 TFLOP/s against 40.4), but that was the row-of-ones test leaving A's loads (NR):
+// with NR both run at 43.1-43.2, and the H100 table takes it only where it ties or wins by under
+// 1 % (and for the weight gradient with its row of ones: 44.5 -> 45.0). A thread's 4 x 4
+// sub-blocks transpose in registers, so C is still written as vec4s along its rows. TA, TB and
+// VEC stay the launch's; the kernel's are derived below. A row of ones (ones_row) becomes a
+// column of ones of B'.
+layout(constant_id = 19) const uint CT = 0;
+// NR = 1: the launch has no row of ones (ones_row 0; tune_gemm sets it from the launch), so the
+// loads compile without the runtime test for it. 0 (the default) keeps the test, right for any
+// launch. The test cost more than any layout choice here: H100, 128 x 128 x 32 / 8 x 8 with WL
+// 8, 4096^3 NN 36.3 -> 43.2 TFLOP/s, A k-major 44.4 -> 47.0.
+layout(constant_id = 20) const uint NR = 0;
 
 // The push fields after those gemm_coopmat shares (registry: gemm's push list): k_splits, and
 // act_grad (unused: AG) and ones_row for the fusions above.
@@ -94,16 +131,19 @@ const uint SWM = TM4 * 4u + (1u - TM4) * TM;
 const uint SWN = 4u;
 const uint RGM = TM / SWM;
 const uint RGN = TN / 4u;
-const uint GSM = BM / RGM;  // row distance between a thread's sub-blocks
-const uint GSN = BN / RGN;
 // Contiguous tile extent of each operand in global memory, and its granule width (4 when the
 // rows are 16-byte aligned and the tile extent takes whole vec4s, else 1).
-const uint TA1 = TA & 1u;
-const uint TB1 = TB & 1u;
+// The kernel's operands (see CT): A and B as stored, or op(B)^T and op(A)^T. TA1 / TB1: the
+// kernel's A stored k-major, its B stored k-contiguous; VA / VB: their vec4 bits of VEC.
+const uint CT1 = CT & 1u;
+const uint TA1 = CT1 * (1u - (TB & 1u)) + (1u - CT1) * (TA & 1u);
+const uint TB1 = CT1 * (1u - (TA & 1u)) + (1u - CT1) * (TB & 1u);
+const uint VA = CT1 * ((VEC >> 1u) & 1u) + (1u - CT1) * (VEC & 1u);
+const uint VB = CT1 * (VEC & 1u) + (1u - CT1) * ((VEC >> 1u) & 1u);
 const uint A_ROW = TA1 * BM + (1u - TA1) * BK;
 const uint B_ROW = TB1 * BK + (1u - TB1) * BN;
-const uint GA = 1u + 3u * ((VEC & 1u) & (1u - ((A_ROW | (A_ROW >> 1u)) & 1u)));
-const uint GB = 1u + 3u * ((VEC >> 1u) & 1u & (1u - ((B_ROW | (B_ROW >> 1u)) & 1u)));
+const uint GA = 1u + 3u * (VA & (1u - ((A_ROW | (A_ROW >> 1u)) & 1u)));
+const uint GB = 1u + 3u * (VB & (1u - ((B_ROW | (B_ROW >> 1u)) & 1u)));
 const bool VC = (VEC & 4u) != 0u;
 // Shared rows (k-major), in floats: 4 words of padding keep rows 16-byte aligned for the vec4
 // reads of the inner loop and shift successive k rows across the banks for the column stores.
@@ -129,56 +169,89 @@ shared vec4 Red[RED];
 const uint KS4 = 1u - ((KS | (KS >> 1u)) & 1u);
 const uint AR = (KR & 1u) * (1u - TA1) * KS4;
 const uint QS = 1u + 3u * AR;
+// The thread layout (see WL): invocations in groups of GSZ (a warp, or the whole slice when WL
+// is 0), each group LMM x LNN lanes (m x n) over an (LMM * TM) x (LNN * TN) sub-tile, WPN groups
+// along n. A thread's output row i is tile_row(rbase, i) = rbase + (i / SWM) * RSTEP + (i % SWM)
+// * RSUB, its column group h starts at cbase + h * CSTEP. WL = 0 gives the block-wide layout.
+const uint WT1 = uint(WL != 0u);
+const uint WLS = WL + 1u - WT1;  // WL, or 1 (no division by zero when WL is 0)
+const uint LNN = WT1 * WL + (1u - WT1) * WN;
+const uint LMM = WT1 * (32u / WLS) + (1u - WT1) * WM;
+const uint GSZ = WT1 * 32u + (1u - WT1) * NTS;
+const uint WPN = BN / (LNN * TN);
+// Rows interleaved across lanes (k-contiguous A, warp tiles; not under CT, whose transposed
+// store wants a sub-block's 4 rows adjacent).
+const uint RI1 = WT1 * AR * (1u - CT1);
+const uint RSTEP = LMM * SWM;
+const uint RSUB = RI1 * LMM + 1u - RI1;
+const uint CSTEP = LNN * 4u;
 
 // Word offset of (row, k) in the k-contiguous A tile: BK + 4 words per row.
 uint ar_word(uint row, uint k) {
     return row * (BK + 4u) + k;
 }
 
+// (row, k) of granule l of a tile of `rows` rows stored k-contiguous, `per_row` granules of
+// width g a row: whole rows in turn, or with XS runs of 16 rows per granule column.
+uvec2 k_contiguous_slot(uint l, uint rows, uint per_row, uint g) {
+    if (XS != 0u && rows % 16u == 0u) {
+        return uvec2(l % 16u + (l / (16u * per_row)) * 16u, ((l / 16u) % per_row) * g);
+    }
+    return uvec2(l / per_row, (l % per_row) * g);
+}
+
 // (row along m, k) within the tile of A granule l; the granule runs along the contiguous dim.
 uvec2 a_slot(uint l) {
-    return TA == 0u ? uvec2(l / (BK / GA), (l % (BK / GA)) * GA) : uvec2((l % (BM / GA)) * GA, l / (BM / GA));
+    return TA1 == 0u ? k_contiguous_slot(l, BM, BK / GA, GA) : uvec2((l % (BM / GA)) * GA, l / (BM / GA));
 }
 
 // (column along n, k) within the tile of B granule l.
 uvec2 b_slot(uint l) {
-    return TB == 0u ? uvec2((l % (BN / GB)) * GB, l / (BN / GB)) : uvec2(l / (BK / GB), (l % (BK / GB)) * GB);
+    return TB1 == 0u ? uvec2((l % (BN / GB)) * GB, l / (BN / GB)) : k_contiguous_slot(l, BN, BK / GB, GB);
 }
 
 // Granule l of the A tile whose K begins at kt (zeros outside the matrix or this K slice).
 // Granules never straddle an edge: with GA == 4 the contiguous dimension is a multiple of 4.
+// Under CT the kernel's A is the launch's B (binding 1), M' = N, and it has no row of ones.
 vec4 load_a(uint l, uint m0, uint kt, uint k_end) {
     uvec2 s = a_slot(l);
     uint gm = m0 + s.x;
     uint gk = kt + s.y;
     vec4 v = vec4(0.0);
+    const uint rows = CT1 != 0u ? pc.N : pc.M;
     // The stored rows of A: M, or M - 1 under a row of ones (its granules hold only ones, as
     // tune_gemm vectorises A only when M - 1 is a multiple of 4).
-    const uint stored = pc.M - min(pc.ones_row, 1u);
-    if (l < A_GRAN && gm >= stored && gm < pc.M && gk < k_end) {
+    const uint stored = rows - min(pc.ones_row, 1u) * (1u - NR) * (1u - CT1);
+    if (l < A_GRAN && gm >= stored && gm < rows && gk < k_end) {
         v = vec4(1.0);
-    } else if (l < A_GRAN && gm < pc.M && gk < k_end) {
-        uint idx = TA == 0u ? gm * pc.K + gk : gk * stored + gm;
+    } else if (l < A_GRAN && gm < rows && gk < k_end) {
+        uint idx = TA1 == 0u ? gm * pc.K + gk : gk * stored + gm;
         if (GA == 4u) {
-            v = A4[idx >> 2u];
+            v = CT1 != 0u ? B4[idx >> 2u] : A4[idx >> 2u];
         } else {
-            v.x = A[idx];
+            v.x = CT1 != 0u ? B[idx] : A[idx];
         }
     }
     return v;
 }
 
+// Under CT the kernel's B is the launch's A (binding 0), N' = M, and A's row of ones is its
+// column N' - 1.
 vec4 load_b(uint l, uint n0, uint kt, uint k_end) {
     uvec2 s = b_slot(l);
     uint gn = n0 + s.x;
     uint gk = kt + s.y;
     vec4 v = vec4(0.0);
-    if (l < B_GRAN && gn < pc.N && gk < k_end) {
-        uint idx = TB == 0u ? gk * pc.N + gn : gn * pc.K + gk;
+    const uint cols = CT1 != 0u ? pc.M : pc.N;
+    const uint stored = cols - min(pc.ones_row, 1u) * (1u - NR) * CT1;
+    if (l < B_GRAN && gn >= stored && gn < cols && gk < k_end) {
+        v = vec4(1.0);
+    } else if (l < B_GRAN && gn < cols && gk < k_end) {
+        uint idx = TB1 == 0u ? gk * stored + gn : gn * pc.K + gk;
         if (GB == 4u) {
-            v = B4[idx >> 2u];
+            v = CT1 != 0u ? A4[idx >> 2u] : B4[idx >> 2u];
         } else {
-            v.x = B[idx];
+            v.x = CT1 != 0u ? A[idx] : B[idx];
         }
     }
     return v;
@@ -198,7 +271,7 @@ void put_a(uint base, uint l, vec4 v) {
             }
         } else if (GA == 1u) {
             As[base + (w >> 2u)][w & 3u] = v.x;
-        } else if (TA != 0u) {
+        } else if (TA1 != 0u) {
             As[base + (w >> 2u)] = v;  // along m: one aligned vec4
         } else {
             [[unroll]] for (uint c = 0u; c < 4u; ++c) {
@@ -215,7 +288,7 @@ void put_b(uint base, uint l, vec4 v) {
         uint w = s.y * SB + s.x;
         if (GB == 1u) {
             Bs[base + (w >> 2u)][w & 3u] = v.x;
-        } else if (TB == 0u) {
+        } else if (TB1 == 0u) {
             Bs[base + (w >> 2u)] = v;  // along n: one aligned vec4
         } else {
             [[unroll]] for (uint c = 0u; c < 4u; ++c) {
@@ -226,21 +299,67 @@ void put_b(uint base, uint l, vec4 v) {
     }
 }
 
-// Column of C in the tile of a thread's column group h (4 columns from there).
-uint tile_col(uint tx, uint h) {
-    return h * GSN + tx * 4u;
+// Column of C in the tile of a thread's column group h (4 columns from there); cbase: its first.
+uint tile_col(uint cbase, uint h) {
+    return cbase + h * CSTEP;
 }
 
-// Row of C in the tile of a thread's output row i.
-uint tile_row(uint ty, uint i) {
-    return (i / SWM) * GSM + ty * SWM + i % SWM;
+// Row of C in the tile of a thread's output row i; rbase: its first.
+uint tile_row(uint rbase, uint i) {
+    return rbase + (i / SWM) * RSTEP + (i % SWM) * RSUB;
+}
+
+// The epilogue of one output C[m, n..n+3] (vec4, VC) or C[m, n] (scalar, lane 0 of raw), as
+// cpu_ops.gemm orders it: scale, the old C, the bias, the activation derivative, the activation.
+// Split-K writes the raw sums into slice z of C viewed as [splits, M, N] instead.
+void store_vec4(uint m, uint n, vec4 raw) {
+    if (max(pc.k_splits, 1u) > 1u) {
+        C4[((gl_WorkGroupID.z * pc.M + m) * pc.N + n) >> 2u] = raw;
+        return;
+    }
+    uint o = (m * pc.N + n) >> 2u;
+    vec4 v = raw * pc.alpha;
+    if (pc.accumulate != 0u) {
+        v += C4[o];
+    }
+    if (pc.has_bias != 0u) {
+        v += bias4[n >> 2u];
+    }
+    if (AG != ACT_NONE) {
+        vec4 d = bias4[o];
+        v *= vec4(activation_derivative(d.x, AG, pc.slope), activation_derivative(d.y, AG, pc.slope),
+                  activation_derivative(d.z, AG, pc.slope), activation_derivative(d.w, AG, pc.slope));
+    }
+    C4[o] = vec4(vk_activate(v.x, ACT, pc.slope), vk_activate(v.y, ACT, pc.slope),
+                 vk_activate(v.z, ACT, pc.slope), vk_activate(v.w, ACT, pc.slope));
+}
+
+void store_scalar(uint m, uint n, float raw) {
+    if (max(pc.k_splits, 1u) > 1u) {
+        C[(gl_WorkGroupID.z * pc.M + m) * pc.N + n] = raw;
+        return;
+    }
+    float v = raw * pc.alpha;
+    if (pc.accumulate != 0u) {
+        v += C[m * pc.N + n];
+    }
+    if (pc.has_bias != 0u) {
+        v += bias[n];
+    }
+    if (AG != ACT_NONE) {
+        v *= activation_derivative(bias[m * pc.N + n], AG, pc.slope);
+    }
+    C[m * pc.N + n] = vk_activate(v, ACT, pc.slope);
 }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint slice = tid / NTS;
-    const uint tx = (tid % NTS) % WN;
-    const uint ty = (tid % NTS) / WN;
+    // The thread's place in its group (see WL): group (warp) index and lane.
+    const uint warp = (tid % NTS) / GSZ;
+    const uint lane = (tid % NTS) % GSZ;
+    const uint rbase = (warp / WPN) * LMM * TM + (lane / LNN) * (RI1 + (1u - RI1) * SWM);
+    const uint cbase = (warp % WPN) * LNN * TN + (lane % LNN) * 4u;
     // Tile coordinates, banded for L2 reuse when GM > 1.
     uint tile_m = gl_WorkGroupID.y;
     uint tile_n = gl_WorkGroupID.x;
@@ -256,8 +375,9 @@ void main() {
     }
     const uint m0 = tile_m * BM;
     const uint n0 = tile_n * BN;
-    const uint M = pc.M;
-    const uint N = pc.N;
+    // The kernel's M x N (N x M under CT).
+    const uint M = CT1 != 0u ? pc.N : pc.M;
+    const uint N = CT1 != 0u ? pc.M : pc.N;
     const uint K = pc.K;
     // Split-K: workgroup z sums only its slice of K and writes raw partial sums into slice z of
     // C viewed as [splits, M, N]; a splitk_epilogue launch then adds the slices and applies the
@@ -267,7 +387,7 @@ void main() {
     const uint k_begin = gl_WorkGroupID.z * k_chunk;
     const uint k_end = min(K, k_begin + k_chunk);
 
-    // acc[i * RGN + h]: output row i, columns tile_col(tx, h) .. + 3.
+    // acc[i * RGN + h]: output row i, columns tile_col(cbase, h) .. + 3.
     vec4 acc[TM * RGN];
     [[unroll]] for (uint i = 0u; i < TM * RGN; ++i) {
         acc[i] = vec4(0.0);
@@ -305,7 +425,7 @@ void main() {
             vec4 av[TM * AR + 1u - AR];
             if (AR == 1u) {
                 [[unroll]] for (uint i = 0u; i < TM; ++i) {
-                    av[i] = As[a_base + (ar_word(tile_row(ty, i), k4) >> 2u)];
+                    av[i] = As[a_base + (ar_word(tile_row(rbase, i), k4) >> 2u)];
                 }
             }
             [[unroll]] for (uint j = 0u; j < QS; ++j) {
@@ -317,7 +437,7 @@ void main() {
                     }
                 } else {
                     [[unroll]] for (uint g = 0u; g < RGM; ++g) {
-                        uint w = kk * SA + g * GSM + ty * SWM;
+                        uint w = kk * SA + tile_row(rbase, g * SWM);
                         if (SWM == 4u) {
                             vec4 v = As[a_base + (w >> 2u)];
                             a[4u * g] = v.x;
@@ -333,7 +453,7 @@ void main() {
                 }
                 vec4 b[RGN];
                 [[unroll]] for (uint h = 0u; h < RGN; ++h) {
-                    b[h] = Bs[b_base + ((kk * SB + tile_col(tx, h)) >> 2u)];
+                    b[h] = Bs[b_base + ((kk * SB + tile_col(cbase, h)) >> 2u)];
                 }
                 [[unroll]] for (uint i = 0u; i < TM; ++i) {
                     [[unroll]] for (uint h = 0u; h < RGN; ++h) {
@@ -365,7 +485,7 @@ void main() {
             if (slice == from) {
                 [[unroll]] for (uint i = 0u; i < TM; ++i) {
                     [[unroll]] for (uint h = 0u; h < RGN; ++h) {
-                        Red[(tile_row(ty, i) * BN + tile_col(tx, h)) >> 2u] = acc[i * RGN + h];
+                        Red[(tile_row(rbase, i) * BN + tile_col(cbase, h)) >> 2u] = acc[i * RGN + h];
                     }
                 }
             }
@@ -373,7 +493,7 @@ void main() {
             if (slice == 0u) {
                 [[unroll]] for (uint i = 0u; i < TM; ++i) {
                     [[unroll]] for (uint h = 0u; h < RGN; ++h) {
-                        acc[i * RGN + h] += Red[(tile_row(ty, i) * BN + tile_col(tx, h)) >> 2u];
+                        acc[i * RGN + h] += Red[(tile_row(rbase, i) * BN + tile_col(cbase, h)) >> 2u];
                     }
                 }
             }
@@ -384,55 +504,55 @@ void main() {
         }
     }
 
-    // Same order as cpu_ops.gemm: scale, then the old C, then the bias, then act. No `continue`
-    // inside these unrolled loops: a loop the compiler cannot unroll indexes acc dynamically.
+    // CT's epilogue: the kernel's row r is C's column and its column c is C's row. With 4 adjacent
+    // kernel rows per sub-block (SWM 4, not interleaved) and C's rows in vec4s (VC), column c of a
+    // 4 x 4 sub-block is one vec4 along a row of C; else one scalar per output.
+    if (CT1 != 0u) {
+        if (SWM == 4u && RSUB == 1u && VC) {
+            [[unroll]] for (uint g = 0u; g < RGM; ++g) {
+                const uint n = m0 + tile_row(rbase, g * 4u);
+                [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+                    [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+                        const uint m = n0 + tile_col(cbase, h) + c;
+                        const uint i = g * 4u * RGN + h;
+                        vec4 raw = vec4(acc[i][c], acc[i + RGN][c], acc[i + 2u * RGN][c],
+                                        acc[i + 3u * RGN][c]);
+                        if (m < pc.M && n < pc.N) {
+                            store_vec4(m, n, raw);
+                        }
+                    }
+                }
+            }
+        } else {
+            [[unroll]] for (uint i = 0u; i < TM; ++i) {
+                const uint n = m0 + tile_row(rbase, i);
+                [[unroll]] for (uint h = 0u; h < RGN; ++h) {
+                    [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+                        const uint m = n0 + tile_col(cbase, h) + c;
+                        if (m < pc.M && n < pc.N) {
+                            store_scalar(m, n, acc[i * RGN + h][c]);
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // No `continue` inside these unrolled loops: a loop the compiler cannot unroll indexes acc
+    // dynamically.
     [[unroll]] for (uint i = 0u; i < TM; ++i) {
-        const uint m = m0 + tile_row(ty, i);
+        const uint m = m0 + tile_row(rbase, i);
         [[unroll]] for (uint h = 0u; h < RGN; ++h) {
-            const uint nc = n0 + tile_col(tx, h);
+            const uint nc = n0 + tile_col(cbase, h);
             const vec4 raw = acc[i * RGN + h];
             if (m < M && VC && nc < N) {
                 // N % 4 == 0 and every column group starts at a multiple of 4: wholly in or out.
-                if (splits > 1u) {
-                    C4[((gl_WorkGroupID.z * M + m) * N + nc) >> 2u] = raw;
-                } else {
-                    uint o = (m * N + nc) >> 2u;
-                    vec4 v = raw * pc.alpha;
-                    if (pc.accumulate != 0u) {
-                        v += C4[o];
-                    }
-                    if (pc.has_bias != 0u) {
-                        v += bias4[nc >> 2u];
-                    }
-                    if (AG != ACT_NONE) {
-                        vec4 d = bias4[o];
-                        v *= vec4(activation_derivative(d.x, AG, pc.slope),
-                                  activation_derivative(d.y, AG, pc.slope),
-                                  activation_derivative(d.z, AG, pc.slope),
-                                  activation_derivative(d.w, AG, pc.slope));
-                    }
-                    C4[o] = vec4(vk_activate(v.x, ACT, pc.slope), vk_activate(v.y, ACT, pc.slope),
-                                 vk_activate(v.z, ACT, pc.slope), vk_activate(v.w, ACT, pc.slope));
-                }
+                store_vec4(m, nc, raw);
             } else if (m < M && !VC) {
                 [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-                    const uint n = nc + c;
-                    if (n < N) {
-                        if (splits > 1u) {
-                            C[(gl_WorkGroupID.z * M + m) * N + n] = raw[c];
-                        } else {
-                            float v = raw[c] * pc.alpha;
-                            if (pc.accumulate != 0u) {
-                                v += C[m * N + n];
-                            }
-                            if (pc.has_bias != 0u) {
-                                v += bias[n];
-                            }
-                            if (AG != ACT_NONE) {
-                                v *= activation_derivative(bias[m * N + n], AG, pc.slope);
-                            }
-                            C[m * N + n] = vk_activate(v, ACT, pc.slope);
-                        }
+                    if (nc + c < N) {
+                        store_scalar(m, nc + c, raw[c]);
                     }
                 }
             }

@@ -25,7 +25,7 @@ from pathlib import Path
 from shaders.user_cache import cache_dir
 
 SHIPPED = Path(__file__).with_name("tuning")
-TILE_KEYS = ("BM", "BN", "BK", "TM", "TN", "GM", "SK", "DB", "KR")
+TILE_KEYS = ("BM", "BN", "BK", "TM", "TN", "GM", "SK", "DB", "KR", "WL", "XS", "CT")
 
 
 def device_slug(device: str) -> str:

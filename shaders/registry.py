@@ -177,6 +177,12 @@ def _gemm_groups(params, local, spec) -> Groups:
     return (ceil_div(int(params["N"]), spec["BN"]), ceil_div(int(params["M"]), spec["BM"]), splits)
 
 
+def _gemm_fp32_groups(params, local, spec) -> Groups:
+    """gemm.comp's grid: BM x BN tiles of C, or of C^T under its CT (M and N swap)."""
+    swapped = {**params, "M": params["N"], "N": params["M"]} if spec.get("CT", 0) else params
+    return _gemm_groups(swapped, local, spec)
+
+
 def _reduce_groups(params, local, spec) -> Groups:
     outputs = int(params["cols"]) if int(params["axis"]) == 0 else int(params["rows"])
     return capped_groups(outputs, 1)
@@ -361,7 +367,7 @@ _OPS: tuple[OpDef, ...] = (
         "gemm.comp",
         ("A", "B", "bias", "C"),
         _GEMM_PUSH,
-        _gemm_groups,
+        _gemm_fp32_groups,
         local_size=(256, 1, 1),
         # TA/TB: transposition flags (from trans_a/trans_b via tune_gemm); VEC: vec4 access mask.
         spec=(
@@ -379,6 +385,10 @@ _OPS: tuple[OpDef, ...] = (
             ("ACT", 0),
             ("AG", 0),
             ("KR", 0),  # 1: A (stored [M,K]) kept k-contiguous in shared memory
+            ("WL", 0),  # warp tiling: lanes along n of each 32-lane warp tile (0: block-wide)
+            ("XS", 0),  # 1: transposed shared stores by runs of 16 rows (conflict-free)
+            ("CT", 0),  # 1: compute C^T = op(B)^T op(A)^T and store it transposed
+            ("NR", 0),  # 1: no row of ones (from the launch's ones_row, via tune_gemm)
         ),
         local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]) * s.get("SK", 1), 1, 1),
         tune=tune_gemm,

@@ -37,10 +37,12 @@ def gemm_shared_bytes(bm: int, bn: int, bk: int, sk: int = 1, db: int = 0) -> in
 # and A kept k-contiguous in shared memory (KR 1) was within 3 % of the best tile in every
 # transposition (4096^3: 39.0 TFLOP/s, A k-major 43.3; 8192 x 4096 x 4096 with B transposed
 # 37.7), where the earlier 64 x 128 x 32 / 4 x 8 fell to 27.3 with B transposed; it fits
-# lavapipe's 32 KiB of shared memory. Sliced K for an MLP's batch of 256 (256 x 1024 x 1024 in
-# 31 us against 48 us with the best plain tile).
+# lavapipe's 32 KiB of shared memory. Warp tiles of 32 x 64 (WL 8, session 13, measured while every
+# launch still tested for a row of ones, see gemm.comp's NR): A k-major 42.9 -> 44.1, B transposed
+# 38.1 -> 38.2, row-major A unchanged (39.2). Sliced K for an MLP's batch of 256 (256 x 1024 x 1024
+# in 31 us against 48 us with the best plain tile).
 GEMM_TILES: tuple[dict[str, int], ...] = (
-    {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8, "GM": 8, "SK": 1, "DB": 0, "KR": 1},
+    {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8, "GM": 8, "SK": 1, "DB": 0, "KR": 1, "WL": 8},
     {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
     # Too few tiles to fill the GPU and a long K: 4 slices of K per 32 x 32 tile.
     {"BM": 32, "BN": 32, "BK": 32, "TM": 4, "TN": 4, "GM": 1, "SK": 4, "DB": 0},
@@ -54,7 +56,7 @@ GEMM_SLICED_MIN_K = 128
 # On a CPU driver (lavapipe): few wide threads.
 GEMM_CPU_TILES = GEMM_TILES[1]
 # Constants a tuning-table entry or a fallback tile may leave out.
-GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0, "KR": 0}
+GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0, "KR": 0, "WL": 0, "XS": 0, "CT": 0}
 
 
 def tune_gemm(
@@ -76,8 +78,9 @@ def tune_gemm(
         table: the device's tuning table, or None.
 
     Returns:
-        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, KR, TA, TB, VEC, and ACT and AG
-        (the launch's act and act_grad: the shader compiles only the epilogue in use).
+        Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, KR, WL, XS, CT, TA, TB, VEC, NR
+        (1: no row of ones, so the shader compiles its test out), and ACT and AG (the launch's act
+        and act_grad: the shader compiles only the epilogue in use).
     """
     m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
     ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))
@@ -102,15 +105,39 @@ def tune_gemm(
     stored_m = m - min(int(params.get("ones_row", 0)), 1)
     vec = int((stored_m if ta else k) % 4 == 0) | int((k if tb else n) % 4 == 0) << 1 | int(n % 4 == 0) << 2
     epilogue = {"ACT": int(params.get("act", 0)), "AG": int(params.get("act_grad", 0))}
-    return {**GEMM_SPEC_DEFAULTS, **choice, "TA": ta, "TB": tb, "VEC": vec, **epilogue}
+    launch = {"TA": ta, "TB": tb, "VEC": vec, "NR": int(stored_m == m)}
+    return {**GEMM_SPEC_DEFAULTS, **choice, **launch, **epilogue}
 
 
 def gemm_fits(tiles: dict[str, int], shared_bytes: int, max_threads: int) -> bool:
-    """Whether gemm.comp with these tile constants fits a device's shared memory and workgroup size."""
+    """Whether gemm.comp with these tile constants fits a device's shared memory and workgroup size
+    (and its warp tiles, if any, divide the block tile: gemm_layout_problem)."""
     sk, db = tiles.get("SK", 1), tiles.get("DB", 0)
     threads = (tiles["BM"] // tiles["TM"]) * (tiles["BN"] // tiles["TN"]) * sk
     need = gemm_shared_bytes(tiles["BM"], tiles["BN"], tiles["BK"], sk, db)
-    return threads <= max_threads and need <= shared_bytes
+    return threads <= max_threads and need <= shared_bytes and gemm_layout_problem(tiles) is None
+
+
+def gemm_layout_problem(tiles: Mapping[str, int]) -> str | None:
+    """Why gemm.comp's warp tiling (WL: lanes along n of each 32-lane warp) cannot lay out these
+    tiles, or None when it can (always, with WL 0). A warp tile is (32 / WL) * TM rows by WL * TN
+    columns; the block tile must hold a whole number of them.
+
+    Args:
+        tiles: gemm.comp's tile constants (BM, BN, TM, TN, and WL if any).
+
+    Returns:
+        A sentence, or None.
+    """
+    wl = tiles.get("WL", 0)
+    if not wl:
+        return None
+    if wl not in (1, 2, 4, 8, 16, 32):
+        return f"WL={wl} must divide 32"
+    rows, cols = (32 // wl) * tiles["TM"], wl * tiles["TN"]
+    if tiles["BM"] % rows or tiles["BN"] % cols:
+        return f"the warp tile {rows}x{cols} (WL={wl}) must divide the block tile {tiles['BM']}x{tiles['BN']}"
+    return None
 
 
 # -- cooperative-matrix GEMM (gemm_coopmat.comp) ---------------------------------------------------

@@ -37,6 +37,7 @@ from shaders.tiles import (
     conv_gemm_shape,
     conv_key,
     gemm_fits,
+    gemm_layout_problem,
     gemm_shared_bytes,
     tune_conv,
     tune_gemm,
@@ -954,12 +955,136 @@ def test_gemm_k_contiguous_shared_tiles(vulkan_backend, rng, kr, tile, m, n, k, 
     assert relative_error(vulkan_backend.read("C"), want) <= TOL
 
 
+# Warp-tiled layouts (WL: lanes along n of each 32-lane warp tile): the big tile with KR (rows
+# interleaved across lanes), 4 x 4 outputs a lane, 2 x 4 (scalar reads of A), two K-tile buffers
+# with a BK of 8, and 4 K slices whose warps sum through shared memory.
+WARP_TILES = [
+    {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8, "GM": 8, "WL": 8},
+    {"BM": 128, "BN": 64, "BK": 16, "TM": 8, "TN": 8, "WL": 4},
+    {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "WL": 8},
+    {"BM": 64, "BN": 32, "BK": 8, "TM": 2, "TN": 4, "DB": 1, "WL": 4},
+    {"BM": 32, "BN": 64, "BK": 32, "TM": 4, "TN": 8, "SK": 4, "WL": 8},
+]
+# The shipped tables' gemm tiles (what tune_gemm can pick on their devices). Those that need more
+# shared memory than lavapipe has are run with BK halved: the same thread layout.
+SHIPPED_GEMM_TILES = list(
+    {
+        tuple(sorted(tiles.items())): dict(tiles)
+        for path in sorted(gemm_tuning.SHIPPED.glob("*.json"))
+        for name, tiles in json.loads(path.read_text())["gemm"].items()
+        if not name.startswith("conv-")
+    }.values()
+)
+
+
+def gemm_fused_case(rng, m, n, k, trans_a, trans_b):
+    """Operands and launch params for one gemm launch with the epilogue a model fuses for this
+    transposition pair, and the float64 oracle: a weight gradient with its bias row (A stored
+    [K, M-1], ones_row), an input gradient times f'(D) (B stored [N,K], act_grad), else bias,
+    alpha, the old C and an activation."""
+    ones = int(trans_a and not trans_b)
+    stored = m - ones
+    a = normal(rng, k, stored) if trans_a else normal(rng, stored, k)
+    b = normal(rng, n, k) if trans_b else normal(rng, k, n)
+    op_a = as64(a).T if trans_a else as64(a)
+    if ones:
+        op_a = np.vstack([op_a, np.ones((1, k))])
+    op_b = as64(b).T if trans_b else as64(b)
+    c_old = normal(rng, m, n)
+    params = {"M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b, "alpha": 1.0}
+    if ones:
+        arrays = {"A": a, "B": b, "bias": normal(rng, n), "C": c_old}
+        return arrays, {**params, "ones_row": 1}, op_a @ op_b
+    if trans_b:
+        saved = act_oracle(as64(normal(rng, m, n)), "tanh", 0.0).astype(np.float32)
+        arrays = {"A": a, "B": b, "bias": saved, "C": c_old}
+        want = (op_a @ op_b) * oracles.derivative_from_output(saved, "tanh", 0.0)
+        return arrays, {**params, "act_grad": ACTIVATIONS["tanh"]}, want
+    bias = normal(rng, n)
+    arrays = {"A": a, "B": b, "bias": bias, "C": c_old}
+    params = {
+        **params,
+        "alpha": 0.5,
+        "accumulate": 1,
+        "has_bias": 1,
+        "act": ACTIVATIONS["leaky_relu"],
+        "slope": 0.1,
+    }
+    return arrays, params, act_oracle(0.5 * (op_a @ op_b) + as64(c_old) + as64(bias), "leaky_relu", 0.1)
+
+
+def run_gemm_tile(backend, arrays, params, spec) -> np.ndarray:
+    backend.open_layout(single_op_layout(arrays))
+    for name, array in arrays.items():
+        backend.write(name, array)
+    program = Program(name="gemm_tile", steps=(launch("gemm", tuple(arrays), **params),))
+    backend.wait(backend.submit(backend.record(program, spec_overrides={"gemm": spec})))
+    return backend.read("C")
+
+
+# Beside the thread layout: A kept k-contiguous in shared memory (KR), the transposed shared
+# stores by runs of rows (XS), C^T computed and stored transposed (CT), and the runtime test for
+# a row of ones kept where the launch has none (NR 0; tune_gemm sets 1 there).
+LAYOUT_VARIANTS = [
+    {},
+    {"KR": 1},
+    {"XS": 1},
+    {"KR": 1, "XS": 1, "NR": 0},
+    {"CT": 1},
+    {"CT": 1, "KR": 1, "XS": 1},
+]
+
+
+@pytest.mark.parametrize("variant", LAYOUT_VARIANTS, ids=lambda v: tile_id(v) or "plain")
+@pytest.mark.parametrize("tile", WARP_TILES, ids=tile_id)
+@pytest.mark.parametrize("m,n,k", [(67, 37, 41), (132, 36, 72)])
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+def test_gemm_warp_tiles(vulkan_backend, rng, variant, tile, m, n, k, trans_a, trans_b):
+    """Warp tiling (WL) with each layout variant: the oracle's result for every transposition
+    pair, odd sizes (scalar loads and stores) and multiples of 4 (vec4), with each fused epilogue
+    (bias and activation, the bias-gradient row, the activation derivative)."""
+    assert gemm_layout_problem(tile) is None
+    arrays, params, want = gemm_fused_case(rng, m, n, k, trans_a, trans_b)
+    got = run_gemm_tile(vulkan_backend, arrays, params, {**tile, **variant})
+    assert relative_error(got, want) <= TOL
+
+
+@pytest.mark.parametrize("tile", SHIPPED_GEMM_TILES, ids=tile_id)
+@pytest.mark.parametrize("m,n,k", [(131, 133, 72), (68, 36, 40)])
+@pytest.mark.parametrize("trans_a,trans_b", TRANS)
+def test_gemm_shipped_table_tiles(vulkan_backend, rng, tile, m, n, k, trans_a, trans_b):
+    """Every gemm tile a shipped tuning table names gives the oracle's result with its fused
+    epilogues; one too big for this device's shared memory runs with BK halved until it fits."""
+    facts = vulkan_backend.facts
+    spec = dict(tile)
+    while not gemm_fits(spec, facts.shared_memory_bytes, facts.max_workgroup_invocations) and spec["BK"] > 4:
+        spec["BK"] //= 2
+    assert gemm_fits(spec, facts.shared_memory_bytes, facts.max_workgroup_invocations)
+    arrays, params, want = gemm_fused_case(rng, m, n, k, trans_a, trans_b)
+    assert relative_error(run_gemm_tile(vulkan_backend, arrays, params, spec), want) <= TOL
+
+
+def test_gemm_layout_problem_names_the_tiles():
+    """A warp tile that does not divide the block tile is refused, with the sizes; gemm_fits
+    then says no, so neither a table entry nor a fallback can pick it."""
+    good = {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8, "WL": 8}
+    assert gemm_layout_problem(good) is None and gemm_layout_problem({**good, "WL": 0}) is None
+    bad = {**good, "BN": 32}  # a warp tile of 32 x 64
+    assert "32x64" in gemm_layout_problem(bad) and "128x32" in gemm_layout_problem(bad)
+    assert "WL=3" in gemm_layout_problem({**good, "WL": 3})
+    assert gemm_fits(good, 48 * 1024, 1024) and not gemm_fits(bad, 48 * 1024, 1024)
+
+
 @pytest.mark.parametrize("m,n,k", GEMM_VEC_SHAPES)
 @pytest.mark.parametrize("trans_a,trans_b", TRANS)
 def test_tune_gemm_sets_transpose_and_vec(m, n, k, trans_a, trans_b):
-    """TA/TB mirror the launch; VEC bit 0/1/2 = A/B/C's contiguous dimension is a multiple of 4."""
+    """TA/TB mirror the launch; VEC bit 0/1/2 = A/B/C's contiguous dimension is a multiple of 4;
+    NR says the launch has no row of ones."""
     spec = tune_gemm({"M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b}, None)
     assert (spec["TA"], spec["TB"]) == (trans_a, trans_b)
+    assert spec["NR"] == 1  # no row of ones: its test is compiled out
+    ones = tune_gemm({"M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b, "ones_row": 1}, None)
+    assert ones["NR"] == 0
     a_row, b_row = (m if trans_a else k), (k if trans_b else n)
     assert spec["VEC"] == (a_row % 4 == 0) | (b_row % 4 == 0) << 1 | (n % 4 == 0) << 2
 
