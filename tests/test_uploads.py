@@ -33,6 +33,15 @@ def io_layout(n: int, dtype: str = "float32") -> Layout:
     return Layout(arenas=arenas, tensors=tensors)
 
 
+def out_layout(n: int) -> Layout:
+    """io_layout plus ``out``, a per-slot output arena."""
+    layout = io_layout(n)
+    return Layout(
+        arenas=(*layout.arenas, Arena("out", align_up(n * 4), per_slot=True)),
+        tensors=(*layout.tensors, Tensor("out", (n,), "float32", "out", 0)),
+    )
+
+
 def copy_program(src: str, dst: str, n: int) -> Program:
     return Program(name=f"copy_{src}_{dst}", steps=(launch("copy", (src, dst), n=n),))
 
@@ -88,12 +97,7 @@ def test_upload_of_int32_data_passed_in(backend, rng):
 
 def test_back_to_back_uploads_into_two_slots(backend, rng):
     n = 1023
-    layout = io_layout(n)
-    per_slot_out = Layout(
-        arenas=(*layout.arenas, Arena("out", align_up(n * 4), per_slot=True)),
-        tensors=(*layout.tensors, Tensor("out", (n,), "float32", "out", 0)),
-    )
-    backend.open_layout(per_slot_out, slots=2)
+    backend.open_layout(out_layout(n), slots=2)
     values = [fresh(rng, n), fresh(rng, n)]
     for slot in (0, 1):
         backend.staging_view("x", slot)[:] = values[slot]
@@ -239,12 +243,7 @@ def test_a_group_submitted_at_once_runs_in_order_after_its_uploads(backend, rng)
     up), each with its own ticket. Every slot's input was uploaded just before, with no wait, and
     the last program reads what the first one wrote: the group runs in order, after the uploads."""
     n = 1023
-    layout = io_layout(n)
-    per_slot_out = Layout(
-        arenas=(*layout.arenas, Arena("out", align_up(n * 4), per_slot=True)),
-        tensors=(*layout.tensors, Tensor("out", (n,), "float32", "out", 0)),
-    )
-    backend.open_layout(per_slot_out, slots=3)
+    backend.open_layout(out_layout(n), slots=3)
     values = [fresh(rng, n) for _ in range(3)]
     handles = [backend.record(copy_program("x", "out", n), slot) for slot in range(3)]
     chained = backend.record(Program(name="chain", steps=(launch("copy", ("out", "wy"), n=n),)), 0)
