@@ -271,6 +271,8 @@ class Queues:
         if group is None:
             if len(set(handles)) < len(handles):  # a command buffer may be pending only once
                 raise ValueError(f"submit_group: a program submitted twice in one group {handles}")
+            if len(self._groups) >= 4096:  # slots come round in order, so few groups recur: a bound
+                self._groups.clear()
             group = self._groups[handles] = self._group(handles)
         count = len(handles)
         with self._lock:
