@@ -172,6 +172,23 @@ def _coopmat_local(spec: dict[str, int]) -> Groups:
     return (spec["BM"] // spec["WM"]) * (spec["BN"] // spec["WN"]) * spec["SG"], 1, 1
 
 
+def _coopmat_gemm(name: str, shader: str, outputs: tuple[str, ...], threads: int, spec, tune) -> OpDef:
+    """A tensor-core GEMM op: gemm's bindings (A, B, bias, then ``outputs``), push constants and
+    grid, on devices with cooperative matrices."""
+    return OpDef(
+        name,
+        shader,
+        ("A", "B", "bias", *outputs),
+        _GEMM_PUSH,
+        _gemm_groups,
+        local_size=(threads, 1, 1),
+        spec=spec,
+        features=frozenset({"cooperative_matrix"}),
+        local_from_spec=_coopmat_local,
+        tune=tune,
+    )
+
+
 def _gemm_groups(params, local, spec) -> Groups:
     splits = max(1, int(params.get("k_splits", 1)))
     return (ceil_div(int(params["N"]), spec["BN"]), ceil_div(int(params["M"]), spec["BM"]), splits)
@@ -807,48 +824,19 @@ _OPS: tuple[OpDef, ...] = (
     # BM x BN x BK; (BM/WM)*(BN/WN) subgroups of SG invocations (the device's subgroup size),
     # each a WM x WN warp tile; GM tile rows per L2 group. Defaults are the fastest on an H200 at
     # 4096^3; small problems (e.g. 256x1024x784) prefer BM=BN=32, BK=64, WM=WN=16.
-    OpDef(
-        "gemm_coopmat",
-        "gemm_coopmat.comp",
-        ("A", "B", "bias", "C"),
-        _GEMM_PUSH,
-        _gemm_groups,
-        local_size=(128, 1, 1),
-        spec=COOPMAT_SPEC,
-        features=frozenset({"cooperative_matrix"}),
-        local_from_spec=_coopmat_local,
-        tune=tune_gemm_coopmat,
-    ),
+    _coopmat_gemm("gemm_coopmat", "gemm_coopmat.comp", ("C",), 128, COOPMAT_SPEC, tune_gemm_coopmat),
     # gemm_coopmat with A and B float16 tensors (C and bias stay float32): the same shader with
     # AH = BH = 1, so the halves go to shared memory as they are, 16 bytes at a time, and only fp32
     # accumulation error remains against the product of the fp16 inputs. The halved staging pays
     # for wider tiles (tune_gemm_coopmat_f16); the fp16 counterpart of cuBLAS's fp16 GEMM.
-    OpDef(
-        "gemm_coopmat_f16",
-        "gemm_coopmat.comp",
-        ("A", "B", "bias", "C"),
-        _GEMM_PUSH,
-        _gemm_groups,
-        local_size=(256, 1, 1),
-        spec=COOPMAT_F16_SPEC,
-        features=frozenset({"cooperative_matrix"}),
-        local_from_spec=_coopmat_local,
-        tune=tune_gemm_coopmat_f16,
+    _coopmat_gemm(
+        "gemm_coopmat_f16", "gemm_coopmat.comp", ("C",), 256, COOPMAT_F16_SPEC, tune_gemm_coopmat_f16
     ),
     # gemm_coopmat that also writes C's float16 copy H (cast.comp's rounding, bit for bit) from its
     # epilogue, for the next GEMMs of a mixed plan to read as halves: no cast launch, no barrier.
     # N even and no split (flow.autodiff only asks it so).
-    OpDef(
-        "gemm_coopmat_copy",
-        "gemm_coopmat_copy.comp",
-        ("A", "B", "bias", "C", "H"),
-        _GEMM_PUSH,
-        _gemm_groups,
-        local_size=(128, 1, 1),
-        spec=COOPMAT_SPEC,
-        features=frozenset({"cooperative_matrix"}),
-        local_from_spec=_coopmat_local,
-        tune=tune_gemm_coopmat,
+    _coopmat_gemm(
+        "gemm_coopmat_copy", "gemm_coopmat_copy.comp", ("C", "H"), 128, COOPMAT_SPEC, tune_gemm_coopmat
     ),
 )
 
