@@ -19,9 +19,10 @@ chunk of steps, see actors.meter), so a resumed run continues it and a killed ru
 chunk's lines. A step's seconds come from when the device saw it done (``StepDone.finished``), not
 from when its chunk arrived. Each process's lines follow the ``{"event": "run", "run", "step",
 "resumed", "pid", "time"}`` record that claiming the file wrote (actors.outputs), so one run's
-lines never run on into another's. A data-parallel run adds a ``{"event": "devices", ...}`` line
-as each epoch ends (:func:`devices_record`): each member's samples/s, busy and idle seconds, and
-the all-reduce's seconds.
+lines never run on into another's; then ``{"event": "setup", "step", "seconds", "parts"}``, the
+seconds before the first step by part (flow.runtime.RunResult.setup). A data-parallel run adds a
+``{"event": "devices", ...}`` line as each epoch ends (:func:`devices_record`): each member's
+samples/s, busy and idle seconds, and the all-reduce's seconds.
 
 The sink also acts on the run's health checks (:mod:`actors.health`). It writes the first training
 batch's input range as ``{"event": "inputs", "step", "epoch", "rows", "min", "max", "mean",
@@ -218,6 +219,8 @@ class Sink:
         stop: asks the runtime to stop the run (step, reason), when a callback asks for it.
         measured: what a data-parallel run measured before its first step, for its checkpoints
             (actors.checkpoint.Checkpoint.measured).
+        setup: seconds per part of the run's setup (flow.runtime.RunResult.setup), written as the
+            metrics file's ``"setup"`` line before any step's; None: no such line.
     """
 
     def __init__(
@@ -238,8 +241,10 @@ class Sink:
         callbacks: Sequence[Any] | None = None,
         stop: Callable[[int, str], None] | None = None,
         measured: dict[str, Any] | None = None,
+        setup: dict[str, float] | None = None,
     ) -> None:
         self.meter = meter
+        self.setup = setup
         self.spec = spec
         self.model = spec.model if spec.model.metrics else None  # whose metrics the step lines carry
         self.total_steps = total_steps
@@ -498,6 +503,10 @@ class Sink:
                 self._metrics = self._open_metrics()
             else:
                 self._metrics = await trio.to_thread.run_sync(self._open_metrics, limiter=self.limiter)
+            if self.setup:  # the seconds before the first step, by part (flow.runtime.RunResult.setup)
+                parts = {part: round(seconds, 6) for part, seconds in self.setup.items()}
+                seconds = round(sum(self.setup.values()), 6)
+                self._write({"event": "setup", "step": self.first_step, "seconds": seconds, "parts": parts})
         try:
             async with self.meter:
                 async for item in self.meter:

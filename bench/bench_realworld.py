@@ -360,6 +360,7 @@ class Outcome:
     loss: float
     eval_s: float
     decode_s: float = math.nan  # the image-folder job: opening the folder without its cache
+    setup: dict[str, float] | None = None  # flow.run's RunResult.setup: seconds by part
 
     def steady(self) -> float:
         """Mean seconds of epochs 2..E; NaN with one epoch."""
@@ -425,7 +426,8 @@ def vk_once(
     probabilities = flow.predict(result.checkpoint, IDX(data.test_images, data.test_labels), backend=backend)
     eval_s = time.perf_counter() - start
     accuracy = float(np.mean(np.argmax(probabilities, axis=1) == labels))
-    return Outcome(wall, epochs_from_metrics(metrics), accuracy, float(result.loss), eval_s)
+    epochs_s = epochs_from_metrics(metrics)
+    return Outcome(wall, epochs_s, accuracy, float(result.loss), eval_s, setup=result.setup)
 
 
 def vk_raw_once(backend, model: str, sizes: Sizes, data: DataSet, epochs: int, seed: int) -> Outcome:
@@ -871,9 +873,11 @@ def measure(
     """``args.warmup`` untimed runs and ``args.reps`` timed ones of ``once(seed)``, then the figures."""
 
     def describe(outcome: Outcome) -> str:
+        parts = " ".join(f"{k} {v:.3f}" for k, v in (outcome.setup or {}).items())
+        setup = f", setup {parts}" if parts else ""
         return (
             f"wall {outcome.wall_s:.3f} s, steady epoch {outcome.steady():.4f} s, "
-            f"accuracy {outcome.accuracy:.4f}, loss {outcome.loss:.4f}"
+            f"accuracy {outcome.accuracy:.4f}, loss {outcome.loss:.4f}{setup}"
         )
 
     def runs() -> dict[str, float]:

@@ -60,7 +60,8 @@ def summary(result: RunResult) -> str:
             "(first training batch, after preprocessing)"
         )
     lines += [f"warning: {message}" for message in result.warnings]
-    lines.append(f"time: {result.seconds:.1f} s")
+    setup = f" (setup {sum(result.setup.values()):.1f} s)" if result.setup else ""
+    lines.append(f"time: {result.seconds:.1f} s{setup}")
     if result.accuracy is not None:
         lines.append(f"accuracy: {result.accuracy:.4f}")
     return "\n".join(lines)

@@ -125,6 +125,11 @@ class RunResult:
             empty without a validation split or metrics); every round's are in ``evals[i].metrics``.
         profile: with ``RunSettings(profile=True)``, each training launch's median GPU time
             (actors.messages.Profile); None otherwise.
+        setup: seconds each part of the setup took, before the first step: ``outputs`` (the spec
+            checked, the checkpoint folder and metrics file claimed), ``source`` (the source opened:
+            a .gz file decompressed, a folder listed), ``plan``, ``device`` (opened), ``programs``
+            (weights set, every program recorded), ``data`` (the dataset uploaded, where the plan
+            keeps it on the device). The metrics file's ``"setup"`` line holds the same.
     """
 
     steps: int
@@ -149,6 +154,7 @@ class RunResult:
     stopped_at: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     profile: Profile | None = None
+    setup: dict[str, float] = field(default_factory=dict)
 
 
 # -- effects ---------------------------------------------------------------------------------------
@@ -309,6 +315,19 @@ def metrics_file_of(run: RunSettings) -> str | None:
     return str(Path(run.checkpoint_dir) / "metrics.jsonl")
 
 
+class Laps:
+    """Seconds per part of a setup: each call adds the time since the previous one (or since the
+    start) to the part it names, in ``into``."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.last = into, time.perf_counter()
+
+    def __call__(self, part: str) -> None:
+        now = time.perf_counter()
+        self.into[part] = self.into.get(part, 0.0) + now - self.last
+        self.last = now
+
+
 class Runtime:
     """Everything a pipeline holds: the opened resources, the actors and their channels."""
 
@@ -346,6 +365,7 @@ class Runtime:
         self.running = 0
         self.finished = trio.Event()
         self.started = time.monotonic()
+        self.setup: dict[str, float] = {}  # seconds per part of open() (RunResult.setup)
         self.start_cursor = Cursor()
         self.plan: Plan | None = None
         self.inline = False
@@ -384,6 +404,7 @@ class Runtime:
         pipeline, the data against the model and the memory budget all at once. Only then is the
         device opened and its programs recorded, every one of them before the first step."""
         spec = self.spec
+        lap = Laps(self.setup)
         check(spec)  # a bad spec (arrays that do not fit, say) is named by its paths, before any effect
         header = None
         if self.mode == "train":
@@ -400,8 +421,10 @@ class Runtime:
                 await trio.to_thread.run_sync(self.ranks.agree, agreed, what)
             from loaders import open_source
 
+            lap("outputs")
             self.source = await self._blocking(open_source, spec.data.source)
             header = header_of(self.source)
+            lap("source")
         if self.backend is not None:
             facts = self.backend.facts
             maps_inputs = callable(getattr(self.backend, "write_into", None))
@@ -416,6 +439,7 @@ class Runtime:
             for callback in self.callbacks:
                 callback.stop_reason = None  # a callback object may serve several runs
                 callback.on_start(spec, splits)
+        lap("plan")
         if self.backend is None:
             for member in facts if isinstance(facts, tuple) else (facts,):
                 fraction = spec.devices.memory_fraction
@@ -424,6 +448,7 @@ class Runtime:
                     self.backend = opened
                 else:  # kept as it opens, so a later member's failure still closes it
                     self.members.append(opened)
+        lap("device")
         self.inline = all(getattr(b, "runs_inline", False) for b in (self.backend, *self.members))
         state, cursor = (self.saved.state, self.saved.cursor) if self.saved else (None, None)
         # Partial batches run the same programs (see flow.planning.DevicePlan), so every one the
@@ -448,12 +473,14 @@ class Runtime:
             else:
                 rows = self.plan.parallel.rows
                 logger.info("vkflow: data-parallel shares %s from %s samples/s", rows, speeds)
+        lap("programs")
         resident = self.plan.data.resident if self.plan.data is not None else None
         if resident is not None:
             # Once, before the first step: every sample as stored, then batches travel as indices.
             self.stored = await self._blocking(self.source.stored)
             for engine in self.member_engines or [self.engine]:  # every data-parallel member keeps it
                 await self._blocking(engine.upload_dataset, self.stored.x, self.stored.labels)
+        lap("data")
         self._wire()
 
     async def _measure(self, capacity, drop: bool) -> tuple[tuple[float, ...], float | None]:
@@ -601,6 +628,7 @@ class Runtime:
                 callbacks=self.callbacks,
                 stop=self.stop,
                 measured=self.measured,
+                setup=self.setup if self.mode == "train" else None,
             )
             return self.sink
         return _Relay(meter)
@@ -715,6 +743,7 @@ class Runtime:
             stopped_at=self.stopped[0] if self.stopped else None,
             metrics=dict(vals[-1].metrics) if vals else {},
             profile=sink.profile if sink else None,
+            setup=dict(self.setup),
         )
 
     def skipped(self) -> tuple[int, tuple[str, ...]]:

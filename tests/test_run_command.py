@@ -3,6 +3,8 @@ missing is exit status 1."""
 
 from __future__ import annotations
 
+import re
+
 from specs import image_spec
 
 from flow.codec import save as save_spec
@@ -16,6 +18,8 @@ def test_the_command_line_runs_and_resumes(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("accuracy: 0.") and len(out[-1]) == len("accuracy: 0.0000")
     assert "steps: 20 (epochs 2)" in out
+    time_line = next(line for line in out if line.startswith("time: "))
+    assert re.fullmatch(r"time: \d+\.\d s \(setup \d+\.\d s\)", time_line), time_line
     assert main_run([str(tmp_path / "spec.json"), "--resume", str(tmp_path / "ckpt")]) == 0
     assert "steps: 20 (epochs 2)" in capsys.readouterr().out
     assert main_run([str(tmp_path / "missing.json")]) == 1
