@@ -14,6 +14,7 @@ float32 unchanged.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import struct
 import time
@@ -21,8 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from loaders.errors import ErrorPolicy, LoaderError
+from loaders.errors import ErrorPolicy, LoaderError, logger
 from loaders.source import SourceStatistics, StatsRecorder, StoredData, check_indices, readonly
+from shaders.user_cache import cache_dir, write_atomically
 
 IDX_TYPES = {
     0x08: np.dtype(np.uint8),
@@ -57,7 +59,10 @@ def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read an IDX file: memory-mapped, or decompressed into memory when it ends in ``.gz``.
+    """Read an IDX file, memory-mapped. A ``.gz`` file is decompressed once into the user cache
+    (``cache_dir("idx")``, keyed by the file's path, size and mtime) and that copy is mapped from
+    then on: Debian's Fashion-MNIST training images took 0.3-0.4 s to decompress on every run (H100
+    host). Where the copy cannot be written, the data is decompressed into memory, with a warning.
 
     Args:
         path: the file.
@@ -69,31 +74,57 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         LoaderError: bad magic number, unknown type code, or a size that does not match the header.
     """
     where = str(path)
-    gz = where.endswith(".gz")
+    if not where.endswith(".gz"):
+        return _map_idx(where, where)
     try:
-        if gz:
-            with gzip.open(path, "rb") as f:
-                raw = f.read()
-            size = len(raw)
-            head = raw[:4]
-        else:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                head = f.read(4)
+        stat = os.stat(where)
+    except OSError as exc:
+        raise LoaderError(where, f"cannot read IDX file ({exc})") from exc
+    absolute = os.path.abspath(where)
+    group = hashlib.sha256(absolute.encode()).hexdigest()[:16]
+    stamp = hashlib.sha256(f"{absolute}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    copy = cache_dir("idx") / f"{group}-{stamp}.idx"
+    if copy.is_file():
+        try:
+            return _map_idx(str(copy), where)
+        except LoaderError:  # a damaged copy: made again from the file below
+            copy.unlink(missing_ok=True)
+    try:
+        with gzip.open(where, "rb") as f:
+            raw = f.read()
     except (OSError, EOFError) as exc:
         raise LoaderError(where, f"cannot read IDX file ({exc})") from exc
+    dtype, dims, offset = _idx_layout(raw[:_IDX_PREFIX], len(raw), where)  # a bad file is never kept
+    try:
+        write_atomically(copy, raw)
+        for older in copy.parent.glob(f"{group}-*.idx"):  # the same file's copies from before a change
+            if older != copy:
+                older.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("cannot keep a decompressed copy of %s in %s (%s): read into memory", where, copy, exc)
+        return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(dims)
+    return _map_idx(str(copy), where)
+
+
+# The most an IDX header can hold: 4 bytes, then 4 for each of up to 255 dimensions.
+_IDX_PREFIX = 4 + 4 * 255
+
+
+def _idx_layout(prefix: bytes, size: int, where: str) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(dtype, dims, data offset) of an IDX file of ``size`` bytes that begins with ``prefix``.
+
+    Raises:
+        LoaderError: naming ``where``: bad magic number, unknown type code, a truncated header, or a
+            size that does not match the header.
+    """
+    head = prefix[:4]
     if len(head) < 4 or head[0] != 0 or head[1] != 0:
         raise LoaderError(where, f"not an IDX file (magic bytes {head.hex() or 'missing'})")
     code, ndim = head[2], head[3]
     if code not in IDX_TYPES:
         raise LoaderError(where, f"unknown IDX type code 0x{code:02x}")
     offset = 4 + 4 * ndim
-    if gz:
-        dims_raw = raw[4:offset]
-    else:
-        with open(path, "rb") as f:
-            f.seek(4)
-            dims_raw = f.read(4 * ndim)
+    dims_raw = prefix[4:offset]
     if len(dims_raw) < 4 * ndim:
         raise LoaderError(where, f"truncated header: {ndim} dimensions announced")
     dims = struct.unpack(f">{ndim}I", dims_raw)
@@ -101,9 +132,19 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     expected = offset + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
     if size != expected:
         raise LoaderError(where, f"size {size} bytes, but the header {dims} of {dtype} needs {expected}")
-    if gz:
-        return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(dims)
-    if expected == offset:
+    return dtype, dims, offset
+
+
+def _map_idx(path: str, where: str) -> np.ndarray:
+    """The uncompressed IDX file ``path`` memory-mapped; errors name ``where`` (the user's file)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(_IDX_PREFIX)
+    except OSError as exc:
+        raise LoaderError(where, f"cannot read IDX file ({exc})") from exc
+    dtype, dims, offset = _idx_layout(prefix, size, where)
+    if size == offset:
         return np.empty(dims, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=dims)
 

@@ -13,7 +13,7 @@ from loaders import IDXSource, LoaderError, RawBinarySource, read_idx, write_idx
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.float32, np.float64])
 @pytest.mark.parametrize("suffix", [".idx", ".idx.gz"])
-def test_idx_round_trip(tmp_path: Path, dtype: type, suffix: str) -> None:
+def test_idx_round_trip(tmp_path: Path, dtype: type, suffix: str, user_cache: Path) -> None:
     rng = np.random.default_rng(3)
     info = np.iinfo(dtype) if np.issubdtype(dtype, np.integer) else None
     if info is not None:
@@ -25,6 +25,40 @@ def test_idx_round_trip(tmp_path: Path, dtype: type, suffix: str) -> None:
     back = read_idx(path)
     assert back.shape == data.shape and back.dtype.newbyteorder("=") == np.dtype(dtype).newbyteorder("=")
     np.testing.assert_array_equal(back, data)
+
+
+def test_a_gz_file_is_decompressed_once_and_mapped_from_the_cache(tmp_path, user_cache, caplog):
+    rng = np.random.default_rng(11)
+    first, second = (rng.integers(0, 256, (9, 5, 3), dtype=np.uint8) for _ in range(2))
+    path = tmp_path / "images.idx.gz"
+    write_idx(path, first)
+    read = read_idx(path)
+    copies = sorted((user_cache / "vkflow" / "idx").glob("*.idx"))
+    assert isinstance(read, np.memmap) and len(copies) == 1  # mapped from the one copy kept
+    np.testing.assert_array_equal(read, first)
+    np.testing.assert_array_equal(read_idx(path), first)  # from the copy again, no new one
+    assert sorted((user_cache / "vkflow" / "idx").glob("*.idx")) == copies
+    # A new file at the same path (another size or mtime) gets its own copy; the old one goes.
+    write_idx(path, second[:7])
+    np.testing.assert_array_equal(read_idx(path), second[:7])
+    now = sorted((user_cache / "vkflow" / "idx").glob("*.idx"))
+    assert len(now) == 1 and now != copies
+    # A damaged copy is made again from the file.
+    now[0].write_bytes(now[0].read_bytes()[:-5])
+    np.testing.assert_array_equal(read_idx(path), second[:7])
+    # A bad .gz is named, and nothing of it is kept.
+    (tmp_path / "bad.idx.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(LoaderError, match="bad.idx.gz"):
+        read_idx(tmp_path / "bad.idx.gz")
+    assert len(list((user_cache / "vkflow" / "idx").glob("*.idx"))) == 1
+    # Where no copy can be kept, the data is read into memory, with a warning.
+    user_cache.mkdir(exist_ok=True)
+    (user_cache / "file").write_text("")
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, "vkflow"):
+        patch.setenv("VKFLOW_CACHE", str(user_cache / "file"))
+        kept = read_idx(path)
+    assert not isinstance(kept, np.memmap) and "cannot keep a decompressed copy" in caplog.text
+    np.testing.assert_array_equal(kept, second[:7])
 
 
 def test_idx_header_is_mnist_big_endian(tmp_path: Path) -> None:
@@ -54,7 +88,7 @@ def test_idx_rejects_bad_files(tmp_path: Path) -> None:
         write_idx(tmp_path / "x.idx", np.zeros(3, dtype=np.int64))
 
 
-def test_idx_source_is_mnist_shaped(tmp_path: Path) -> None:
+def test_idx_source_is_mnist_shaped(tmp_path: Path, user_cache: Path) -> None:
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (10, 4, 6), dtype=np.uint8)
     labels = (np.arange(10) % 4).astype(np.uint8)
