@@ -19,6 +19,7 @@ import os
 import struct
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -86,8 +87,10 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     copy = cache_dir("idx") / f"{group}-{stamp}.idx"
     if copy.is_file():
         try:
-            return _map_idx(str(copy), where)
-        except LoaderError:  # a damaged copy: made again from the file below
+            mapped = _map_idx(str(copy), where)
+            os.utime(copy)  # used now: the last copy to go when the cache is trimmed
+            return mapped
+        except (LoaderError, OSError):  # a damaged copy: made again from the file below
             copy.unlink(missing_ok=True)
     try:
         with gzip.open(where, "rb") as f:
@@ -97,13 +100,37 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     dtype, dims, offset = _idx_layout(raw[:_IDX_PREFIX], len(raw), where)  # a bad file is never kept
     try:
         write_atomically(copy, raw)
-        for older in copy.parent.glob(f"{group}-*.idx"):  # the same file's copies from before a change
-            if older != copy:
-                older.unlink(missing_ok=True)
+        _trim_copies(copy, group)
     except OSError as exc:
         logger.warning("cannot keep a decompressed copy of %s in %s (%s): read into memory", where, copy, exc)
         return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(dims)
     return _map_idx(str(copy), where)
+
+
+# The most the decompressed copies may take together; the least recently used go first.
+IDX_CACHE_BYTES = 4 << 30
+
+
+def _trim_copies(kept: Path, group: str) -> None:
+    """Remove the copies of the same file from before it changed, then the least recently used
+    others while all of them take more than IDX_CACHE_BYTES (a file decompressed from a temporary
+    folder would otherwise stay forever)."""
+    copies = []
+    for other in kept.parent.glob("*.idx"):
+        if other != kept and other.name.startswith(f"{group}-"):
+            other.unlink(missing_ok=True)
+        elif other != kept:
+            try:
+                stat = other.stat()
+            except FileNotFoundError:  # another run trimmed it meanwhile
+                continue
+            copies.append((stat.st_mtime, stat.st_size, other))
+    total = kept.stat().st_size + sum(size for _, size, _ in copies)
+    for _, size, other in sorted(copies):
+        if total <= IDX_CACHE_BYTES:
+            break
+        other.unlink(missing_ok=True)
+        total -= size
 
 
 # The most an IDX header can hold: 4 bytes, then 4 for each of up to 255 dimensions.

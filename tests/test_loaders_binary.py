@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from loaders import IDXSource, LoaderError, RawBinarySource, read_idx, write_idx
+from loaders import IDXSource, LoaderError, RawBinarySource, binary, read_idx, write_idx
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.float32, np.float64])
@@ -59,6 +60,24 @@ def test_a_gz_file_is_decompressed_once_and_mapped_from_the_cache(tmp_path, user
         kept = read_idx(path)
     assert not isinstance(kept, np.memmap) and "cannot keep a decompressed copy" in caplog.text
     np.testing.assert_array_equal(kept, second[:7])
+
+
+def test_the_least_recently_used_copies_go_when_the_cache_is_full(tmp_path, user_cache, monkeypatch):
+    rng = np.random.default_rng(12)
+    files = []
+    for name in "abc":
+        files.append(tmp_path / f"{name}.idx.gz")
+        write_idx(files[-1], rng.integers(0, 256, (50, 10), dtype=np.uint8))  # 508 bytes decompressed
+    monkeypatch.setattr(binary, "IDX_CACHE_BYTES", 1100)  # two copies fit, not three
+    folder = user_cache / "vkflow" / "idx"
+    read_idx(files[0])
+    (a_copy,) = folder.glob("*.idx")
+    read_idx(files[1])
+    (b_copy,) = set(folder.glob("*.idx")) - {a_copy}
+    os.utime(a_copy, (1, 1))  # a's copy last used long ago
+    read_idx(files[2])
+    left = set(folder.glob("*.idx"))
+    assert len(left) == 2 and a_copy not in left and b_copy in left
 
 
 def test_idx_header_is_mnist_big_endian(tmp_path: Path) -> None:
