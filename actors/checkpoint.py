@@ -144,7 +144,8 @@ def file_name(step: int) -> str:
 
 
 def _array(value: np.ndarray) -> dict[str, Any]:
-    data = np.ascontiguousarray(value).tobytes()
+    # The bytes as a view: msgpack packs it as it packs bytes, without a copy of the array first.
+    data = memoryview(np.ascontiguousarray(value)).cast("B")
     return {"dtype": value.dtype.str, "shape": list(value.shape), "data": data}
 
 
@@ -174,6 +175,12 @@ def encode(checkpoint: Checkpoint) -> bytes:
     Raises:
         ValueError: the checkpoint's run id is not 32 hex digits.
     """
+    return b"".join(_encoded(checkpoint))
+
+
+def _encoded(checkpoint: Checkpoint) -> tuple[bytes, bytes, bytes]:
+    """The file's three parts, header, payload and digest: :func:`save` writes them one after the
+    other rather than joining them into one more copy of the arrays."""
     cursor = checkpoint.cursor
     measured = {"measured": checkpoint.measured} if checkpoint.measured is not None else {}
     if checkpoint.vocabulary is not None:  # optional keys, so that older checkpoints still load
@@ -195,7 +202,7 @@ def encode(checkpoint: Checkpoint) -> bytes:
     header = _HEADER.pack(MAGIC, VERSION, _run_bytes(checkpoint.run), len(payload))
     digest = hashlib.blake2b(header, digest_size=_DIGEST)
     digest.update(payload)
-    return b"".join((header, payload, digest.digest()))  # one copy of the arrays, not two
+    return header, payload, digest.digest()
 
 
 def _foreign(data: bytes) -> str:
@@ -509,10 +516,11 @@ def save(
     final = directory / (name or file_name(checkpoint.cursor.step))
     # Unique per writer, not per process: two runs in two threads must never rename each other's file.
     temp = directory / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-    data = encode(checkpoint)
+    parts = _encoded(checkpoint)
     try:
         with open(temp, "wb") as file:
-            _write_all(file, data)
+            for part in parts:
+                _write_all(file, part)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, final)
