@@ -108,7 +108,7 @@ class RawBinary(Record):
 @dataclass(frozen=True)
 class IDX(Record):
     """An IDX images file and an IDX labels file (the MNIST format; ``.gz`` allowed, decompressed once
-    into the user cache and mapped from there by later runs: loaders.read_idx). uint8 images
+    into the user cache and read from there by later runs: loaders.read_idx). uint8 images
     are divided by 255 (samples in [0, 1]); other types are cast to float32 unscaled. 3-D images
     (n, H, W) become (1, H, W) samples.
 

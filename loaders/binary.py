@@ -13,6 +13,7 @@ float32 unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import os
@@ -60,10 +61,10 @@ def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read an IDX file, memory-mapped. A ``.gz`` file is decompressed once into the user cache
-    (``cache_dir("idx")``, keyed by the file's path, size and mtime) and that copy is mapped from
-    then on: Debian's Fashion-MNIST training images took 0.3-0.4 s to decompress on every run (H100
-    host). Where the copy cannot be written, the data is decompressed into memory, with a warning.
+    """Read an IDX file: memory-mapped, or into memory when it ends in ``.gz``. A ``.gz`` file is
+    decompressed once into the user cache (``cache_dir("idx")``, keyed by the file's path, size and
+    mtime) and later reads load that copy instead: Debian's Fashion-MNIST training images took
+    0.3-0.4 s to decompress on every run (H100 host), and a read of the copy takes milliseconds.
 
     Args:
         path: the file.
@@ -85,26 +86,27 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     group = hashlib.sha256(absolute.encode()).hexdigest()[:16]
     stamp = hashlib.sha256(f"{absolute}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     copy = cache_dir("idx") / f"{group}-{stamp}.idx"
-    if copy.is_file():
-        try:
-            mapped = _map_idx(str(copy), where)
-            os.utime(copy)  # used now: the last copy to go when the cache is trimmed
-            return mapped
-        except (LoaderError, OSError):  # a damaged copy: made again from the file below
-            copy.unlink(missing_ok=True)
+    try:
+        raw = copy.read_bytes()
+        os.utime(copy)  # used now: the last copy to go when the cache is trimmed
+        return _idx_in_memory(raw, where)
+    except FileNotFoundError:
+        pass
+    except (LoaderError, OSError):  # a damaged copy (or no cache folder): made again from the file
+        with contextlib.suppress(OSError):
+            copy.unlink()
     try:
         with gzip.open(where, "rb") as f:
             raw = f.read()
     except (OSError, EOFError) as exc:
         raise LoaderError(where, f"cannot read IDX file ({exc})") from exc
-    dtype, dims, offset = _idx_layout(raw[:_IDX_PREFIX], len(raw), where)  # a bad file is never kept
+    array = _idx_in_memory(raw, where)  # a bad file is named here, and never kept
     try:
         write_atomically(copy, raw)
         _trim_copies(copy, group)
     except OSError as exc:
-        logger.warning("cannot keep a decompressed copy of %s in %s (%s): read into memory", where, copy, exc)
-        return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(dims)
-    return _map_idx(str(copy), where)
+        logger.warning("cannot keep a decompressed copy of %s in %s (%s)", where, copy, exc)
+    return array
 
 
 # The most the decompressed copies may take together; the least recently used go first.
@@ -160,6 +162,12 @@ def _idx_layout(prefix: bytes, size: int, where: str) -> tuple[np.dtype, tuple[i
     if size != expected:
         raise LoaderError(where, f"size {size} bytes, but the header {dims} of {dtype} needs {expected}")
     return dtype, dims, offset
+
+
+def _idx_in_memory(raw: bytes, where: str) -> np.ndarray:
+    """The array of an IDX file's bytes ``raw`` (read-only); errors name ``where``."""
+    dtype, dims, offset = _idx_layout(raw[:_IDX_PREFIX], len(raw), where)
+    return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(dims)
 
 
 def _map_idx(path: str, where: str) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
 from pathlib import Path
@@ -28,16 +29,17 @@ def test_idx_round_trip(tmp_path: Path, dtype: type, suffix: str, user_cache: Pa
     np.testing.assert_array_equal(back, data)
 
 
-def test_a_gz_file_is_decompressed_once_and_mapped_from_the_cache(tmp_path, user_cache, caplog):
+def test_a_gz_file_is_decompressed_once_and_read_from_the_cache(tmp_path, user_cache, caplog, monkeypatch):
     rng = np.random.default_rng(11)
     first, second = (rng.integers(0, 256, (9, 5, 3), dtype=np.uint8) for _ in range(2))
     path = tmp_path / "images.idx.gz"
     write_idx(path, first)
-    read = read_idx(path)
+    np.testing.assert_array_equal(read_idx(path), first)
     copies = sorted((user_cache / "vkflow" / "idx").glob("*.idx"))
-    assert isinstance(read, np.memmap) and len(copies) == 1  # mapped from the one copy kept
-    np.testing.assert_array_equal(read, first)
-    np.testing.assert_array_equal(read_idx(path), first)  # from the copy again, no new one
+    assert len(copies) == 1 and copies[0].read_bytes() == gzip.decompress(path.read_bytes())
+    with monkeypatch.context() as patch:  # read again from the copy: no decompression
+        patch.setattr(binary.gzip, "open", lambda *a, **k: pytest.fail("decompressed again"))
+        np.testing.assert_array_equal(read_idx(path), first)
     assert sorted((user_cache / "vkflow" / "idx").glob("*.idx")) == copies
     # A new file at the same path (another size or mtime) gets its own copy; the old one goes.
     write_idx(path, second[:7])
@@ -47,19 +49,19 @@ def test_a_gz_file_is_decompressed_once_and_mapped_from_the_cache(tmp_path, user
     # A damaged copy is made again from the file.
     now[0].write_bytes(now[0].read_bytes()[:-5])
     np.testing.assert_array_equal(read_idx(path), second[:7])
+    assert now[0].read_bytes() == gzip.decompress(path.read_bytes())
     # A bad .gz is named, and nothing of it is kept.
     (tmp_path / "bad.idx.gz").write_bytes(b"not gzip at all")
     with pytest.raises(LoaderError, match="bad.idx.gz"):
         read_idx(tmp_path / "bad.idx.gz")
     assert len(list((user_cache / "vkflow" / "idx").glob("*.idx"))) == 1
-    # Where no copy can be kept, the data is read into memory, with a warning.
+    # Where no copy can be kept, the data is still read, with a warning.
     user_cache.mkdir(exist_ok=True)
     (user_cache / "file").write_text("")
-    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, "vkflow"):
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, "vkflow"):
         patch.setenv("VKFLOW_CACHE", str(user_cache / "file"))
-        kept = read_idx(path)
-    assert not isinstance(kept, np.memmap) and "cannot keep a decompressed copy" in caplog.text
-    np.testing.assert_array_equal(kept, second[:7])
+        np.testing.assert_array_equal(read_idx(path), second[:7])
+    assert "cannot keep a decompressed copy" in caplog.text
 
 
 def test_the_least_recently_used_copies_go_when_the_cache_is_full(tmp_path, user_cache, monkeypatch):
