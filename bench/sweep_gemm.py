@@ -15,7 +15,7 @@ block-wide layout), its transposed shared stores by runs of rows and C^T = op(B)
 transposed: every combination of the values given,
 so an A/B of one choice is two configs that differ in one of them. ``--exact`` makes ``--configs``
 whole names (after the cross product) instead of substrings. ``--nr 0,1`` forces gemm.comp's NR
-(no row of ones: its runtime test compiled out), which tune_gemm otherwise sets from the launch;
+(no row of ones: the code writing it compiled out), which tune_gemm otherwise sets from the launch;
 NR 1 is checked and timed only on shapes without that row, and table entries never carry it.
 
 One JSON line per (config, shape); then, per shape, the configs sorted by time against cuBLAS. The
@@ -56,6 +56,10 @@ SHAPES = (
     (8192, 4096, 1024, 0, 1, "large dX4"),
     (8192, 4096, 4096, 0, 1, "large dX"),
     (4097, 4096, 8192, 1, 0, "large dW+b"),
+    # the large MLP's other weight gradients, which have no table entry: in the first of them the
+    # last tile row holds only the row of ones
+    (1025, 4096, 8192, 1, 0, "large dW1+b"),
+    (4097, 1024, 8192, 1, 0, "large dW4+b"),
     (4096, 4096, 4096, 0, 0, "4096^3"),
     (4096, 4096, 4096, 1, 0, "4096^3 tn"),  # A k-major: the layout without a transposition
     # C^T = B^T A^T of the 4096^3 NN product (A' = B stored [K,N], B' = A stored [M,K]): what

@@ -102,15 +102,20 @@ layout(constant_id = 18) const uint XS = 0;
 // stored [N', K]: the transposition moves from A's shared stores to B's. It first looked faster
 // (4096^3: 42.2 TFLOP/s against 40.4), but that was the row-of-ones test leaving A's loads (NR):
 // with NR both run at 43.1-43.2, and the H100 table takes it only where it ties or wins by under
-// 1 % (and for the weight gradient with its row of ones: 44.5 -> 45.0). A thread's 4 x 4
-// sub-blocks transpose in registers, so C is still written as vec4s along its rows. TA, TB and
-// VEC stay the launch's; the kernel's are derived below. A row of ones (ones_row) becomes a
-// column of ones of B'.
+// 1 % (the weight gradient took it while its loads tested for the row of ones: 44.5 -> 45.0;
+// with that row written into shared memory instead, see NR, WL 8 without CT gives 45.5). A
+// thread's 4 x 4 sub-blocks transpose in registers, so C is still written as vec4s along its
+// rows. TA, TB and VEC stay the launch's; the kernel's are derived below. A row of ones
+// (ones_row) becomes a column of ones of B'.
 layout(constant_id = 19) const uint CT = 0;
 // NR = 1: the launch has no row of ones (ones_row 0; tune_gemm sets it from the launch), so the
-// loads compile without the runtime test for it. 0 (the default) keeps the test, right for any
-// launch. The test cost more than any layout choice here: H100, 128 x 128 x 32 / 8 x 8 with WL
-// 8, 4096^3 NN 36.3 -> 43.2 TFLOP/s, A k-major 44.4 -> 47.0.
+// code that writes it into shared memory (put_ones) is compiled out. 0 (the default) is right for
+// any launch. The loads never test for that row: they stop at the stored rows, and the workgroups
+// whose tile holds it write it into the shared tile after each K step's stores (a branch uniform
+// over the workgroup, behind one more barrier). Until session 13's H17, every granule load tested
+// for it, which cost more than any layout choice: H100, 128 x 128 x 32 / 8 x 8 with WL 8, 4096^3
+// NN 36.3 -> 43.2 TFLOP/s without it, A k-major 44.4 -> 47.0; the weight gradient with its row
+// (8192 x 4096 x 4097, A k-major) 43.5 -> 45.5 with the shared write instead.
 layout(constant_id = 20) const uint NR = 0;
 
 // The push fields after those gemm_coopmat shares (registry: gemm's push list): k_splits, and
@@ -219,12 +224,10 @@ vec4 load_a(uint l, uint m0, uint kt, uint k_end) {
     uint gk = kt + s.y;
     vec4 v = vec4(0.0);
     const uint rows = CT1 != 0u ? pc.N : pc.M;
-    // The stored rows of A: M, or M - 1 under a row of ones (its granules hold only ones, as
-    // tune_gemm vectorises A only when M - 1 is a multiple of 4).
+    // The stored rows of A: M, or M - 1 under a row of ones (loaded as zeros here: put_ones writes
+    // it; tune_gemm vectorises A only when M - 1 is a multiple of 4).
     const uint stored = rows - min(pc.ones_row, 1u) * (1u - NR) * (1u - CT1);
-    if (l < A_GRAN && gm >= stored && gm < rows && gk < k_end) {
-        v = vec4(1.0);
-    } else if (l < A_GRAN && gm < rows && gk < k_end) {
+    if (l < A_GRAN && gm < stored && gk < k_end) {
         uint idx = TA1 == 0u ? gm * pc.K + gk : gk * stored + gm;
         if (GA == 4u) {
             v = CT1 != 0u ? B4[idx >> 2u] : A4[idx >> 2u];
@@ -244,9 +247,7 @@ vec4 load_b(uint l, uint n0, uint kt, uint k_end) {
     vec4 v = vec4(0.0);
     const uint cols = CT1 != 0u ? pc.M : pc.N;
     const uint stored = cols - min(pc.ones_row, 1u) * (1u - NR) * CT1;
-    if (l < B_GRAN && gn >= stored && gn < cols && gk < k_end) {
-        v = vec4(1.0);
-    } else if (l < B_GRAN && gn < cols && gk < k_end) {
+    if (l < B_GRAN && gn < stored && gk < k_end) {
         uint idx = TB1 == 0u ? gk * stored + gn : gn * pc.K + gk;
         if (GB == 4u) {
             v = CT1 != 0u ? A4[idx >> 2u] : B4[idx >> 2u];
@@ -278,6 +279,21 @@ void put_a(uint base, uint l, vec4 v) {
                 uint wc = w + c * SA;
                 As[base + (wc >> 2u)][wc & 3u] = v[c];
             }
+        }
+    }
+}
+
+// The row of ones (the kernel's A row M - 1, or its B column N - 1 under CT; see NR) into the
+// shared tile at buffer offsets a_base / b_base; `local`: its row (column) within the tile. Every k
+// of the tile: past K, B's zeros cancel it.
+void put_ones(uint a_base, uint b_base, uint local, uint tid) {
+    for (uint k = tid; k < BK; k += NT) {
+        if (CT1 != 0u) {
+            uint w = k * SB + local;
+            Bs[b_base + (w >> 2u)][w & 3u] = 1.0;
+        } else {
+            uint w = AR == 1u ? ar_word(local, k) : k * SA + local;
+            As[a_base + (w >> 2u)][w & 3u] = 1.0;
         }
     }
 }
@@ -394,6 +410,13 @@ void main() {
     }
     vec4 ra[A_LOADS];
     vec4 rb[B_LOADS];
+    // Whether this tile holds the row of ones (uniform over the workgroup: see NR), and where.
+    const uint ones_at = pc.M - 1u;  // the kernel's row M - 1, or under CT its column N' - 1
+    const uint ones_from = CT1 != 0u ? n0 : m0;
+    const uint ones_extent = CT1 != 0u ? BN : BM;
+    const bool ones_tile = NR == 0u && pc.ones_row != 0u && ones_at >= ones_from
+        && ones_at < ones_from + ones_extent;
+    const uint ones_local = ones_at - ones_from;
 
     // The first K tile goes straight into buffer 0.
     [[unroll]] for (uint i = 0u; i < A_LOADS; ++i) {
@@ -401,6 +424,10 @@ void main() {
     }
     [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
         put_b(0u, tid + i * NT, load_b(tid + i * NT, n0, k_begin, k_end));
+    }
+    if (ones_tile) {
+        barrier();  // after the zeros the loads left in its place
+        put_ones(0u, 0u, ones_local, tid);
     }
     barrier();
 
@@ -474,6 +501,10 @@ void main() {
             }
             [[unroll]] for (uint i = 0u; i < B_LOADS; ++i) {
                 put_b(stage * B_BUF, tid + i * NT, rb[i]);
+            }
+            if (ones_tile) {
+                barrier();
+                put_ones(stage * A_BUF, stage * B_BUF, ones_local, tid);
             }
         }
         barrier();

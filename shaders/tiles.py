@@ -79,8 +79,9 @@ def tune_gemm(
 
     Returns:
         Specialisation constants BM, BN, BK, TM, TN, GM, SK, DB, KR, WL, XS, CT, TA, TB, VEC, NR
-        (1: no row of ones, so the shader compiles its test out), and ACT and AG (the launch's act
-        and act_grad: the shader compiles only the epilogue in use).
+        (1: no row of ones, so the shader compiles out the code that writes it into shared
+        memory), and ACT and AG (the launch's act and act_grad: the shader compiles only the
+        epilogue in use).
     """
     m, n, k = int(params["M"]), int(params["N"]), int(params.get("K", 0))
     ta, tb = int(bool(params.get("trans_a", 0))), int(bool(params.get("trans_b", 0)))

@@ -1037,7 +1037,7 @@ LAYOUT_VARIANTS = [
 
 @pytest.mark.parametrize("variant", LAYOUT_VARIANTS, ids=lambda v: tile_id(v) or "plain")
 @pytest.mark.parametrize("tile", WARP_TILES, ids=tile_id)
-@pytest.mark.parametrize("m,n,k", [(67, 37, 41), (132, 36, 72)])
+@pytest.mark.parametrize("m,n,k", [(67, 37, 41), (132, 36, 72), (133, 68, 40)])
 @pytest.mark.parametrize("trans_a,trans_b", TRANS)
 def test_gemm_warp_tiles(vulkan_backend, rng, variant, tile, m, n, k, trans_a, trans_b):
     """Warp tiling (WL) with each layout variant: the oracle's result for every transposition
