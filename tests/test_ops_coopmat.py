@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import relative_error
 from specs import bench_module
-from test_ops_gemm_conv import TRANS, a_gpu, act_oracle, as64, gemm_case, normal
+from test_ops_gemm_conv import TRANS, a_gpu, act_oracle, as64, gemm_case, normal, run_tile
 
 from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op, single_op_layout
@@ -56,12 +56,7 @@ def run_coopmat(backend, a, b, bias, c, spec=None, **params):
     arrays = {"A": a, "B": b, "bias": bias, "C": c}
     if spec is None:
         return run_op(backend, "gemm_coopmat", arrays, **params)["C"]
-    backend.open_layout(single_op_layout(arrays))
-    for name, array in arrays.items():
-        backend.write(name, array)
-    program = Program(name="gemm_coopmat_tiles", steps=(launch("gemm_coopmat", tuple(arrays), **params),))
-    backend.wait(backend.submit(backend.record(program, spec_overrides={"gemm_coopmat": spec})))
-    return backend.read("C")
+    return run_tile(backend, "gemm_coopmat", arrays, params, spec)
 
 
 def check(got, expected16, expected32):

@@ -934,25 +934,36 @@ def test_gemm_k_contiguous_shared_tiles(vulkan_backend, rng, kr, tile, m, n, k, 
     and without, for every tile, transposition pair, aligned and odd size, with the fused row of
     ones (bias gradient) where A is transposed."""
     ones = trans_a  # a dW GEMM: A stores M - 1 rows of the layer's input
+    a, b, op_a, op_b = gemm_operands(rng, m, n, k, trans_a, trans_b, ones)
+    bias, c_old = normal(rng, n), normal(rng, m, n)
+    arrays = {"A": a, "B": b, "bias": bias, "C": c_old}
+    params = {"M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b, "has_bias": 1 - ones,
+              "ones_row": ones, "act": ACTIVATIONS["relu"], "alpha": 0.5, "accumulate": 1}  # fmt: skip
+    got = run_tile(vulkan_backend, "gemm", arrays, params, {**tile, "KR": kr})
+    want = act_oracle(0.5 * (op_a @ op_b) + as64(c_old) + (0.0 if ones else as64(bias)), "relu", 0.0)
+    assert relative_error(got, want) <= TOL
+
+
+def gemm_operands(rng, m, n, k, trans_a, trans_b, ones):
+    """Fresh A and B stored as the transposition flags say, A with M - ``ones`` rows (a weight
+    gradient's fused row of ones), and op(A), op(B) in float64 with that row of ones appended."""
     stored = m - ones
     a = normal(rng, k, stored) if trans_a else normal(rng, stored, k)
     b = normal(rng, n, k) if trans_b else normal(rng, k, n)
     op_a = as64(a).T if trans_a else as64(a)
     if ones:
         op_a = np.vstack([op_a, np.ones((1, k))])
-    op_b = as64(b).T if trans_b else as64(b)
-    bias, c_old = normal(rng, n), normal(rng, m, n)
-    arrays = {"A": a, "B": b, "bias": bias, "C": c_old}
-    vulkan_backend.open_layout(single_op_layout(arrays))
+    return a, b, op_a, as64(b).T if trans_b else as64(b)
+
+
+def run_tile(backend, op_name, arrays, params, spec) -> np.ndarray:
+    """C after one ``op_name`` launch with the tile constants ``spec`` (not the tuned ones)."""
+    backend.open_layout(single_op_layout(arrays))
     for name, array in arrays.items():
-        vulkan_backend.write(name, array)
-    params = {"M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b, "has_bias": 1 - ones,
-              "ones_row": ones, "act": ACTIVATIONS["relu"], "alpha": 0.5, "accumulate": 1}  # fmt: skip
-    program = Program(name="gemm_kr", steps=(launch("gemm", tuple(arrays), **params),))
-    spec = {**tile, "KR": kr}
-    vulkan_backend.wait(vulkan_backend.submit(vulkan_backend.record(program, spec_overrides={"gemm": spec})))
-    want = act_oracle(0.5 * (op_a @ op_b) + as64(c_old) + (0.0 if ones else as64(bias)), "relu", 0.0)
-    assert relative_error(vulkan_backend.read("C"), want) <= TOL
+        backend.write(name, array)
+    program = Program(name=f"{op_name}_tile", steps=(launch(op_name, tuple(arrays), **params),))
+    backend.wait(backend.submit(backend.record(program, spec_overrides={op_name: spec})))
+    return backend.read("C")
 
 
 # Warp-tiled layouts (WL: lanes along n of each 32-lane warp tile): the big tile with KR (rows
@@ -983,13 +994,7 @@ def gemm_fused_case(rng, m, n, k, trans_a, trans_b):
     [K, M-1], ones_row), an input gradient times f'(D) (B stored [N,K], act_grad), else bias,
     alpha, the old C and an activation."""
     ones = int(trans_a and not trans_b)
-    stored = m - ones
-    a = normal(rng, k, stored) if trans_a else normal(rng, stored, k)
-    b = normal(rng, n, k) if trans_b else normal(rng, k, n)
-    op_a = as64(a).T if trans_a else as64(a)
-    if ones:
-        op_a = np.vstack([op_a, np.ones((1, k))])
-    op_b = as64(b).T if trans_b else as64(b)
+    a, b, op_a, op_b = gemm_operands(rng, m, n, k, trans_a, trans_b, ones)
     c_old = normal(rng, m, n)
     params = {"M": m, "N": n, "K": k, "trans_a": trans_a, "trans_b": trans_b, "alpha": 1.0}
     if ones:
@@ -1011,15 +1016,6 @@ def gemm_fused_case(rng, m, n, k, trans_a, trans_b):
         "slope": 0.1,
     }
     return arrays, params, act_oracle(0.5 * (op_a @ op_b) + as64(c_old) + as64(bias), "leaky_relu", 0.1)
-
-
-def run_gemm_tile(backend, arrays, params, spec) -> np.ndarray:
-    backend.open_layout(single_op_layout(arrays))
-    for name, array in arrays.items():
-        backend.write(name, array)
-    program = Program(name="gemm_tile", steps=(launch("gemm", tuple(arrays), **params),))
-    backend.wait(backend.submit(backend.record(program, spec_overrides={"gemm": spec})))
-    return backend.read("C")
 
 
 # Beside the thread layout: A kept k-contiguous in shared memory (KR), the transposed shared
@@ -1045,7 +1041,7 @@ def test_gemm_warp_tiles(vulkan_backend, rng, variant, tile, m, n, k, trans_a, t
     (bias and activation, the bias-gradient row, the activation derivative)."""
     assert gemm_layout_problem(tile) is None
     arrays, params, want = gemm_fused_case(rng, m, n, k, trans_a, trans_b)
-    got = run_gemm_tile(vulkan_backend, arrays, params, {**tile, **variant})
+    got = run_tile(vulkan_backend, "gemm", arrays, params, {**tile, **variant})
     assert relative_error(got, want) <= TOL
 
 
@@ -1061,7 +1057,7 @@ def test_gemm_shipped_table_tiles(vulkan_backend, rng, tile, m, n, k, trans_a, t
         spec["BK"] //= 2
     assert gemm_fits(spec, facts.shared_memory_bytes, facts.max_workgroup_invocations)
     arrays, params, want = gemm_fused_case(rng, m, n, k, trans_a, trans_b)
-    assert relative_error(run_gemm_tile(vulkan_backend, arrays, params, spec), want) <= TOL
+    assert relative_error(run_tile(vulkan_backend, "gemm", arrays, params, spec), want) <= TOL
 
 
 def test_gemm_layout_problem_names_the_tiles():
