@@ -128,8 +128,9 @@ class RunResult:
         setup: seconds each part of the setup took, before the first step: ``outputs`` (the spec
             checked, the checkpoint folder and metrics file claimed), ``source`` (the source opened:
             a .gz file decompressed, a folder listed), ``plan``, ``device`` (opened), ``programs``
-            (weights set, every program recorded), ``data`` (the dataset uploaded, where the plan
-            keeps it on the device). The metrics file's ``"setup"`` line holds the same.
+            (weights set, every program recorded; a data-parallel run's members measured), ``data``
+            (the dataset uploaded, where the plan keeps it on the device). The metrics file's
+            ``"setup"`` line holds the same.
     """
 
     steps: int
