@@ -49,6 +49,29 @@ class Recorded:
     keep: list = field(default_factory=list)
 
 
+@dataclass
+class Group:
+    """``submit_group``'s structs for one tuple of programs: a VkSubmitInfo per program, each
+    signalling its own value of the compute timeline (``values``, set per submission).
+
+    Attributes:
+        plain: the VkSubmitInfo array.
+        waiting: the same, each first waiting for the upload value in ``after`` (values already
+            reached cost nothing).
+        buffers: every buffer the programs bind, for QueueOrder.
+        values: uint64_t[count], the timeline values the programs signal.
+        after: uint64_t[1], the upload value the waiting form waits for.
+        keep: structs the infos point into, kept alive with them.
+    """
+
+    plain: object
+    waiting: object
+    buffers: frozenset
+    values: object
+    after: object
+    keep: list = field(default_factory=list)
+
+
 class Queues:
     """The logical device with its queues, tickets and waits. See the module docstring."""
 
@@ -72,7 +95,7 @@ class Queues:
         self.upload_pool = self._new_command_pool(self.upload_family)
         self._lock = threading.Lock()
         self._programs: list[Recorded] = []
-        self._groups: dict[tuple[int, ...], Recorded] = {}  # submit_group's infos per tuple of handles
+        self._groups: dict[tuple[int, ...], Group] = {}  # submit_group's infos per tuple of handles
         self._submitted = 0  # the compute timeline's last signalled value (or the last fence ticket)
         self._upload_value = 0  # the transfer timeline's last signalled value
         self._fences: dict[int, object] = {}
@@ -278,21 +301,18 @@ class Queues:
         with self._lock:
             first = self._submitted + 1
             self._submitted += count
-            values = group.keep[0]
             for i in range(count):
-                values[i] = first + i
+                group.values[i] = first + i
             submit = group.plain
             after = self._order.program(group.buffers, self._submitted)
             if after:
-                group.keep[1][0] = after
+                group.after[0] = after
                 submit = group.waiting
             check(lib.vkQueueSubmit(self.queue, count, submit, ffi.NULL), "vkQueueSubmit")
         return list(range(first, first + count))
 
-    def _group(self, handles: tuple[int, ...]) -> Recorded:
-        """``submit_group``'s structs for ``handles``: one VkSubmitInfo per program, each signalling
-        its own value of the compute timeline (``keep[0]``); the waiting form's all first wait for
-        the upload value in ``keep[1]`` (values already reached cost nothing)."""
+    def _group(self, handles: tuple[int, ...]) -> Group:
+        """``submit_group``'s structs for ``handles`` (see :class:`Group`)."""
         programs = [self._programs[handle] for handle in handles]
         count = len(programs)
         values, after = ffi.new("uint64_t[]", count), ffi.new("uint64_t[]", 1)
@@ -317,8 +337,7 @@ class Queues:
                     info.pWaitSemaphores = self._upload_semaphore_array
                     info.pWaitDstStageMask = self._wait_stage
         union = frozenset().union(*(program.buffers for program in programs))
-        keep = [values, after, signals, waits, programs]
-        return Recorded(handles=None, plain=plain, waiting=waiting, buffers=union, keep=keep)
+        return Group(plain, waiting, union, values, after, keep=[signals, waits, programs])
 
     def submit_upload(self, command: Recorded, buffer: Hashable) -> int:
         """Queue an upload's recorded copy into ``buffer`` on the upload queue, after any program
