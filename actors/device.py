@@ -370,6 +370,10 @@ class DeviceActor:
             await trio.lowlevel.checkpoint()  # let the others run, then look again
         else:
             backend.wait(ticket)  # done: only the bookkeeping (a fence to release)
+        self._forget(ticket)
+
+    def _forget(self, ticket: int) -> None:
+        """``ticket`` is done: snapshot_now need not wait for it any more."""
         if self.outstanding and self.outstanding[0] == ticket:
             self.outstanding.popleft()
 
@@ -413,8 +417,7 @@ class DeviceActor:
         """Whether ``job`` is a step the device has finished already (a check, never a wait)."""
         if type(job) is not _InFlight or job.ticket is None or not self.engine.backend.is_done(job.ticket):
             return False
-        if self.outstanding and self.outstanding[0] == job.ticket:
-            self.outstanding.popleft()
+        self._forget(job.ticket)
         return True
 
     async def _complete(self, pending: trio.MemoryReceiveChannel) -> None:
