@@ -258,10 +258,11 @@ def start_engine(
     start = optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state, cursor)
     for name, value in imported.items():  # fresh weights from the file instead of drawn ones
         backend.write(name, value)
-    kinds = ("train", "eval") if run_plan.mode == "train" else (run_plan.mode,)  # predict, generate
-    data = run_plan.data
-    if kinds[0] == "train" and data is not None and all(data.sampler(s) is None for s in ("val", "test")):
-        kinds = ("train",)  # nothing to evaluate: no eval program to record for every slot
+    kinds = (run_plan.mode,)  # predict, generate
+    if run_plan.mode == "train":
+        data = run_plan.data  # nothing to evaluate: no eval program to record for every slot
+        evaluates = data is None or any(data.sampler(s) is not None for s in ("val", "test"))
+        kinds = ("train", "eval") if evaluates else ("train",)
     if run_plan.mode == "train" and device.apply is not None:
         kinds += ("apply",)
     # RunSettings(profile=True) times a single device's train steps (actors.device.DeviceActor).
