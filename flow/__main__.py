@@ -61,7 +61,7 @@ def _report(file: str, work):
         print(f"{file}: {len(error.problems)} problem(s)")
         for problem in error.problems:
             print(f"  {problem}")
-    except OSError as error:
+    except (OSError, ValueError) as error:  # a file that cannot be read, a tuning table that is not one
         print(f"{file}: {error}")
     return None
 

@@ -24,12 +24,20 @@ def cache_dir(*parts: str) -> Path:
 
     Returns:
         The path (not created: each user creates what it writes).
+
+    Raises:
+        NotADirectoryError: when the cache's root is a file, named with the variable that set it
+            (without this check every user of the cache failed on a path below it, and the message
+            named that path, not the setting to fix).
     """
-    root = os.environ.get("VKFLOW_CACHE")
-    if root:
-        return Path(root, *parts)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base, "vkflow", *parts)
+    if root := os.environ.get("VKFLOW_CACHE"):
+        where, origin = Path(root), "VKFLOW_CACHE"
+    else:
+        base = os.environ.get("XDG_CACHE_HOME")
+        where, origin = Path(base or Path.home() / ".cache", "vkflow"), "XDG_CACHE_HOME" if base else "HOME"
+    if where.exists() and not where.is_dir():
+        raise NotADirectoryError(f"the vkflow cache {where} (from ${origin}) is a file: point it at a folder")
+    return where.joinpath(*parts)
 
 
 def partial_path(path: Path) -> Path:

@@ -5,6 +5,9 @@ and without it ``XDG_CACHE_HOME`` and then ``~/.cache`` decide."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -76,3 +79,27 @@ def test_the_tuning_lookup_follows_the_cache_when_it_moves(tmp_path: Path, env: 
     assert gemm_tuning.lookup(device, 3, 5, 7, 0, 0) == tiles
     env.setenv("VKFLOW_CACHE", str(tmp_path / "b"))
     assert gemm_tuning.lookup(device, 3, 5, 7, 0, 0) is None
+
+
+def test_a_cache_root_that_is_a_file_names_its_setting(tmp_path: Path, env: pytest.MonkeyPatch) -> None:
+    """A cache root that is a file fails once, naming the root and the variable that set it, from
+    the library and from ``flow plan`` (which printed a traceback about a tuning table before)."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    env.setenv("VKFLOW_CACHE", str(blocker))
+    with pytest.raises(NotADirectoryError, match=r"not-a-folder \(from \$VKFLOW_CACHE\) is a file"):
+        cache_dir("spirv")
+    env.delenv("VKFLOW_CACHE")
+    env.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "vkflow").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"\(from \$XDG_CACHE_HOME\)"):
+        cache_dir()
+
+    spec = Path(__file__).resolve().parents[1] / "examples" / "digits.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "flow", "plan", str(spec)],
+        capture_output=True, text=True, env={**os.environ, "VKFLOW_CACHE": str(blocker)},
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    assert f"the vkflow cache {blocker} (from $VKFLOW_CACHE) is a file" in run.stdout
