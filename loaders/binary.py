@@ -85,21 +85,20 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     absolute = os.path.abspath(where)
     group = hashlib.sha256(absolute.encode()).hexdigest()[:16]
     stamp = hashlib.sha256(f"{absolute}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    copy = cache_dir("idx") / f"{group}-{stamp}.idx"
     try:
+        copy = cache_dir("idx") / f"{group}-{stamp}.idx"
         raw = copy.read_bytes()
         os.utime(copy)  # used now: the last copy to go when the cache is trimmed
         return _idx_in_memory(raw, where)
     except FileNotFoundError:
         pass
+    except NotADirectoryError as exc:  # the cache's root is a file: read the data, keep no copy
+        logger.warning("cannot keep a decompressed copy of %s (%s)", where, exc)
+        return _idx_in_memory(_gunzip(where), where)
     except (LoaderError, OSError):  # a damaged copy (or no cache folder): made again from the file
         with contextlib.suppress(OSError):
             copy.unlink()
-    try:
-        with gzip.open(where, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as exc:
-        raise LoaderError(where, f"cannot read IDX file ({exc})") from exc
+    raw = _gunzip(where)
     array = _idx_in_memory(raw, where)  # a bad file is named here, and never kept
     try:
         write_atomically(copy, raw)
@@ -107,6 +106,14 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     except OSError as exc:
         logger.warning("cannot keep a decompressed copy of %s in %s (%s)", where, copy, exc)
     return array
+
+
+def _gunzip(where: str) -> bytes:
+    try:
+        with gzip.open(where, "rb") as f:
+            return f.read()
+    except (OSError, EOFError) as exc:
+        raise LoaderError(where, f"cannot read IDX file ({exc})") from exc
 
 
 # The most the decompressed copies may take together; the least recently used go first.
