@@ -133,9 +133,41 @@ def gemm_coopmat(arrays: list[np.ndarray], p: Params) -> None:
     gemm([*operands, bias, c], p)
 
 
+def gemm_copy(arrays: list[np.ndarray], p: Params) -> None:
+    """gemm that also writes Y = act(C) for the launch's ``copy_act`` (gemm_copy.comp's YA), from
+    C as stored: what a unary launch over C would write.
+
+    Raises:
+        ValueError: K is split (the raw sums are no result to activate).
+    """
+    a, b, bias, c, y = arrays
+    if int(p.get("k_splits", 1)) > 1:
+        raise ValueError("gemm_copy: the second output needs an unsplit K")
+    gemm([a, b, bias, c], p)
+    size = int(p["M"]) * int(p["N"])
+    y[:size] = activate(c[:size], int(p.get("copy_act", 0)), 0.0)
+
+
+def _residual(kernel: Callable[..., None]) -> Callable[..., None]:
+    """``kernel`` (gemm, gemm_coopmat) plus a residual R[M,N] added to its finished C, as
+    gemm_residual.comp / gemm_coopmat_residual.comp add it: R + C in C's type, binary.comp's add."""
+
+    def with_residual(arrays: list[np.ndarray], p: Params) -> None:
+        *operands, c, r = arrays
+        if int(p.get("k_splits", 1)) > 1:
+            raise ValueError("a residual GEMM needs an unsplit K")
+        kernel([*operands, c], p)
+        size = int(p["M"]) * int(p["N"])
+        c[:size] = r[:size] + c[:size]
+
+    return with_residual
+
+
 def gemm_coopmat_copy(arrays: list[np.ndarray], p: Params) -> None:
     """gemm_coopmat that also writes H, C's float16 copy, rounded as cast.comp rounds (to nearest
     even: numpy's astype). The shader writes it as whole words of two halves from its epilogue.
+    With ``copy_act`` (the shader's HA) the copy is of act(C) computed in C's precision, what a
+    unary launch and a cast would write.
 
     Raises:
         ValueError: K is split (the raw sums are no result to copy) or N is odd (two invocations
@@ -148,7 +180,7 @@ def gemm_coopmat_copy(arrays: list[np.ndarray], p: Params) -> None:
             f"gemm_coopmat_copy needs an even N and no split, got N={n}, k_splits={p.get('k_splits')}"
         )
     gemm_coopmat([a, b, bias, c], p)
-    h[: m * n] = c[: m * n].astype(np.float16)
+    h[: m * n] = activate(c[: m * n], int(p.get("copy_act", 0)), 0.0).astype(np.float16)
 
 
 def _is_half(x: np.ndarray, c: np.ndarray) -> bool:
@@ -197,6 +229,13 @@ def unary(arrays: list[np.ndarray], p: Params) -> None:
         y[:n] = np.exp(src)
     else:
         y[:n] = activate(src, fn, p.get("a", 0.0))
+
+
+def unary_half(arrays: list[np.ndarray], p: Params) -> None:
+    """Y = fp16(f(X)) for an activation f: f in X's precision, then rounded as cast rounds."""
+    x, y = arrays
+    n = int(p["n"])
+    y[:n] = activate(x[:n], int(p["fn"]), p.get("a", 0.0)).astype(np.float16)
 
 
 def unary_backward(arrays: list[np.ndarray], p: Params) -> None:
@@ -873,6 +912,18 @@ def _clipped(update: Callable[..., None]) -> Callable[..., None]:
     return kernel
 
 
+def _halved(update: Callable[..., None]) -> Callable[..., None]:
+    """The _half variant of an update: the update, then H = the float16 copy of every parameter it
+    updated, as cast.comp rounds it (a skipped step leaves P, so its copy, as it was)."""
+
+    def kernel(arrays: list[np.ndarray], p: Params) -> None:
+        *bound, halves = arrays
+        update(bound, p)
+        cast([bound[0], halves], {"n": p["n"], "mode": CASTS["f32_to_f16"]})
+
+    return kernel
+
+
 def grad_norm(arrays: list[np.ndarray], p: Params) -> None:
     x, y = arrays
     n, parts = int(p["n"]), int(p["parts"])
@@ -1016,7 +1067,11 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "gemm_coopmat": gemm_coopmat,
     "gemm_coopmat_f16": gemm_coopmat_f16,
     "gemm_coopmat_copy": gemm_coopmat_copy,
+    "gemm_copy": gemm_copy,
+    "gemm_residual": _residual(gemm),
+    "gemm_coopmat_residual": _residual(gemm_coopmat),
     "unary": unary,
+    "unary_half": unary_half,
     "unary_backward": unary_backward,
     "binary": binary,
     "reduce": reduce,
@@ -1072,6 +1127,10 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "loss_scale_update": loss_scale_update,
     "sgd_clip": _clipped(sgd),
     "adam_clip": _clipped(adam),
+    "sgd_half": _halved(sgd),
+    "adam_half": _halved(adam),
+    "sgd_clip_half": _halved(_clipped(sgd)),
+    "adam_clip_half": _halved(_clipped(adam)),
     "grad_norm": grad_norm,
     "fill": fill,
     "copy": copy,

@@ -28,7 +28,7 @@ from actors.backend import Backend
 from flow.inputs import token_id_error
 from flow.metrics import metric_name, on_device
 from flow.model_graph import expand
-from flow.optim import LOSS_SCALE, check_compatible, step_values
+from flow.optim import HALVES, LOSS_SCALE, PARAMS, check_compatible, step_values
 from flow.planning import DevicePlan, init_parameters
 from flow.program import Program
 from flow.spec_model import CrossEntropy, Embedding
@@ -72,6 +72,8 @@ class Engine:
         self.slots = device_plan.slots
         backend.open_layout(device_plan.layout, slots=self.slots)
         self._handles: dict[tuple[str, int], int] = {}
+        # Mixed precision: the weights' float16 copies that the update keeps (flow.weight_copies).
+        self.keeps_copies = any(t.name == HALVES for t in device_plan.layout.tensors)
         self.profiling = False  # RunSettings(profile=True): see profile()
         self._pools: dict[int, object] = {}  # slot -> the timestamp pool of its train program
         self._launch_ns: list[np.ndarray] = []  # per completed train step, each launch's GPU ns
@@ -134,6 +136,19 @@ class Engine:
             self.backend.write(f"state:{state}", np.zeros(total, np.float32))
         if self.plan.loss_scale is not None:  # [scale, streak, skipped] (flow.optim.LOSS_SCALE)
             self.backend.write(LOSS_SCALE, np.array([self.plan.loss_scale, 0, 0], np.float32))
+        self.refresh_copies()
+
+    def refresh_copies(self, weights: np.ndarray | None = None) -> None:
+        """Mixed precision: write the weights' float16 copies from their fp32 masters, after
+        anything but the update wrote the masters (the update writes both; flow.weight_copies).
+        numpy's astype(float16) rounds as cast.comp and the update kernels do, bit for bit.
+
+        Args:
+            weights: the flat masters just written, if the caller has them (else read back).
+        """
+        if self.keeps_copies:
+            masters = self.backend.read(PARAMS) if weights is None else weights
+            self.backend.write(HALVES, np.asarray(masters).astype(np.float16))
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Every parameter, copied back to the host."""
@@ -159,6 +174,7 @@ class Engine:
         for name, value in saved.items():
             if name != LOSS_SCALE or self.plan.loss_scale is not None:  # else: initialise's stays
                 self.backend.write(name, value)
+        self.refresh_copies(saved[PARAMS])
 
     # -- a data-parallel member's weights ---------------------------------------------------------
     def weights(self) -> np.ndarray:
@@ -167,7 +183,8 @@ class Engine:
 
     def set_weights(self, weights: np.ndarray) -> None:
         """Replace the flat parameters (with the leader's, after its update)."""
-        self.backend.write("params:all", weights)
+        self.backend.write(PARAMS, weights)
+        self.refresh_copies(weights)
 
     # -- steps ----------------------------------------------------------------------------------
     def _handle(self, kind: str, slot: int) -> int:

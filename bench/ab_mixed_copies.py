@@ -4,13 +4,15 @@ The large MLP of ``bench_mlp.py --only b`` (1024-4096-4096-4096-1024, batch 8192
 planned with each choice of ``flow.autodiff.HALF_COPIES``: none (every GEMM rounds fp32 operands in
 the kernel, as before session 12), the weights' copies, and the weights' plus wide activations'
 copies, made by cast launches (``MIXED_FUSIONS`` off: helper H13's path) or written by the GEMMs that
-produce them, with the activation derivative in the input-gradient epilogue (H14). The variants
+produce them, with the activation derivative in the input-gradient epilogue (H14); and the weights'
+copies written by the optimiser's update instead of cast at the start of each program
+(``flow.weight_copies.OPTIMISER_COPIES``, session 14's H20: "optimiser"). The variants
 are timed in turn, round after round (the H100's clocks drift; see
 bench/RESULTS.md), each a median of host-timed step loops (``bench_mlp.measure``); then one
 timestamped run of each gives the GPU time of its GEMMs and casts by kind. torch bf16 autocast on the
 same model, timed once, gives the ratio the issue's target is set against.
 
-Usage: ``python3 bench/ab_mixed_copies.py [--rounds 2] [--reps 3] [--variants casts,producers]
+Usage: ``python3 bench/ab_mixed_copies.py [--rounds 2] [--reps 3] [--variants producers,optimiser]
 [--out FILE]``.
 """
 
@@ -25,20 +27,21 @@ import bench_mlp
 import common
 import numpy as np
 
-from flow import autodiff
+from flow import autodiff, weight_copies
 
 BOTH = ("weights", "activations")
-# name -> (HALF_COPIES, MIXED_FUSIONS)
+# name -> (HALF_COPIES, MIXED_FUSIONS, OPTIMISER_COPIES)
 VARIANTS = {
-    "none": ((), False),
-    "weights": (("weights",), False),
-    "casts": (BOTH, False),
-    "producers": (BOTH, True),
+    "none": ((), False, False),
+    "weights": (("weights",), False, False),
+    "casts": (BOTH, False, False),
+    "producers": (BOTH, True, False),
+    "optimiser": (BOTH, True, True),
 }
 
 
-def trainer(backend, variant: tuple[tuple[str, ...], bool], timestamps: bool = False):
-    copies, autodiff.MIXED_FUSIONS = variant
+def trainer(backend, variant: tuple[tuple[str, ...], bool, bool], timestamps: bool = False):
+    copies, autodiff.MIXED_FUSIONS, weight_copies.OPTIMISER_COPIES = variant
     autodiff.HALF_COPIES = frozenset(copies)
     sizes = bench_mlp.FULL
     return bench_mlp.VkTrainer(
@@ -61,7 +64,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--timed-rounds", type=int, default=1)
-    parser.add_argument("--variants", default="casts,producers", help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="producers,optimiser", help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = {name: VARIANTS[name] for name in args.variants.split(",")}

@@ -63,16 +63,32 @@ from shaders.registry import ACTIVATIONS, BINARY, CASTS, LOSSES, REDUCE
 from shaders.registry import op as op_def
 from shaders.tiles import conv_gemm_shape, coopmat_k_splits
 
-# Activations whose derivative the GEMM epilogue can take from the saved output (gelu needs its
-# input, which the forward keeps only in a separate tensor).
+# Activations whose derivative an input-gradient GEMM's epilogue applies (act_grad), from the saved
+# output; gelu's, from the saved pre-activation, too where GELU_IN_EPILOGUES.
 EPILOGUE_DERIVATIVES = frozenset({"relu", "leaky_relu", "sigmoid", "tanh"})
+# GELU after a Linear, in the GEMM epilogues (True): its GEMM writes the pre-activation and GELU of
+# it (gemm_copy; mixed: straight to the next Linear's fp16 operand, gemm_coopmat_copy's copy_act),
+# and the next Linear's input-gradient GEMM multiplies by GELU'(pre) (act_grad). Or in launches of
+# its own (False): a unary (mixed: unary_half, straight to that fp16 operand) and a unary_backward.
+# False on measurement (session 14, bench/bench_epilogues.py, H100, the char GPT's 16384 x 384 <->
+# 1536 MLP): the epilogues cost more than the launches they replace, since GELU's erf and exp run
+# in an epilogue that overlaps nothing (fc1 mixed: 317 us against 121 + 106 for the GEMM and
+# unary_half; fc2's input gradient: 358 against 130 + 142; fp32: 778 against 600 + 103 and 867
+# against 614 + 141; the step, bench/ab_gelu_epilogue.py: mixed 16.3 ms against 15.45).
+GELU_IN_EPILOGUES = False
+# A residual block's sum x + f(x) written by the GEMM of a Linear f (gemm_residual,
+# gemm_coopmat_residual), with no binary launch (fc2 of the char GPT, H100: mixed 136 us against
+# 109 + 37, fp32 665 against 650 + 37).
+RESIDUAL_IN_EPILOGUES = True
 
 
 # Which float16 operand copies mixed-precision plans make, so that GEMMs stream halves instead of
-# rounding fp32 in the kernel (gemm_coopmat's AH/BH): "weights", each dense weight's copy, cast from
-# its fp32 master at the start of every program; "activations", a Linear's input and its output's
-# gradient, each cast once where its GEMMs are wide enough to pay for the cast (HALF_ACTIVATION_MIN_N,
-# HALF_ACTIVATION_MIN_FLOATS): every GEMM of such a layer then reads two halves.
+# rounding fp32 in the kernel (gemm_coopmat's AH/BH): "weights", each dense weight's copy, which the
+# optimiser's update writes beside its fp32 master (flow.weight_copies; or cast from the master at
+# the start of every program, where the plan keeps no copies); "activations", a Linear's input and
+# its output's gradient, each cast once where its GEMMs are wide enough to pay for the cast
+# (HALF_ACTIVATION_MIN_N, HALF_ACTIVATION_MIN_FLOATS): every GEMM of such a layer then reads two
+# halves.
 # A module constant so that bench/ab_mixed_copies.py can time each choice in one process.
 HALF_COPIES = frozenset({"weights", "activations"})
 # An fp16 copy of an activation costs 6 bytes a float of traffic and a barrier; a GEMM saves in
@@ -204,6 +220,7 @@ class _Builder:
         precision: str = "float32",
         training: bool = False,
         part: tuple[int, int] | None = None,
+        kept_copies: bool = False,
     ) -> None:
         self.model, self.b, self.g = model, batch, graph
         # BatchNorm normalises by the batch's statistics when training, else by its running ones.
@@ -213,11 +230,15 @@ class _Builder:
         self.saved: dict[int, dict[str, str]] = {}  # stage position -> names of tensors backward needs
         self.fused_bias_grads = {} if self.mixed else fused_bias_grads(model)
         # Mixed precision: the float16 copy of each dense weight that GEMMs read (copy -> (master,
-        # floats)), cast from the fp32 master at the start of every program (_prepend_weight_casts).
+        # floats)): kept by the optimiser in the plan's HALVES arena (kept_copies), else cast from
+        # the fp32 master at the start of every program (_prepend_weight_casts).
+        self.kept_copies = kept_copies
         self.halves: dict[str, tuple[str, int]] = {}
         self.half_copies: dict[str, str] = {}  # an activation or gradient -> its fp16 copy (_half_copy)
         # Stage positions whose activation backward an input-gradient GEMM already applied.
         self.activation_done: set[int] = set()
+        # Positions of Add stages whose sum a GEMM already wrote (_residual_sum).
+        self.sums_done: set[int] = set()
         # A pipeline stage's part of the model (flow.stage_plan): the stages at positions lo..hi-1,
         # whose input ``x`` is the output of the stage at lo - 1 (the only tensor that crosses).
         self.lo, self.hi = part if part is not None else (0, len(self.stages))
@@ -241,12 +262,19 @@ class _Builder:
         b, g = self.b, self.g
         layer, slope = unwrap(stage.layer)
         h, prefix = inputs[0], stage.path
-        out = g.add(f"act[{stage.index}]", (b, *stage.out_shape))
-        saved = {"input": h, "output": out}
         act_code = ACTIVATIONS[stage.activation]
-        # GELU's derivative needs its input, so the epilogue stops before it and a unary applies it.
+        # GELU's derivative needs its input, so the layer writes that (pre) and GELU(pre) apart:
+        # as its GEMM's second output (GELU_IN_EPILOGUES) or by a launch after it (_gelu_output).
         split_gelu = stage.activation == "gelu" and isinstance(layer, Linear | Conv)
+        gelu_dtype = self._gelu_output(position, stage) if split_gelu else "float32"
+        residual = None if split_gelu else self._residual_sum(position, stage)
+        out = f"act[{stage.index}]"
+        if residual is None:  # else the GEMM writes the sum, and this output is no tensor
+            g.add(out, (b, *stage.out_shape), dtype=gelu_dtype)
+        gelu_done = False
+        saved = {"input": h, "output": out}
         target = g.add(f"pre[{stage.index}]", (b, *stage.out_shape)) if split_gelu else out
+        target = residual[0] if residual else target
         epilogue = ACTIVATIONS["none"] if split_gelu else act_code
         if isinstance(layer, Linear):
             w, bias = f"{prefix}.weight", f"{prefix}.bias"
@@ -265,7 +293,14 @@ class _Builder:
                 act=epilogue,
                 slope=slope,
             )
-            g.emit(main)
+            # gemm_coopmat_copy writes the fp16 operand only (whole words of halves: N even); no
+            # copy variant writes raw split-K sums.
+            half = gelu_dtype == "float16" and n % 2 == 0
+            gelu_done = split_gelu and GELU_IN_EPILOGUES and finish is None and (half or not self.mixed)
+            if gelu_done:
+                op = "gemm_coopmat_copy" if self.mixed else "gemm_copy"
+                main = launch(op, (*main.args, out), **main.param_dict, copy_act=act_code)
+            g.emit(self._with_residual(main, residual))
             g.emit(finish)
         elif isinstance(layer, Conv):
             w, bias = f"{prefix}.weight", f"{prefix}.bias"
@@ -310,7 +345,8 @@ class _Builder:
         elif isinstance(layer, PositionalEmbedding):
             g.emit(launch("add_rows", (h, f"{prefix}.weight", out), rows=b, cols=math.prod(stage.in_shape)))
         elif isinstance(layer, Add):
-            self._add_all(inputs, out)
+            if position not in self.sums_done:
+                self._add_all(inputs, out)
         elif isinstance(layer, MatMul):
             saved["other"] = inputs[1]
             g.emit(matmul_forward(layer, matmul_dims(layer, b, stage.in_shapes), h, inputs[1], out))
@@ -318,7 +354,7 @@ class _Builder:
             blocks = zip(inputs, self._concat_blocks(stage), strict=True)
             g.emit(*(launch("copy_columns", (x, out), **block) for x, block in blocks))
         elif isinstance(layer, SelfAttention):
-            saved.update(self._attention_forward(stage, layer, h, out))
+            saved.update(self._attention_forward(stage, layer, h, target, residual))
         elif isinstance(layer, Flatten | Reshape | Dropout):
             # A reshape, or a dropout of p = 0 (the identity): a view in every program, no launch.
             base = g.tensors[h].view_of or h
@@ -330,13 +366,74 @@ class _Builder:
             g.emit(launch("softmax", (h, out), rows=rows, cols=cols, log=0))
         else:
             raise PlanError([Problem(f"model.{stage.path}", f"no forward rule for {type(layer).__name__}")])
+        if split_gelu and not gelu_done:
+            op = "unary_half" if gelu_dtype == "float16" else "unary"
+            g.emit(launch(op, (target, out), n=b * math.prod(stage.out_shape), fn=act_code, a=0.0, b=0.0))
         if split_gelu:
-            g.emit(
-                launch("unary", (target, out), n=b * math.prod(stage.out_shape), fn=act_code, a=0.0, b=0.0)
-            )
             saved["pre"] = target
         self.saved[position] = saved
         return out
+
+    def _gelu_output(self, position: int, stage: Stage) -> str:
+        """The type of GELU(pre) after a Linear or Conv2d: in mixed plans (MIXED_FUSIONS, activation
+        copies on) float16 where its one reader is a Linear of this part, whose GEMMs then read it
+        as halves (written as such by the GEMM or by unary_half: no fp32 GELU(pre) at all, and no
+        rounding in the reader's kernels); else float32."""
+        readers = [i for i in range(position + 1, self.hi) if position in self.stages[i].inputs]
+        reader = self.stages[readers[0]] if len(readers) == 1 else None
+        half = (
+            self.mixed
+            and MIXED_FUSIONS
+            and "activations" in HALF_COPIES
+            and reader is not None
+            and self.readers[position] == 1
+            and isinstance(unwrap(reader.layer)[0], Linear)
+        )
+        if half:
+            self.half_copies[f"act[{stage.index}]"] = f"act[{stage.index}]"
+        return "float16" if half else "float32"
+
+    def _residual_sum(self, position: int, stage: Stage) -> tuple[str, str] | None:
+        """A Linear or SelfAttention whose one reader is an Add of its output and a tensor made
+        before it (a residual block's x + f(x)): (the sum, x), for its (output projection's) GEMM
+        to write the sum itself, reading x through a fifth binding and leaving it as it is
+        (gemm_residual, gemm_coopmat_residual: one launch less and one pass less over x and f(x));
+        None where the binary add stays."""
+        readers = [i for i in range(position + 1, self.hi) if position in self.stages[i].inputs]
+        add = self.stages[readers[0]] if len(readers) == 1 else None
+        others = [i for i in add.inputs if i != position] if add is not None else []
+        fusable = (
+            add is not None
+            and RESIDUAL_IN_EPILOGUES
+            and isinstance(unwrap(stage.layer)[0], Linear | SelfAttention)
+            and stage.activation is None  # an activation's backward reads f(x), which is no tensor here
+            and isinstance(unwrap(add.layer)[0], Add)
+            and add.activation is None
+            and (MIXED_FUSIONS or not self.mixed)
+            and self.readers[position] == 1
+            and len(add.inputs) == 2
+            and len(others) == 1
+            and others[0] != MODEL_INPUT
+            and others[0] < position
+            and add.out_shape == stage.out_shape
+        )
+        if not fusable:
+            return None
+        assert add is not None
+        x = self.outputs[others[0]]
+        rows, k, n = self._rows(stage), stage.in_shape[-1], stage.out_shape[-1]
+        unsplit = (coopmat_k_splits if self.mixed else k_splits)(rows, n, k) == 1
+        if not unsplit or self.g.tensors[x].dtype != "float32":
+            return None
+        self.sums_done.add(readers[0])
+        return self.g.add(f"act[{add.index}]", (self.b, *add.out_shape)), x
+
+    def _with_residual(self, gemm: Launch, residual: tuple[str, str] | None) -> Launch:
+        """The GEMM, or where _residual_sum fused the add after it, its variant that adds x."""
+        if residual is None:
+            return gemm
+        op = "gemm_coopmat_residual" if self.mixed else "gemm_residual"
+        return launch(op, (*gemm.args, residual[1]), **gemm.param_dict)
 
     def _gemm(self, args: tuple[str, str, str, str], **params: int | float) -> tuple[Launch, Launch | None]:
         """A GEMM launch, split over K when its output has too few tiles to fill a GPU.
@@ -373,12 +470,14 @@ class _Builder:
 
     def _half_weight(self, w: str, floats: int) -> str:
         """The operand a GEMM reads for the dense weight ``w`` of ``floats`` floats: in mixed
-        precision its float16 copy ``half:<w>`` (declared here, cast at the start of the program,
-        so the kernel never rounds it: gemm_coopmat with BH = 1 streams halves), else ``w``. The
-        copy has an even length: the cast writes whole 32-bit words."""
+        precision its float16 copy ``half:<w>`` (declared here: a view of the HALVES arena that
+        the optimiser keeps, role "halves", or a work tensor cast at the start of the program), so
+        the kernel never rounds it (gemm_coopmat with BH = 1 streams halves); else ``w``. The copy
+        has an even length: the cast and the update write whole 32-bit words."""
         if not (self.mixed and "weights" in HALF_COPIES):
             return w
-        name = self.g.add(f"half:{w}", (floats + floats % 2,), dtype="float16")
+        role = "halves" if self.kept_copies else "work"
+        name = self.g.add(f"half:{w}", (floats + floats % 2,), role=role, dtype="float16")
         self.halves[name] = (w, floats)
         return name
 
@@ -389,6 +488,8 @@ class _Builder:
         dW = h^T dz): in mixed precision, where that pays (HALF_COPIES, HALF_ACTIVATION_MIN_N and
         _FLOATS), an fp16 copy cast in a group of its own just before; else ``x``."""
         wide = width >= HALF_ACTIVATION_MIN_N and floats >= HALF_ACTIVATION_MIN_FLOATS
+        if x in self.half_copies:  # cast already, or written as halves by its producer (_gelu_output)
+            return self.half_copies[x]
         if not (self.mixed and "activations" in HALF_COPIES and wide):
             return x
         if x not in self.half_copies:
@@ -401,17 +502,23 @@ class _Builder:
         self, position: int, dz: str, w: str, h: str, in_grad: str, k: int, n: int
     ) -> tuple[Launch, Launch | None]:
         """dX = dz @ W^T for the dense layer at ``position``. When the stage before it ends in an
-        activation whose derivative its saved output gives (``h`` is that output), the GEMM's
-        epilogue applies it too (gemm.comp act_grad), so that stage skips its own launch."""
+        activation whose derivative its saved output gives (``h`` is that output), or GELU (where
+        GELU_IN_EPILOGUES: from its saved pre-activation), the GEMM's epilogue applies it too
+        (gemm.comp act_grad, bound in place of the bias), so that stage skips its own launch."""
         source = self.stages[position].inputs[0]
         previous = self.stages[source] if source != MODEL_INPUT else None
+        if previous is not None and previous.activation == "gelu":
+            saved = self.saved.get(source, {}).get("pre")
+        else:
+            saved = h
         rows = self._rows(self.stages[position])
         fusable = (
             previous is not None
             and source >= self.lo  # a stage on another device applies its own derivative
-            and previous.activation in EPILOGUE_DERIVATIVES
+            and previous.activation in (EPILOGUE_DERIVATIVES | ({"gelu"} if GELU_IN_EPILOGUES else set()))
             and isinstance(unwrap(previous.layer)[0], Linear | Conv)
             and self.saved[source]["output"] == h
+            and saved is not None
             and self.readers[source] == 1
             and (MIXED_FUSIONS or not self.mixed)
             and (coopmat_k_splits if self.mixed else k_splits)(rows, k, n) == 1
@@ -422,7 +529,7 @@ class _Builder:
         assert previous is not None
         self.activation_done.add(source)
         derivative = dict(act_grad=ACTIVATIONS[previous.activation], slope=unwrap(previous.layer)[1])
-        return self._gemm((dz, w, h, in_grad), M=rows, N=k, K=n, trans_b=1, **derivative)
+        return self._gemm((dz, w, saved, in_grad), M=rows, N=k, K=n, trans_b=1, **derivative)
 
     def _rows(self, stage: Stage) -> int:
         """The rows a Linear's GEMM has: one per sample, or per position of a (T, D) input."""
@@ -465,9 +572,12 @@ class _Builder:
         dh = d // layer.heads
         return dict(N=self.b, T=t, H=layer.heads, dh=dh, scale=1.0 / math.sqrt(dh), causal=int(layer.causal))
 
-    def _attention_forward(self, stage: Stage, layer: SelfAttention, h: str, out: str) -> dict[str, str]:
+    def _attention_forward(
+        self, stage: Stage, layer: SelfAttention, h: str, out: str, residual: tuple[str, str] | None
+    ) -> dict[str, str]:
         """qkv = h W_qkv + b, the fused attention (keeping each row's log-sum-exp for the
-        backward), then out = y W_out + b; returns what the backward reads."""
+        backward), then out = y W_out + b (+ x, the residual: see _residual_sum); returns what the
+        backward reads."""
         g, prefix, params = self.g, stage.path, self._attention_params(stage, layer)
         t, d = stage.in_shape
         rows, bias = self.b * t, int(layer.bias)
@@ -479,10 +589,10 @@ class _Builder:
             g.emit(step)
         g.emit(launch(attention_ops(self.mixed, int(params["dh"]))["forward"], (qkv, heads, lse), **params))
         w_out, b_out = self._half_weight(f"{prefix}.out_weight", d * d), f"{prefix}.out_bias"
-        for step in self._gemm(
-            (heads, w_out, b_out if bias else heads, out), M=rows, N=d, K=d, has_bias=bias
-        ):
-            g.emit(step)
+        args = (heads, w_out, b_out if bias else heads, out)
+        project, finish = self._gemm(args, M=rows, N=d, K=d, has_bias=bias)
+        g.emit(self._with_residual(project, residual))
+        g.emit(finish)
         return {"qkv": qkv, "heads": heads, "lse": lse}
 
     def _attention_backward(
@@ -992,6 +1102,7 @@ def build_graph(
     sample: dict[str, float] | None = None,
     loss_scaled: bool = False,
     part: tuple[int, int] | None = None,
+    kept_copies: bool = False,
 ) -> Graph:
     """The launches of one program for one batch size.
 
@@ -1015,16 +1126,20 @@ def build_graph(
             ``output`` and (``train``) then runs its backward from io ``dy``, from the group
             ``Graph.backward_from``; every part but the first ends ``train`` by writing its
             input's gradient to io ``dx``. A part never updates.
+        kept_copies: mixed precision: the dense weights' float16 copies live in the plan's HALVES
+            arena, which the update writes (flow.weight_copies), rather than being cast at the start
+            of the program.
 
     Returns:
         The graph: tensor declarations (work tensors only; the planner adds the rest) and groups.
     """
     graph = Graph()
-    builder = _Builder(model, batch, graph, precision, training=program == "train", part=part)
+    builder = _Builder(model, batch, graph, precision, program == "train", part, kept_copies)
     _emit_program(builder, optimiser, program, total_params, update, sample, loss_scaled, part)
     if MIXED_FUSIONS:
         _fold_casts_into_producers(graph)
-    _prepend_weight_casts(graph, builder.halves)
+    if not kept_copies:
+        _prepend_weight_casts(graph, builder.halves)
     return graph
 
 
@@ -1069,11 +1184,12 @@ def _copyable(gemm: Launch, cast: Launch) -> bool:
 
 
 def _prepend_weight_casts(graph: Graph, halves: dict[str, tuple[str, int]]) -> None:
-    """Mixed precision: one group first that casts each dense weight's fp32 master to its fp16
-    copy (cast.comp rounds to nearest even, bit for bit numpy's astype). Every program refreshes
-    its copies so, after each update and after a checkpoint load alike, and the copies are work
-    tensors that no checkpoint holds. One cast reads 4 and writes 2 bytes a weight (the large
-    MLP's 42 M weights: ~250 MB, ~0.1 ms of its ~10 ms step)."""
+    """Mixed precision where the plan keeps no copies (flow.weight_copies.keeps_copies): one group
+    first that casts each dense weight's fp32 master to its fp16 copy (cast.comp rounds to nearest
+    even, bit for bit numpy's astype). Every program refreshes its copies so, after each update and
+    after a checkpoint load alike, and the copies are work tensors that no checkpoint holds. One
+    cast reads 4 and writes 2 bytes a weight (the large MLP's 42 M weights: ~250 MB, ~0.1 ms of its
+    ~10 ms step)."""
     if not halves:
         return
     mode = CASTS["f32_to_f16"]
@@ -1127,5 +1243,6 @@ def _emit_program(
             graph.emit(launch("loss_scale_apply", (grad, LOSS_SCALE), n=n))
         builder.backward(grad)
         if update and part is None:
-            for group in update_groups(optimiser, optimised_floats(model, total_params), loss_scaled):
+            halves = builder.kept_copies and bool(builder.halves)
+            for group in update_groups(optimiser, optimised_floats(model, total_params), loss_scaled, halves):
                 graph.emit(*group)

@@ -25,6 +25,9 @@ from flow.spec import SGD, Adam, AdamW, Cosine, Optimiser, StepLR
 
 # The arrays a checkpoint holds besides the optimiser state: every parameter, as one flat arena.
 PARAMS = "params:all"
+# Mixed precision: the float16 mirror of PARAMS (each weight's copy at its own float index), which
+# the update's _half variant writes beside each parameter it updates (flow.weight_copies).
+HALVES = "halves:all"
 
 # Clipping by global norm (an optimiser's clip_norm) runs before the update, on the device, with no
 # read-back: grad_norm writes CLIP_PARTS partial sums of squares of the gradients (a fixed order,
@@ -155,7 +158,7 @@ def optimiser_state_names(optimiser: Optimiser) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
-def update_launch(optimiser: Optimiser, total: int, scaled: bool = False) -> Launch:
+def update_launch(optimiser: Optimiser, total: int, scaled: bool = False, halves: bool = False) -> Launch:
     """One launch that updates every parameter in the flat arena (padding included: its gradient
     is always zero, so it stays zero). Hyperparameters that never change are push constants; the
     schedule's values come from ``stepvals`` (:func:`step_values`).
@@ -164,16 +167,18 @@ def update_launch(optimiser: Optimiser, total: int, scaled: bool = False) -> Lau
         optimiser: the spec's optimiser.
         total: floats in the flat parameter arena.
         scaled: the gradients carry a loss scale (the _clip variant divides it out).
+        halves: also write each updated parameter's float16 copy into HALVES (the _half variant).
 
     Returns:
         The ``sgd`` or ``adam`` launch (``sgd_clip``, ``adam_clip`` with clip_norm set or a loss
-            scale: they also read ``clip:norm``).
+            scale: they also read ``clip:norm``; ``..._half``: they also write HALVES).
 
     Raises:
         PlanError: an optimiser with no update kernel.
     """
     clipped = scaled or getattr(optimiser, "clip_norm", None) is not None
     clip = ("_clip", ("clip:norm",)) if clipped else ("", ())
+    clip = (clip[0] + "_half", (*clip[1], HALVES)) if halves else clip
     if isinstance(optimiser, SGD):
         # Without momentum the kernel never reads its buffer, so the gradients stand in for the
         # arena that plain SGD does not allocate.
@@ -202,7 +207,9 @@ def update_launch(optimiser: Optimiser, total: int, scaled: bool = False) -> Lau
     raise PlanError([Problem("optimiser", f"unknown optimiser {type(optimiser).__name__}")])
 
 
-def update_groups(optimiser: Optimiser, total: int, scaled: bool = False) -> list[list[Launch]]:
+def update_groups(
+    optimiser: Optimiser, total: int, scaled: bool = False, halves: bool = False
+) -> list[list[Launch]]:
     """The update's launches in dependent groups (a barrier between each): the update alone, or
     with clip_norm set or a loss scale, the two passes over the gradients before it (see
     CLIP_PARTS and LOSS_SCALE).
@@ -211,11 +218,12 @@ def update_groups(optimiser: Optimiser, total: int, scaled: bool = False) -> lis
         optimiser: the spec's optimiser.
         total: floats at the start of the flat arenas that the optimiser updates.
         scaled: the run scales its loss (initial_loss_scale is not None).
+        halves: the update also writes the weights' float16 copies (see update_launch).
 
     Returns:
         [[update]], or [[partial sums], [norm and factor], [update]].
     """
-    update = update_launch(optimiser, total, scaled)
+    update = update_launch(optimiser, total, scaled, halves)
     if optimiser.clip_norm is None and not scaled:
         return [[update]]
     max_norm = math.inf if optimiser.clip_norm is None else float(optimiser.clip_norm)

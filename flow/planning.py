@@ -69,6 +69,7 @@ from flow.shapes import infer_shapes
 from flow.spec import Spec
 from flow.spec_model import Model
 from flow.validation import check
+from flow.weight_copies import copy_tensors, keeps_copies
 from shaders.registry import op as op_def
 from shaders.registry import resolve_program
 from shaders.tiles import GemmTable
@@ -437,16 +438,25 @@ def plan_device(
             ]
         )
     update = not separate_update
+    kept = keeps_copies(precision, facts)  # the weights' fp16 copies, written by the update
     graphs = {
         kind: build_graph(
-            model, spec.optimiser, batch, kind, total_params, precision, update, loss_scaled=bool(loss_scale)
+            model,
+            spec.optimiser,
+            batch,
+            kind,
+            total_params,
+            precision,
+            update,
+            loss_scaled=bool(loss_scale),
+            kept_copies=kept,
         )
         for kind in PROGRAM_KINDS
     }
     if sampling is not None:
         sample = sample_params(sampling, infer_shapes(model)[-1][-1])
         graphs["generate"] = build_graph(
-            model, None, batch, "generate", total_params, precision, sample=sample
+            model, None, batch, "generate", total_params, precision, sample=sample, kept_copies=kept
         )
     if resident is not None:
         for kind in ("train", "eval"):
@@ -467,10 +477,13 @@ def plan_device(
             raise AssertionError(f"work tensor {base!r} is never used by the train program")
         tensors.append(Tensor(name, decl.shape, decl.dtype, "work", offsets[base]))
     work_naive = sum(life.nbytes for life in lives)
+    copies, copy_arena = copy_tensors(declared, offset_of, total_params)
+    tensors += copies
 
     arenas = [Arena("params", param_bytes), Arena("grads", param_bytes)]
     arenas += [Arena(f"state:{s}", param_bytes) for s in state_names]
     arenas += [Arena("clip", clip_bytes)] if clip_bytes else []
+    arenas += copy_arena
     arenas += [
         Arena("work", max(work_peak, 256)),
         Arena("io", max(io_offset, 256), per_slot=True, host_visible=True),
@@ -507,7 +520,8 @@ def plan_device(
     if separate_update:
         # The optimised range stops before BatchNorm's running statistics (flow.graph).
         optimised = optimised_floats(model, total_params)
-        updating = Program("apply", with_barriers(update_groups(spec.optimiser, optimised, bool(loss_scale))))
+        groups = update_groups(spec.optimiser, optimised, bool(loss_scale), bool(copies))
+        updating = Program("apply", with_barriers(groups))
         apply = resolve_program(updating, facts, tuning)
     generate = None
     if sampling is not None:

@@ -258,6 +258,8 @@ def start_engine(
     start = optim.start(engine, spec.model.init.scheme, spec.model.init.seed, state, cursor)
     for name, value in imported.items():  # fresh weights from the file instead of drawn ones
         backend.write(name, value)
+    if imported:
+        engine.refresh_copies()  # the update keeps them from here on
     kinds = (run_plan.mode,)  # predict, generate
     if run_plan.mode == "train":
         data = run_plan.data  # nothing to evaluate: no eval program to record for every slot

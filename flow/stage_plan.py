@@ -99,6 +99,7 @@ from flow.program import (
 from flow.shapes import infer_shapes
 from flow.spec import Spec
 from flow.spec_model import BatchNorm1d, BatchNorm2d
+from flow.weight_copies import copy_tensors, keeps_copies
 from shaders.registry import BINARY, resolve_program
 from shaders.tiles import GemmTable
 
@@ -455,7 +456,8 @@ def plan_stage_device(
         io_offsets[name], io_offset = io_offset, align_up(io_offset + math.prod(shape) * ITEM_BYTES[dtype])
 
     build = {"optimiser": spec.optimiser, "batch": rows, "total_params": total, "update": False, "part": part,
-             "precision": precision, "loss_scaled": loss_scale is not None}  # fmt: skip
+             "precision": precision, "loss_scaled": loss_scale is not None,
+             "kept_copies": keeps_copies(precision, facts)}  # fmt: skip
     graphs = {kind: build_graph(model, program=kind, **build) for kind in ("train", "eval", "predict")}
     accumulate = [
         launch("binary", ("acc:all", "grads:all", "acc:all"), n=total, fn=BINARY["add"], a=1.0, b=0.0)
@@ -476,9 +478,12 @@ def plan_stage_device(
             tensors.append(Tensor(name, decl.shape, decl.dtype, "io", io_offsets[base]))
         else:
             tensors.append(Tensor(name, decl.shape, decl.dtype, "work", work[base]))
+    copies, copy_arena = copy_tensors(declared, offsets, total)  # the weights' fp16 copies, if kept
+    tensors += copies
     arenas = [Arena("params", param_bytes), Arena("grads", param_bytes), Arena("acc", param_bytes)]
     arenas += [Arena(f"state:{s}", param_bytes) for s in state_names]
     arenas += [Arena("clip", clip_bytes)] if clip_bytes else []
+    arenas += copy_arena
     # Each slot is a micro-batch in flight: its activations live until its backward.
     arenas += [Arena("work", max(work_peak, 256), per_slot=True),
                Arena("io", max(io_offset, 256), per_slot=True, host_visible=True)]  # fmt: skip
@@ -505,10 +510,11 @@ def plan_stage_device(
     zero = [launch("fill", ("acc:all",), n=total, value=0.0)]
     if global_norm:  # the host joins the stages' partials into clip:norm between the two
         squares = launch("grad_norm", ("grads:all", "clip:partials"), n=optimised, parts=CLIP_PARTS)
-        update = update_launch(spec.optimiser, optimised, loss_scale is not None)
+        update = update_launch(spec.optimiser, optimised, loss_scale is not None, bool(copies))
         extra = (program("norm", [copy_in, [squares]]), program("apply", [[update], zero]))
     else:
-        extra = (program("apply", [copy_in, *update_groups(spec.optimiser, optimised), zero]),)
+        updating = update_groups(spec.optimiser, optimised, halves=bool(copies))
+        extra = (program("apply", [copy_in, *updating, zero]),)
     train = graphs["train"]
     if not last:
         split = train.backward_from

@@ -5,7 +5,8 @@
 //   P -= lr * (M / (1-beta1^t)) / (sqrt(V / (1-beta2^t)) + eps)
 // The body of adam.comp and, with CLIP defined, of adam_clip.comp, which first scales every G by
 // clip[1] (grad_norm's factor: clipping by global norm; loss_scale_update's, the loss scale
-// divided out) and skips the step where clip[2] is set.
+// divided out) and skips the step where clip[2] is set. With HALVES defined (the _half variants),
+// it also writes H, each updated weight's float16 copy, as sgd.glsl does.
 
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
@@ -16,6 +17,14 @@ layout(std430, set = 0, binding = 3) buffer VBuf { float V[]; };
 layout(std430, set = 0, binding = 4) readonly buffer StepBuf { float stepvals[]; };
 #ifdef CLIP
 layout(std430, set = 0, binding = 5) readonly buffer ClipBuf { float clip[]; };
+#endif
+#ifdef HALVES
+#include "half_bits.glsl"
+#ifdef CLIP
+layout(std430, set = 0, binding = 6) buffer HBuf { uint H[]; };
+#else
+layout(std430, set = 0, binding = 5) buffer HBuf { uint H[]; };
+#endif
 #endif
 
 layout(push_constant) uniform Push {
@@ -29,34 +38,53 @@ layout(push_constant) uniform Push {
     float one_minus_beta2;
 } pc;
 
+// Parameter i after the step (written back, with its moments). precise: no fused multiply-adds,
+// which a compiler places as the code around it suggests (NVIDIA's differed between adam.comp and
+// adam_half.comp), so every variant rounds each operation alike and the copy's master is the same.
+float updated(uint i, float lr, float bias1, float bias2, float scale) {
+    precise float p = P[i];
+#ifdef CLIP
+    precise float g = G[i] * scale;
+#else
+    precise float g = G[i];
+#endif
+    if (pc.decoupled != 0u) {
+        p *= 1.0 - lr * pc.weight_decay;
+    } else {
+        g += pc.weight_decay * p;
+    }
+    precise float m = pc.beta1 * M[i] + pc.one_minus_beta1 * g;
+    precise float v = pc.beta2 * V[i] + pc.one_minus_beta2 * g * g;
+    M[i] = m;
+    V[i] = v;
+    precise float denom = sqrt(v / bias2) + pc.eps;
+    precise float result = p - lr * (m / bias1) / denom;
+    P[i] = result;
+    return result;
+}
+
 void main() {
     float lr = stepvals[0];
     float bias1 = stepvals[1];
     float bias2 = stepvals[2];
+    float scale = 1.0;
 #ifdef CLIP
     if (clip[2] != 0.0) {
         return;  // loss scaling found the gradients overflowed: this step changes nothing
     }
-    float scale = clip[1];
+    scale = clip[1];
 #endif
     uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-    for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
-        float p = P[i];
-#ifdef CLIP
-        float g = G[i] * scale;
-#else
-        float g = G[i];
-#endif
-        if (pc.decoupled != 0u) {
-            p *= 1.0 - lr * pc.weight_decay;
-        } else {
-            g += pc.weight_decay * p;
-        }
-        float m = pc.beta1 * M[i] + pc.one_minus_beta1 * g;
-        float v = pc.beta2 * V[i] + pc.one_minus_beta2 * g * g;
-        M[i] = m;
-        V[i] = v;
-        float denom = sqrt(v / bias2) + pc.eps;
-        P[i] = p - lr * (m / bias1) / denom;
+#ifdef HALVES
+    for (uint w = gl_GlobalInvocationID.x; w < (pc.n + 1u) / 2u; w += stride) {
+        uint lo = half_bits(floatBitsToUint(updated(2u * w, lr, bias1, bias2, scale)));
+        uint hi = 2u * w + 1u < pc.n ? half_bits(floatBitsToUint(updated(2u * w + 1u, lr, bias1, bias2, scale)))
+                                     : H[w] >> 16;
+        H[w] = lo | (hi << 16);
     }
+#else
+    for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
+        updated(i, lr, bias1, bias2, scale);
+    }
+#endif
 }

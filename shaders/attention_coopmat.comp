@@ -6,7 +6,10 @@
 // fp32 strip, LPR lanes per row take the running max and sum in fp32 and write P as fp16, and the
 // accumulators are rescaled by the rows' exp2(m_old - m_new) (a component-wise product with a
 // 16x16 tile of row scales, which has the accumulators' own layout). Causal: key blocks past the
-// query block's last row are never loaded. See attention_coopmat_head.glsl.
+// query block's last row are never loaded. See attention_coopmat_head.glsl. (The backward kernels
+// keep their scores in the accumulators instead; here that was slower on an H100, 190 us against
+// 152 for the char GPT's layer: the running maximum needs every element of a row, bench/RESULTS.md
+// session 14.)
 #version 450
 #extension GL_GOOGLE_include_directive : require
 
@@ -16,8 +19,11 @@ layout(std430, set = 0, binding = 0) readonly buffer Qkv4Buf { vec4 qkv4[]; };
 layout(std430, set = 0, binding = 1) writeonly buffer YBuf { float Y[]; };
 layout(std430, set = 0, binding = 2) writeonly buffer LBuf { float L[]; };
 
+const uint SW = BC + 4u;    // fp32 score strip row stride, floats
+const uint CPL = BC / LPR;  // columns of a strip row per lane (a multiple of 4)
+
 shared uvec2 KV[2u * STAGED];  // the K block, then the V block (first the Q rows: BR <= 2 BC)
-shared float Ss[BR * SS];      // per subgroup: its 16 x BC scores, then a 16 x 16 tile of row scales
+shared float Ss[BR * SW];      // per subgroup: its 16 x BC scores, then a 16 x 16 tile of row scales
 shared uvec2 Ps[BR * PS];      // per subgroup: P, 16 x BC halves
 
 void main() {
@@ -32,7 +38,7 @@ void main() {
     const uint i = r0 + 16u * w + row;  // this lane's query row; past T it is computed, not written
     const bool causal = pc.causal != 0u;
     const float qscale = pc.scale * LOG2E;
-    const uint strip = 16u * w * SS;
+    const uint strip = 16u * w * SW;
     const uint pstrip = 16u * w * PS;
 
     {
@@ -69,7 +75,7 @@ void main() {
                 coopMatLoad(k, KV, 16u * fc * HS + 4u * f, HS, COL_MAJOR);
                 s = coopMatMulAdd(q[f], k, s);
             }
-            coopMatStore(s, Ss, strip + 16u * fc, SS, ROW_MAJOR);
+            coopMatStore(s, Ss, strip + 16u * fc, SW, ROW_MAJOR);
         }
         subgroup_sync();
         // Every lane of a row ends with the same m and l (the shuffles combine the same values).
@@ -78,7 +84,7 @@ void main() {
         [[unroll]] for (uint c = 0u; c < CPL; c++) {
             const uint key = c0 + part * CPL + c;
             const bool masked = key >= pc.T || (causal && key > i);
-            x[c] = masked ? MASKED : Ss[strip + row * SS + part * CPL + c] * qscale;
+            x[c] = masked ? MASKED : Ss[strip + row * SW + part * CPL + c] * qscale;
             block_max = max(block_max, x[c]);
         }
         [[unroll]] for (uint o_ = 1u; o_ < LPR; o_ *= 2u) {
@@ -99,11 +105,11 @@ void main() {
         m = m_new;
         subgroup_sync();  // the strip's scores are read: it takes the row scales now
         [[unroll]] for (uint c = 0u; c < 16u / LPR; c++) {
-            Ss[strip + row * SS + part * (16u / LPR) + c] = alpha;
+            Ss[strip + row * SW + part * (16u / LPR) + c] = alpha;
         }
         subgroup_sync();
         ACC rescale;
-        coopMatLoad(rescale, Ss, strip, SS, ROW_MAJOR);
+        coopMatLoad(rescale, Ss, strip, SW, ROW_MAJOR);
         MAT_A p[FC];
         [[unroll]] for (uint fc = 0u; fc < FC; fc++) {
             coopMatLoad(p[fc], Ps, pstrip + 4u * fc, PS, ROW_MAJOR);
@@ -123,12 +129,12 @@ void main() {
     const float inv = 1.0 / l;
     const uint y_start = row_start(n, min(i, pc.T - 1u), h);
     [[unroll]] for (uint f = 0u; f < FD; f++) {
-        coopMatStore(o[f], Ss, strip, SS, ROW_MAJOR);
+        coopMatStore(o[f], Ss, strip, SW, ROW_MAJOR);
         subgroup_sync();
         if (i < pc.T) {
             [[unroll]] for (uint c = 0u; c < 16u / LPR; c++) {
                 const uint col = part * (16u / LPR) + c;
-                Y[y_start + 16u * f + col] = Ss[strip + row * SS + col] * inv;
+                Y[y_start + 16u * f + col] = Ss[strip + row * SW + col] * inv;
             }
         }
         subgroup_sync();

@@ -1,14 +1,21 @@
 // What the tensor-core attention kernels share (attention_coopmat*.comp, the mixed-precision
 // counterparts of attention*.comp, same bindings, push block and results): tiles, the push block,
-// head-row staging and the 16x16 fragment types.
+// head-row staging, the 16x16 fragment types and the coordinates of a fragment's elements.
 //
 // Tensors as in attention_head.glsl: qkv [N, T, 3D], Y and dY [N, T, D], L and Drow [N, H, T],
 // all float32. A workgroup of WARPS subgroups owns BR = 16 * WARPS rows (queries; keys in the kv
 // kernel), 16 per subgroup, and streams blocks of BC rows of the other side through shared memory
-// as float16 (each row padded by 16 bytes, so the rows of a fragment fall in distinct banks).
-// Products run as GL_KHR_cooperative_matrix 16x16x16 fp16 multiply-adds with fp32 accumulators;
-// scores go through a per-subgroup fp32 strip in shared memory, where LPR lanes per row apply the
-// mask and the softmax in fp32 and write P (or dS) back as fp16 for the next product. Scores stay
+// as float16 (each row padded by 16 bytes, so the rows of a fragment fall in distinct banks); the
+// next block's global loads are in flight while the current one is multiplied (PREFETCH).
+// Products run as GL_KHR_cooperative_matrix 16x16x16 fp16 multiply-adds with fp32 accumulators.
+// The backward kernels keep their scores in the accumulators: every accumulator of a type holds
+// element (r, c) at the same index of the same lane, so two accumulators loaded once with their
+// elements' own row and column (FRAGMENT_COORDS) say where each element x[k] lies, and the mask,
+// the exponentials and the per-row or per-column terms (L, Drow) are applied element by element in
+// fp32; P and dS, converted to fp16 accumulators, go through shared memory to be loaded back as
+// the A operand of the next product. Fragments that the causal mask or the end of the sequence
+// leaves empty are skipped, and only the ones it cuts are masked. The forward keeps its scores in
+// a per-subgroup fp32 strip (its running row maximum needs every element of a row). Scores stay
 // in base 2 (multiplied by scale * log2(e) in fp32), so every exponential is exp2.
 // shaders/attention_tiles.py (coopmat_attention_shared_bytes) mirrors the shared arrays.
 #extension GL_KHR_cooperative_matrix : require
@@ -23,16 +30,19 @@ layout(constant_id = 3) const uint BC = 32;    // rows per streamed block, a mul
 layout(constant_id = 4) const uint DH = 64;    // the head size, a multiple of 16
 layout(constant_id = 5) const uint SG = 32;    // the subgroup size; local_size_x = WARPS * SG
 layout(constant_id = 6) const uint WARPS = 2;  // subgroups per workgroup
+layout(constant_id = 7) const uint PREFETCH = 1u;  // 1: load the next block during this one's products
+layout(constant_id = 8) const uint SYNC = 1u;      // subgroup_sync: 1 control barrier on shared memory
+                                                   // only, 0 memory barrier then subgroup barrier
 
 const uint BR = 16u * WARPS;
 const uint NT = WARPS * SG;
 const uint LPR = SG / 16u;          // lanes per row of a subgroup's 16-row strip
-const uint CPL = BC / LPR;          // columns of a strip row per lane (a multiple of 4)
 const uint FD = DH / 16u;           // fragments along a head row
 const uint FC = BC / 16u;           // fragments along a block
 const uint HS = (DH + 8u) / 4u;     // fp16 head row stride in shared memory, uvec2 (4 halves)
-const uint SS = BC + 4u;            // fp32 strip row stride, floats
-const uint PS = (BC + 8u) / 4u;     // fp16 strip row stride, uvec2
+const uint SS = 20u;                // fp32 tile row stride, floats (16 and a pad)
+const uint RP = 16u / LPR;          // columns of a tile row per lane
+const uint PS = (BC + 8u) / 4u;     // fp16 strip (16 x BC) row stride, uvec2
 const uint STAGED = BC * HS;        // uvec2 per staged block of head rows
 const uint LOADS_BC = (BC * DH / 4u + NT - 1u) / NT;  // vec4 an invocation loads per block
 const uint LOADS_BR = (BR * DH / 4u + NT - 1u) / NT;  // and of the owned rows
@@ -40,6 +50,7 @@ const float LOG2E = 1.4426950408889634;
 const float MASKED = -3.0e38;       // finite, so that max and differences with it stay finite
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define ACC16 coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
 #define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
 #define MAT_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
 #define ROW_MAJOR gl_CooperativeMatrixLayoutRowMajor
@@ -94,6 +105,42 @@ uvec2 halves(vec4 v) {
 // Makes a subgroup's shared-memory writes visible to its own lanes (coopMatStore, then the lanes
 // read the strip; the lanes write, then coopMatLoad).
 void subgroup_sync() {
-    subgroupMemoryBarrierShared();
-    subgroupBarrier();
+    if (SYNC != 0u) {
+        controlBarrier(gl_ScopeSubgroup, gl_ScopeSubgroup, gl_StorageSemanticsShared, gl_SemanticsAcquireRelease);
+    } else {
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+    }
+}
+
+// RID and CID: accumulators whose every element holds its own row (column) index, loaded through
+// the subgroup's fp32 tile TILE[BASE..] (16 rows of SS floats).
+#define FRAGMENT_COORDS(RID, CID, TILE, BASE)                                     \
+    for (uint e = gl_SubgroupInvocationID; e < 256u; e += SG) {                  \
+        TILE[(BASE) + (e / 16u) * SS + e % 16u] = float(e / 16u);                \
+    }                                                                             \
+    subgroup_sync();                                                              \
+    coopMatLoad(RID, TILE, BASE, SS, ROW_MAJOR);                                  \
+    subgroup_sync();                                                              \
+    for (uint e = gl_SubgroupInvocationID; e < 256u; e += SG) {                  \
+        TILE[(BASE) + (e / 16u) * SS + e % 16u] = float(e % 16u);                \
+    }                                                                             \
+    subgroup_sync();                                                              \
+    coopMatLoad(CID, TILE, BASE, SS, ROW_MAJOR);                                  \
+    subgroup_sync();
+
+// The sum (OP +) or maximum (OP max) of row `row` of the tile at TILE[BASE..], on every lane of
+// the row (LPR lanes a row, RP columns each, combined by shuffles in a fixed order).
+#define ROW_REDUCE(RESULT, OP, TILE, BASE, row, part)                             \
+    {                                                                             \
+        RESULT = TILE[(BASE) + (row) * SS + (part) * RP];                         \
+        [[unroll]] for (uint c = 1u; c < RP; c++) {                               \
+            RESULT = OP(RESULT, TILE[(BASE) + (row) * SS + (part) * RP + c]);     \
+        }                                                                         \
+        [[unroll]] for (uint o_ = 1u; o_ < LPR; o_ *= 2u) {                       \
+            RESULT = OP(RESULT, subgroupShuffleXor(RESULT, o_));                  \
+        }                                                                         \
+    }
+float add(float a, float b) {
+    return a + b;
 }

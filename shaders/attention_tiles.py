@@ -27,9 +27,10 @@ COOPMAT_ATTENTION_OPS = {
 COOPMAT_ATTENTION_ASSUMED_SHARED_BYTES = 49152
 # (BC, WARPS) per kind, fastest first, the first that fits the device wins: streamed rows, and
 # subgroups per workgroup (16 owned rows each; the owned rows are staged through the two streamed
-# blocks' memory, so 2 BC >= 16 WARPS). From a sweep on an H100 at the char GPT's shape (N64 T256
-# H6 dh64 causal): forward 153 us, kv 290, q 149 (4 subgroups, BC 32: 181, 314, 165).
-COOPMAT_ATTENTION_TILES = {"forward": ((64, 2), (32, 2)), "kv": ((64, 2), (32, 2)), "q": ((32, 2),)}
+# blocks' memory, so 2 BC >= 16 WARPS). From an A/B sweep on an H100 at the char GPT's shape (N64
+# T256 H6 dh64 causal; bench/ab_attention.py, bench/RESULTS.md session 14).
+# forward 152 us, kv 188, q 120 (kv and q with BC 64 and 4 subgroups: 197, 126).
+COOPMAT_ATTENTION_TILES = {"forward": ((64, 2), (32, 2)), "kv": ((32, 2),), "q": ((32, 2),)}
 COOPMAT_ATTENTION_MAX_DH = 128  # beyond it the per-subgroup fragments outgrow the registers
 # Mixed precision runs the attention on tensor cores (False: the float32 kernels in every precision,
 # e.g. to compare the two).
@@ -97,15 +98,16 @@ def tune_attention(kind: str, params: dict[str, float], facts: DeviceFacts | Non
 
 def coopmat_attention_shared_bytes(kind: str, spec: dict[str, int]) -> int:
     """Shared memory of one tensor-core attention workgroup, as the shaders declare it: two staged
-    fp16 blocks of BC head rows (padded by 8 halves), each subgroup's fp32 strips of 16 x BC
-    scores (padded by 4 floats: one in the forward, S and dP in the backward) and fp16 strips
-    (padded by 8 halves: P, or dS, and the kv kernel's P^T and dS^T), and the kv kernel's L and
-    Drow of a block."""
+    fp16 blocks of BC head rows (padded by 8 halves); each subgroup's fp32 scores (the forward: a
+    16 x BC strip padded by 4 floats; the backward: a 16 x 16 tile padded by 4) and fp16 strips of
+    16 x BC (padded by 8 halves: P, or dS, and the kv kernel's second); and two floats a row (q:
+    its rows' L and Drow) or a query of the block (kv: L and Drow)."""
     bc, dh, rows = spec["BC"], spec["DH"], 16 * spec["WARPS"]
     staged = 2 * bc * (dh + 8) * 2
-    strips32 = (1 if kind == "forward" else 2) * rows * (bc + 4) * 4
+    if kind == "forward":
+        return staged + rows * (bc + 4) * 4 + rows * (bc + 8) * 2
     strips16 = (2 if kind == "kv" else 1) * rows * (bc + 8) * 2
-    return staged + strips32 + strips16 + (8 * bc if kind == "kv" else 0)
+    return staged + rows * 20 * 4 + strips16 + (8 * bc if kind == "kv" else 8 * rows)
 
 
 def tune_attention_coopmat(kind: str, params: dict[str, float], facts: DeviceFacts | None) -> dict[str, int]:
@@ -118,7 +120,8 @@ def tune_attention_coopmat(kind: str, params: dict[str, float], facts: DeviceFac
         facts: the device, or None (then 48 KiB of shared memory and subgroups of 32 are assumed).
 
     Returns:
-        The specialisation constants BC, DH, SG and WARPS.
+        The specialisation constants BC, DH, SG, WARPS, PREFETCH (1: the next block's loads are
+        in flight during this block's products) and SYNC (see attention_coopmat_head.glsl).
 
     Raises:
         ValueError: a head size that is not a multiple of 16, or too large to fit.
@@ -127,7 +130,7 @@ def tune_attention_coopmat(kind: str, params: dict[str, float], facts: DeviceFac
     limit = facts.shared_memory_bytes if facts is not None else COOPMAT_ATTENTION_ASSUMED_SHARED_BYTES
     subgroup = facts.subgroup_size if facts is not None else 32
     for bc, warps in COOPMAT_ATTENTION_TILES[kind]:
-        spec = {"BC": bc, "DH": dh, "SG": subgroup, "WARPS": warps}
+        spec = {"BC": bc, "DH": dh, "SG": subgroup, "WARPS": warps, "PREFETCH": 1, "SYNC": 1}
         if dh % 16 == 0 and coopmat_attention_shared_bytes(kind, spec) <= limit:
             return spec
     raise ValueError(

@@ -1,8 +1,9 @@
 // gemm_coopmat.comp's body (see its header for the design): gemm_coopmat.comp includes it as it is,
 // gemm_coopmat_copy.comp with GEMM_HALF_COPY defined, which adds binding 4 and has the epilogue
-// write a float16 copy of C there too. Two files rather than a specialisation constant because a
-// binding the shader references must be in the pipeline's layout even where a constant folds the
-// reference away, and gemm_coopmat's launches bind four buffers.
+// write a float16 copy of C (or of act_HA(C)) there too, and gemm_coopmat_residual.comp with
+// GEMM_RESIDUAL, which adds binding 4 (R, read) to the finished C. Separate files rather than a
+// specialisation constant because a binding the shader references must be in the pipeline's layout
+// even where a constant folds the reference away, and gemm_coopmat's launches bind four buffers.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -35,6 +36,19 @@ layout(constant_id = 14) const uint AD = 0;  // act_grad: times f'(D), D[M,N] bo
 // C's float16 copy: words of two halves, written as pairs (uvec2, 4 halves) or single words.
 layout(std430, set = 0, binding = 4) writeonly buffer HBuf { uint Hw[]; };
 layout(std430, set = 0, binding = 4) writeonly buffer HBuf2 { uvec2 H2[]; };
+// The copy's own activation (an ACT_* code, from the launch's copy_act): H = fp16(act_HA(C)), so
+// a Linear followed by GELU writes its pre-activation C (GELU's backward reads it) and the next
+// GEMM's fp16 operand GELU(C) from one epilogue, with no unary launch and no fp32 GELU(C).
+layout(constant_id = 15) const uint HA = 0;
+float copy_value(float x) {
+    return vk_activate(x, HA, 0.0);
+}
+#endif
+#ifdef GEMM_RESIDUAL
+// R[M,N] (fp32), added to the finished C (after the activation): a residual block's x + f(x)
+// written by the GEMM of f, with no binary launch re-reading both; R is left as it is.
+layout(std430, set = 0, binding = 4) readonly buffer RBuf { float R[]; };
+layout(std430, set = 0, binding = 4) readonly buffer RBuf4 { vec4 R4[]; };
 #endif
 
 // Each operand buffer is seen as fp32 (scalars and vec4, from gemm_head.glsl) and as fp16 (32-bit
@@ -451,9 +465,13 @@ void main() {
                 }
                 v = vec4(vk_activate(v.x, pc.act, pc.slope), vk_activate(v.y, pc.act, pc.slope),
                          vk_activate(v.z, pc.act, pc.slope), vk_activate(v.w, pc.act, pc.slope));
+#ifdef GEMM_RESIDUAL
+                v = R4[o / 4u] + v;  // binary.comp's add, x + f(x)
+#endif
                 C4[o / 4u] = v;
 #ifdef GEMM_HALF_COPY
-                H2[o / 4u] = uvec2(half_pair(v.x, v.y), half_pair(v.z, v.w));
+                H2[o / 4u] = uvec2(half_pair(copy_value(v.x), copy_value(v.y)),
+                                   half_pair(copy_value(v.z), copy_value(v.w)));
 #endif
             } else {
                 for (uint e = 0u; e < 4u && n + e < N; ++e) {
@@ -468,12 +486,15 @@ void main() {
                         x *= activation_derivative(bias[o + e], AD, pc.slope);
                     }
                     v[e] = vk_activate(x, pc.act, pc.slope);
+#ifdef GEMM_RESIDUAL
+                    v[e] = R[o + e] + v[e];
+#endif
                     C[o + e] = v[e];
                 }
 #ifdef GEMM_HALF_COPY
                 // N is even and n a multiple of 4, so o is even and each word is this invocation's.
                 for (uint e = 0u; e < 4u && n + e < N; e += 2u) {
-                    Hw[(o + e) / 2u] = half_pair(v[e], v[e + 1u]);
+                    Hw[(o + e) / 2u] = half_pair(copy_value(v[e]), copy_value(v[e + 1u]));
                 }
 #endif
             }

@@ -353,7 +353,7 @@ def _attention_coopmat(name: str, bindings: tuple[str, ...], kind: str) -> OpDef
         bindings,
         _ATTENTION_PUSH,
         lambda p, local, spec: (ceil_div(int(p["T"]), 16 * spec["WARPS"]), int(p["H"]), int(p["N"])),
-        spec=(("BC", 32), ("DH", 64), ("SG", 32), ("WARPS", 2)),
+        spec=(("BC", 32), ("DH", 64), ("SG", 32), ("WARPS", 2), ("PREFETCH", 1), ("SYNC", 1)),
         features=frozenset({"cooperative_matrix"}),
         local_from_spec=lambda s: (s["WARPS"] * s["SG"], 1, 1),
         tune=lambda params, facts, table=None: tune_attention_coopmat(kind, params, facts),
@@ -377,6 +377,47 @@ _GEMM_PUSH = (
     ("ones_row", "u"),
 )
 
+# gemm.comp's specialisation constants (TA/TB: transposition flags from trans_a/trans_b via
+# tune_gemm; VEC: vec4 access mask).
+_GEMM_SPEC = (
+    ("BM", 64),
+    ("BN", 64),
+    ("BK", 16),
+    ("TM", 4),
+    ("TN", 4),
+    ("TA", 0),
+    ("TB", 0),
+    ("VEC", 0),
+    ("GM", 1),
+    ("SK", 1),
+    ("DB", 0),
+    ("ACT", 0),
+    ("AG", 0),
+    ("KR", 0),  # 1: A (stored [M,K]) kept k-contiguous in shared memory
+    ("WL", 0),  # warp tiling: lanes along n of each 32-lane warp tile (0: block-wide)
+    ("XS", 0),  # 1: transposed shared stores by runs of 16 rows (conflict-free)
+    ("CT", 0),  # 1: compute C^T = op(B)^T op(A)^T and store it transposed
+    ("NR", 0),  # 1: no row of ones (from the launch's ones_row, via tune_gemm)
+)
+
+
+def _gemm_local(spec: dict[str, int]) -> Groups:
+    """gemm.comp's workgroup: one invocation per TM x TN outputs of its tile, times its K slices."""
+    return (spec["BM"] // spec["TM"]) * (spec["BN"] // spec["TN"]) * spec.get("SK", 1), 1, 1
+
+
+def _with_copy_act(tune, name: str):
+    """``tune`` plus the specialisation constant ``name`` (gemm_copy's YA, gemm_coopmat_copy's HA)
+    from a launch's ``copy_act``, the activation its second output applies; left out where that is
+    none, so a plain copy launch keeps the constants it had."""
+
+    def tuned(params, facts, table=None) -> dict[str, int]:
+        code = int(params.get("copy_act", 0))
+        return {**tune(params, facts, table), **({name: code} if code else {})}
+
+    return tuned
+
+
 _OPS: tuple[OpDef, ...] = (
     # C[M,N] = act(alpha * op(A) @ op(B) + bias[N] + (accumulate ? C : 0))
     OpDef(
@@ -386,28 +427,34 @@ _OPS: tuple[OpDef, ...] = (
         _GEMM_PUSH,
         _gemm_fp32_groups,
         local_size=(256, 1, 1),
-        # TA/TB: transposition flags (from trans_a/trans_b via tune_gemm); VEC: vec4 access mask.
-        spec=(
-            ("BM", 64),
-            ("BN", 64),
-            ("BK", 16),
-            ("TM", 4),
-            ("TN", 4),
-            ("TA", 0),
-            ("TB", 0),
-            ("VEC", 0),
-            ("GM", 1),
-            ("SK", 1),
-            ("DB", 0),
-            ("ACT", 0),
-            ("AG", 0),
-            ("KR", 0),  # 1: A (stored [M,K]) kept k-contiguous in shared memory
-            ("WL", 0),  # warp tiling: lanes along n of each 32-lane warp tile (0: block-wide)
-            ("XS", 0),  # 1: transposed shared stores by runs of 16 rows (conflict-free)
-            ("CT", 0),  # 1: compute C^T = op(B)^T op(A)^T and store it transposed
-            ("NR", 0),  # 1: no row of ones (from the launch's ones_row, via tune_gemm)
-        ),
-        local_from_spec=lambda s: ((s["BM"] // s["TM"]) * (s["BN"] // s["TN"]) * s.get("SK", 1), 1, 1),
+        spec=_GEMM_SPEC,
+        local_from_spec=_gemm_local,
+        tune=tune_gemm,
+    ),
+    # gemm that also writes Y = act(C) for the launch's copy_act (gemm_copy.comp's YA): a Linear
+    # followed by GELU in an fp32 plan writes its pre-activation and GELU of it in one launch.
+    OpDef(
+        "gemm_copy",
+        "gemm_copy.comp",
+        ("A", "B", "bias", "C", "Y"),
+        _GEMM_PUSH,
+        _gemm_fp32_groups,
+        local_size=(256, 1, 1),
+        spec=(*_GEMM_SPEC, ("YA", 0)),
+        local_from_spec=_gemm_local,
+        tune=_with_copy_act(tune_gemm, "YA"),
+    ),
+    # gemm plus a residual: C = R + act(...), R[M,N] (gemm_residual.comp): a residual block's
+    # x + f(x) written by the GEMM of f, with no binary add launch.
+    OpDef(
+        "gemm_residual",
+        "gemm_residual.comp",
+        ("A", "B", "bias", "C", "R"),
+        _GEMM_PUSH,
+        _gemm_fp32_groups,
+        local_size=(256, 1, 1),
+        spec=_GEMM_SPEC,
+        local_from_spec=_gemm_local,
         tune=tune_gemm,
     ),
     # Finishes a split-K gemm: C = act(alpha * sum over splits of W[s] + (accumulate ? C : 0) + bias).
@@ -429,6 +476,8 @@ _OPS: tuple[OpDef, ...] = (
     ),
     # Y = f(X) elementwise; fn codes from ACTIVATIONS | UNARY_EXTRA; a = slope or scale, b = shift.
     OpDef("unary", "unary.comp", ("X", "Y"), _ELEMENTWISE_PUSH, _linear_groups("n")),
+    # Y = fp16(f(X)) for an activation f, as unary then cast write it, two halves a word (Y float16).
+    OpDef("unary_half", "unary_half.comp", ("X", "Y"), _ELEMENTWISE_PUSH, _linear_groups("n", 2)),
     # dX = dY * f'(.), where S is the forward output for relu/leaky/sigmoid/tanh and the input for gelu.
     OpDef("unary_backward", "unary_backward.comp", ("dY", "S", "dX"), _ELEMENTWISE_PUSH, _linear_groups("n")),
     # Z = a * (X op Y) with op from BINARY.
@@ -752,6 +801,17 @@ _OPS: tuple[OpDef, ...] = (
         _ADAM_PUSH,
         _linear_groups("n"),
     ),
+    # Each of the four also writing H, the float16 copy of every parameter it updates (mixed
+    # precision's weight copies, bit for bit cast.comp's): one invocation per word of two halves.
+    *(
+        OpDef(f"{name}_half", f"{name}_half.comp", (*bindings, "H"), push, _linear_groups("n", 2))
+        for name, bindings, push in (
+            ("sgd", ("P", "G", "M", "stepvals"), _SGD_PUSH),
+            ("adam", ("P", "G", "M", "V", "stepvals"), _ADAM_PUSH),
+            ("sgd_clip", ("P", "G", "M", "stepvals", "clip"), _SGD_PUSH),
+            ("adam_clip", ("P", "G", "M", "V", "stepvals", "clip"), _ADAM_PUSH),
+        )
+    ),
     # parts > 0: Y[w] = the sum of squares of X[:n] that workgroup w strides over, for each of parts
     # workgroups; parts = 0: one workgroup joins the partials X[:n] into s, Y = [sqrt(s),
     # min(1, max_norm / (sqrt(s) + 1e-6))]. The tree needs a power-of-two workgroup size.
@@ -835,16 +895,35 @@ _OPS: tuple[OpDef, ...] = (
     # gemm_coopmat that also writes C's float16 copy H (cast.comp's rounding, bit for bit) from its
     # epilogue, for the next GEMMs of a mixed plan to read as halves: no cast launch, no barrier.
     # N even and no split (flow.autodiff only asks it so).
+    # copy_act (HA) makes the copy fp16(act(C)): a Linear followed by GELU writes its pre-activation
+    # and the next GEMM's fp16 operand GELU(C) from one epilogue.
     _coopmat_gemm(
-        "gemm_coopmat_copy", "gemm_coopmat_copy.comp", ("C", "H"), 128, COOPMAT_SPEC, tune_gemm_coopmat
+        "gemm_coopmat_copy",
+        "gemm_coopmat_copy.comp",
+        ("C", "H"),
+        128,
+        (*COOPMAT_SPEC, ("HA", 0)),
+        _with_copy_act(tune_gemm_coopmat, "HA"),
+    ),
+    # gemm_coopmat plus a residual: C = R + act(...), R[M,N] fp32 (gemm_coopmat_residual.comp).
+    _coopmat_gemm(
+        "gemm_coopmat_residual",
+        "gemm_coopmat_residual.comp",
+        ("C", "R"),
+        128,
+        COOPMAT_SPEC,
+        tune_gemm_coopmat,
     ),
 )
 
 # What each op writes; everything else it binds is read only.
 _OUTPUTS: dict[str, tuple[str, ...]] = {
     "gemm": ("C",),
+    "gemm_copy": ("C", "Y"),
+    "gemm_residual": ("C",),
     "splitk_epilogue": ("C",),
     "unary": ("Y",),
+    "unary_half": ("Y",),
     "unary_backward": ("dX",),
     "binary": ("Z",),
     "reduce": ("Y",),
@@ -897,6 +976,10 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "adam": ("P", "M", "V"),
     "sgd_clip": ("P", "M"),
     "adam_clip": ("P", "M", "V"),
+    "sgd_half": ("P", "M", "H"),
+    "adam_half": ("P", "M", "V", "H"),
+    "sgd_clip_half": ("P", "M", "H"),
+    "adam_clip_half": ("P", "M", "V", "H"),
     "grad_norm": ("Y",),
     "loss_scale_apply": ("X",),
     "loss_scale_update": ("S", "Y"),
@@ -910,11 +993,14 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "gemm_coopmat": ("C",),
     "gemm_coopmat_f16": ("C",),
     "gemm_coopmat_copy": ("C", "H"),
+    "gemm_coopmat_residual": ("C",),
 }
 
 # Scale factors default to 1, not 0.
 _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "gemm": (("alpha", 1.0), ("k_splits", 1)),
+    "gemm_copy": (("alpha", 1.0), ("k_splits", 1)),
+    "gemm_residual": (("alpha", 1.0), ("k_splits", 1)),
     "splitk_epilogue": (("alpha", 1.0), ("splits", 1)),
     "conv2d_gemm_backward_weight": (("k_splits", 1),),
     "conv2d_gemm_coopmat_backward_weight": (("k_splits", 1),),
@@ -931,6 +1017,7 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "gemm_coopmat": (("alpha", 1.0), ("k_splits", 1)),
     "gemm_coopmat_f16": (("alpha", 1.0), ("k_splits", 1)),
     "gemm_coopmat_copy": (("alpha", 1.0), ("k_splits", 1)),
+    "gemm_coopmat_residual": (("alpha", 1.0), ("k_splits", 1)),
 }
 
 OPS: dict[str, OpDef] = {

@@ -92,3 +92,16 @@ def synthetic_spec(tmp=None, **run) -> Spec:
         devices=Devices("cpu"),
         run=RunSettings(**settings),
     )  # fmt: skip
+
+
+def gpt_blocks(vocab: int, width: int, hidden: int, context: int) -> Model:
+    """Two pre-LN GPT blocks (attention, then a GELU MLP of ``hidden``), the char GPT's pattern,
+    small: the model the GEMM-epilogue and residual-fusion tests plan and train."""
+    from flow.spec import Embedding, LayerNorm, PositionalEmbedding, Repeat, Residual, SelfAttention
+
+    block = (
+        Residual((LayerNorm(), SelfAttention(2))),
+        Residual((LayerNorm(), Linear(hidden, activation="gelu"), Linear(width))),
+    )
+    layers = (Embedding(vocab, width), PositionalEmbedding(), Repeat(2, block), LayerNorm(), Linear(vocab))
+    return Model(input_shape=(context,), layers=layers, loss=CrossEntropy())

@@ -22,6 +22,7 @@ from layer_programs import (
     nudged_parameters,
     run_train_program,
 )
+from specs import gpt_blocks
 from test_layer_norm import layer_norm_oracle
 
 from actors.cpu_backend import CpuBackend
@@ -35,8 +36,6 @@ from flow.spec import (
     Linear,
     Model,
     PositionalEmbedding,
-    Repeat,
-    Residual,
     SelfAttention,
 )
 
@@ -196,23 +195,7 @@ def test_layer_norm_input_gradient_adds_the_other_gradient(backend, rng, n, r, d
     np.testing.assert_array_equal(dx[real:], addend[real:])  # padding rows: the other gradient alone
 
 
-BLOCKS = Model(
-    input_shape=(16,),
-    layers=(
-        Embedding(11, 8),
-        PositionalEmbedding(),
-        Repeat(
-            2,
-            (
-                Residual((LayerNorm(), SelfAttention(2))),
-                Residual((LayerNorm(), Linear(16, activation="gelu"), Linear(8))),
-            ),
-        ),
-        LayerNorm(),
-        Linear(11),
-    ),
-    loss=CrossEntropy(),
-)
+BLOCKS = gpt_blocks(vocab=11, width=8, hidden=16, context=16)
 
 
 def test_residual_blocks_sum_their_gradients_in_the_layer_norm():
@@ -223,7 +206,10 @@ def test_residual_blocks_sum_their_gradients_in_the_layer_norm():
     # Every block's input gradient: the residual's pass-through plus the LayerNorm's, in one launch
     # (the embedding's output, the first block's input, too); the last LayerNorm's has one part.
     assert [item.param_dict.get("accumulate", 0) for item in norms] == [0, 1, 1, 1, 1]
-    assert len(adds) == 4  # the forward's residual adds alone
+    # No forward residual add: the attention's output projection and each MLP's last GEMM write
+    # their block's sum themselves (gemm_residual).
+    assert len(adds) == 0
+    assert len([item for item in launches if item.op == "gemm_residual"]) == 4
     for item in norms[1:]:
         assert item.args[5] != item.args[6] and "@" not in item.args[5]
     names = [tensor.name for tensor in device.layout.tensors]

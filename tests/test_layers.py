@@ -155,6 +155,7 @@ FLOW_TIERS: dict[str, int] = {
     **dict.fromkeys(("autodiff", "optim", "planning", "data_plan", "pipeline_plan", "parallel_plan"), 1),
     "autodiff_matmul": 1,  # a MatMul layer's launches
     "stage_plan": 1,  # a model split over devices as pipeline stages
+    "weight_copies": 1,  # where mixed precision keeps its weights' fp16 copies
     **dict.fromkeys(("plan_table", "preflight", "inputs", "metrics", "generation"), 1),
     "device_choice": 1,  # what Devices("auto") picks, from device facts
     **dict.fromkeys(("onnx_export", "onnx_import"), 1),  # a model as an ONNX graph and back

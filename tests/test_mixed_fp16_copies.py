@@ -1,7 +1,7 @@
-"""Mixed precision's float16 operand copies (issue 18): each dense weight's fp16 copy is cast from
-its fp32 master at the start of every program, and wide Linear layers' inputs and output gradients
-get one before their GEMMs, so that gemm_coopmat streams halves (AH/BH) instead of rounding fp32 in
-the kernel.
+"""Mixed precision's float16 operand copies (issue 18): each dense weight's fp16 copy is written by
+the optimiser's update beside its fp32 master (tests/test_optimiser_weight_copies.py has the rest),
+and wide Linear layers' inputs and output gradients get one before their GEMMs, so that
+gemm_coopmat streams halves (AH/BH) instead of rounding fp32 in the kernel.
 
 Where a whole unsplit GEMM produces the activation or gradient copied (a Linear's output; an input
 gradient, with the previous activation's derivative applied in the same epilogue), that GEMM writes
@@ -12,10 +12,10 @@ Checked here: the plan binds the copies with the right flags and tiles; the prod
 fp16 of their fp32 output bit for bit and the fused derivative matches a float64 oracle (CPU
 backend, and the GPU where it has cooperative matrices); training with the fusions is bit-identical
 to training with the casts; the weights' copies equal fp16(master) bit for bit after every step
-(CPU backend, and the GPU where it has cooperative matrices; lavapipe, which has none, casts the
-plan's weights the same way); a mixed MLP trains on the digits as a float64 numpy oracle that
-rounds every GEMM operand to fp16 does, with each choice of copies, and within tolerance of
-float32; resume is exact and checkpoints hold the fp32 masters only.
+(CPU backend, and the GPU where it has cooperative matrices; lavapipe, which has none, checks the
+copies of fresh masters written from the host); a mixed MLP trains on the digits as a float64 numpy
+oracle that rounds every GEMM operand to fp16 does, with each choice of copies, and within
+tolerance of float32; resume is exact and checkpoints hold the fp32 masters only.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from actors.engine import Engine
 from actors.single_op import run_op
 from flow import autodiff
 from flow.planning import plan
-from flow.program import Barrier, Program
 from flow.spec import SGD, Devices
 from loaders.digits import load_digits_arrays
 from shaders.registry import ACTIVATIONS, op
@@ -55,18 +54,10 @@ def _sgd_digits(batch: int = 64):
     return _mixed(spec, loss_scale="off")
 
 
-def _first_group(program: Program) -> Program:
-    """The launches before a program's first barrier (mixed precision: the weight casts)."""
-    steps = program.steps
-    end = next((i for i, s in enumerate(steps) if isinstance(s, Barrier)), len(steps))
-    return Program("weight casts", steps[:end])
-
-
 def _copies(engine: Engine) -> dict[str, np.ndarray]:
-    """Run the train program's first group and read each weight's fp16 copy."""
-    part = _first_group(engine.plan.program("train"))
-    engine.backend.wait(engine.submit_part(part, 0))
-    return {item.args[0]: engine.backend.read(item.args[1]) for item in part.steps}
+    """Each weight's fp16 copy, as the next program reads it."""
+    weights = [p.name for p in engine.plan.parameters if p.name.endswith(".weight")]
+    return {name: engine.backend.read(f"half:{name}") for name in weights}
 
 
 @pytest.fixture
@@ -81,8 +72,9 @@ def test_the_plan_reads_fp16_copies_with_matching_flags_and_tiles(wide_inputs):
     device = plan(_sgd_digits()).devices[0]
     program = device.program("train")
     weights = [p.name for p in device.parameters if p.name.endswith(".weight")]
-    casts = _first_group(program).steps
-    assert sorted((c.op, c.args[0]) for c in casts) == sorted(("cast", w) for w in weights)
+    # The update writes the weights' copies (sgd_half): no program casts a weight.
+    assert not any(s.op == "cast" and s.args[0] in weights for s in program.launches)
+    assert [s.op for s in program.launches[-1:]] == ["sgd_half"]
     gemms = [s for s in program.launches if s.op in ("gemm_coopmat", "gemm_coopmat_copy")]
     assert len(gemms) == 3 * len(weights) - 1  # forward, weight and input gradients (none for the first)
     for gemm in gemms:
@@ -111,15 +103,18 @@ def test_the_plan_reads_fp16_copies_with_matching_flags_and_tiles(wide_inputs):
 
 def test_without_wide_layers_only_the_weights_are_copied():
     program = plan(_sgd_digits()).devices[0].program("train")
-    casts = [s for s in program.launches if s.op == "cast"]
-    assert casts and all(c.args[0].endswith(".weight") for c in casts)
+    assert not any(s.op == "cast" for s in program.launches)
+    gemms = [s for s in program.launches if s.op.startswith("gemm_coopmat")]
+    assert gemms and all(not dict(g.params).get("a_half") for g in gemms)
+    # The weight's copy in each forward GEMM (3) and each input gradient's (2: none for the first).
+    assert sum(bool(dict(g.params).get("b_half")) for g in gemms) == 5
 
 
 @pytest.mark.parametrize("steps", [3])
 def test_the_copies_are_fp16_of_the_masters_after_every_step(backend, rng, steps):
     """Train steps where the backend has cooperative matrices (else fresh masters written from the
-    host: lavapipe runs only the casts); after each, the casts that start the next program give
-    numpy's astype(float16) of every master, bit for bit."""
+    host); after each, the copies the next program reads are numpy's astype(float16) of every
+    master, bit for bit."""
     device = plan(_sgd_digits(batch=37)).devices[0]
     engine = Engine(device, backend)
     engine.initialise("he", int(rng.integers(1 << 30)))
@@ -134,7 +129,7 @@ def test_the_copies_are_fp16_of_the_masters_after_every_step(backend, rng, steps
             engine.initialise("he", int(rng.integers(1 << 30)))
         masters = engine.parameters()
         copies = _copies(engine)
-        assert copies, "a mixed plan casts its weights"
+        assert copies, "a mixed plan copies its weights"
         for name, copy in copies.items():
             want = masters[name].reshape(-1).astype(np.float16)
             np.testing.assert_array_equal(
@@ -173,12 +168,13 @@ def _oracle_steps(
 
 
 @pytest.mark.parametrize("fusions", [True, False])
-@pytest.mark.parametrize("copies,casts", [((), 0), (("weights",), 3), (("weights", "activations"), 9)])
+@pytest.mark.parametrize("copies,casts", [((), 0), (("weights",), 0), (("weights", "activations"), 6)])
 def test_mixed_steps_on_the_digits_match_the_fp16_operand_oracle(
     monkeypatch, wide_inputs, copies, casts, fusions
 ):
-    """No copies, the weights', and also every layer's input and output gradient (3 + 3 + 3 casts;
-    with the fusions the GEMMs that write 4 of those 6 tensors write their copies too)."""
+    """No copies, the weights' (written by the update), and also every layer's input and output
+    gradient (3 + 3 casts; with the fusions the GEMMs that write 4 of those 6 tensors write their
+    copies too)."""
     monkeypatch.setattr(autodiff, "HALF_COPIES", frozenset(copies))
     monkeypatch.setattr(autodiff, "MIXED_FUSIONS", fusions)
     device = plan(_sgd_digits()).devices[0]
@@ -240,13 +236,15 @@ def _digits_batches(count: int, batch: int = 64):
     ]
 
 
-@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "tanh", "sigmoid"])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "tanh", "sigmoid", "gelu"])
 def test_copies_written_by_their_producers_train_bit_identically_to_casts(
     monkeypatch, wide_inputs, activation
 ):
     """The same steps with the fusions (gemm_coopmat_copy, the derivative in the input-gradient
     epilogue) and without (cast and unary_backward launches): the same losses and parameters, bit for
-    bit, for each activation whose derivative an epilogue can apply."""
+    bit, for each activation whose derivative an epilogue can apply (GELU's where the plan puts it
+    in the epilogues, autodiff.GELU_IN_EPILOGUES; tests/test_gelu_epilogue.py covers its launches)."""
+    monkeypatch.setattr(autodiff, "GELU_IN_EPILOGUES", True)
     spec = _sgd_digits()
     layers = tuple(
         dataclasses.replace(layer, activation=activation) if getattr(layer, "activation", None) else layer

@@ -280,7 +280,17 @@ def run_coopmat_attention(backend, qkv: np.ndarray, dy: np.ndarray, p: dict, ops
     return forward["Y"], forward["L"], dqkv
 
 
-COOP_CASES = [(2, 37, 3, 32), (1, 129, 2, 64), (2, 256, 2, 64), (1, 71, 2, 128), (2, 20, 1, 16)]
+# T across the 16-row fragments and the 32- and 64-row blocks (fragments the causal mask or T leave
+# empty are skipped, cut ones masked), and dh 48 (an odd number of 16-column fragments).
+COOP_CASES = [
+    (2, 37, 3, 32),
+    (1, 129, 2, 64),
+    (2, 256, 2, 64),
+    (1, 71, 2, 128),
+    (2, 20, 1, 16),
+    (3, 5, 2, 48),
+    (1, 97, 3, 48),
+]
 COOP_IDS = [f"N{c[0]}-T{c[1]}-H{c[2]}-dh{c[3]}" for c in COOP_CASES]
 
 
@@ -384,7 +394,7 @@ def test_coopmat_tiles_fit_48k_and_match_the_shaders(kind, subgroup):
         assert coopmat_attention_shared_bytes(kind, spec) <= 49152
         assert 2 * spec["BC"] >= 16 * spec["WARPS"] and (spec["BC"] // (subgroup // 16)) % 4 == 0
         bc, warps = spec["BC"], spec["WARPS"]
-        values = dict(BC=bc, BR=16 * warps, STAGED=bc * (dh + 8) // 4, SS=bc + 4, PS=(bc + 8) // 4)
+        values = dict(BC=bc, BR=16 * warps, STAGED=bc * (dh + 8) // 4, SS=20, SW=bc + 4, PS=(bc + 8) // 4)
         total = 0
         for match in re.finditer(r"^shared (uvec2|float) \w+\[([^\]]+)\];", source, re.MULTILINE):
             expression = match[2].replace("2u", "2")
