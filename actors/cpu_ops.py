@@ -698,6 +698,18 @@ def layernorm_backward_reduce(arrays: list[np.ndarray], p: Params) -> None:
         dgamma[part * d : (part + 1) * d] = (grad[rows] * xhat[rows]).sum(axis=0)
 
 
+def _with_half_copy(kernel: Callable[..., None], output: int) -> Callable[..., None]:
+    """A layer-norm kernel's _copy variant: the kernel, then H (its last binding) = the float16 copy
+    of its ``output``-th binding over the N * R rows of D, rounded as cast.comp rounds."""
+
+    def with_copy(arrays: list[np.ndarray], p: Params) -> None:
+        kernel(arrays[:-1], p)
+        count = int(p["N"]) * int(p["R"]) * int(p["D"])
+        arrays[-1][:count] = arrays[output][:count].astype(np.float16)
+
+    return with_copy
+
+
 def column_sum(arrays: list[np.ndarray], p: Params) -> None:
     x, out = arrays
     rows, cols, parts = int(p["rows"]), int(p["cols"]), max(1, int(p.get("parts", 1)))
@@ -1110,6 +1122,8 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "layernorm_backward_reduce": layernorm_backward_reduce,
     "column_sum": column_sum,
     "layernorm_backward_data": layernorm_backward_data,
+    "layernorm_copy": _with_half_copy(layernorm, 3),
+    "layernorm_backward_data_copy": _with_half_copy(layernorm_backward_data, 5),
     "attention": attention,
     "attention_backward_dot": attention_backward_dot,
     "attention_backward_kv": attention_backward_kv,

@@ -59,7 +59,7 @@ from flow.spec_model import (
 )
 from shaders.attention_tiles import attention_ops
 from shaders.conv_coopmat_tiles import conv_gemm_op
-from shaders.registry import ACTIVATIONS, BINARY, CASTS, LOSSES, REDUCE
+from shaders.registry import ACTIVATIONS, BINARY, CASTS, HALF_COPY_OUTPUT, LOSSES, REDUCE
 from shaders.registry import op as op_def
 from shaders.tiles import conv_gemm_shape, coopmat_k_splits
 
@@ -1144,43 +1144,49 @@ def build_graph(
 
 
 def _fold_casts_into_producers(graph: Graph) -> None:
-    """Mixed precision: each cast to fp16 whose source a whole unsplit gemm_coopmat wrote last (a
-    Linear's output, or an input gradient with its activation derivative applied) becomes that
-    launch's second output (gemm_coopmat_copy: the same rounding, bit for bit, from the epilogue's
-    registers), and a group left empty goes with its barrier. N must be even (whole words of H)."""
+    """Mixed precision: each cast to fp16 whose source one launch wrote whole and last becomes that
+    launch's second output where a variant writes it (_copy_op: a whole unsplit gemm_coopmat, a
+    Linear's output or an input gradient with its activation derivative applied, from the
+    epilogue's registers; a LayerNorm's output or input gradient), with the same rounding, bit for
+    bit, and a group left empty goes with its barrier."""
     writers: dict[str, tuple[int, int]] = {}  # tensor -> (group, index) of its last writer
-    folds: dict[tuple[int, int], tuple[int, int]] = {}  # cast position -> its producer's
+    folds: dict[tuple[int, int], tuple[tuple[int, int], str]] = {}  # cast position -> its producer's, op
     for at, group in enumerate(graph.groups):
         for index, item in enumerate(group):
             producer = writers.get(item.args[0]) if item.op == "cast" else None
-            fresh = producer not in folds.values()  # a GEMM writes one copy
-            if producer and fresh and _copyable(graph.groups[producer[0]][producer[1]], item):
-                folds[(at, index)] = producer
+            fresh = producer not in (where for where, _ in folds.values())  # a producer writes one copy
+            variant = _copy_op(graph.groups[producer[0]][producer[1]], item) if producer and fresh else None
+            if producer and variant:
+                folds[(at, index)] = (producer, variant)
                 writers[item.args[1]] = producer
                 continue
             writers.update((name, (at, index)) for name in _written(item))
-    for (at, index), (g, i) in folds.items():
-        gemm = graph.groups[g][i]
-        graph.groups[g][i] = launch(
-            "gemm_coopmat_copy", (*gemm.args, graph.groups[at][index].args[1]), **gemm.param_dict
-        )
+    for (at, index), ((g, i), variant) in folds.items():
+        producer, copy = graph.groups[g][i], graph.groups[at][index].args[1]
+        graph.groups[g][i] = launch(variant, (*producer.args, copy), **producer.param_dict)
     kept = [[x for i, x in enumerate(group) if (at, i) not in folds] for at, group in enumerate(graph.groups)]
     if graph.backward_from is not None:
         graph.backward_from -= sum(1 for group in kept[: graph.backward_from] if not group)
     graph.groups = [group for group in kept if group]
 
 
-def _copyable(gemm: Launch, cast: Launch) -> bool:
-    """Whether ``gemm``'s epilogue can write what ``cast`` writes: the fp16 copy of all of its C."""
-    params = gemm.param_dict
-    return (
-        gemm.op == "gemm_coopmat"
-        and cast.param("mode") == CASTS["f32_to_f16"]
-        and gemm.args[3] == cast.args[0]
-        and int(params.get("k_splits", 1)) == 1
-        and int(params["N"]) % 2 == 0
-        and int(params["M"]) * int(params["N"]) == int(cast.param("n"))
-    )
+def _copy_op(producer: Launch, cast: Launch) -> str | None:
+    """The op that writes what ``cast`` writes, the fp16 copy of all of ``producer``'s output,
+    beside that output (in whole words of two halves); None where there is none."""
+    params = producer.param_dict
+    if cast.param("mode") != CASTS["f32_to_f16"]:
+        return None
+    if producer.op == "gemm_coopmat":
+        m, n = int(params["M"]), int(params["N"])
+        whole = int(params.get("k_splits", 1)) == 1 and m * n == int(cast.param("n"))
+        fits = producer.args[3] == cast.args[0] and n % 2 == 0 and whole
+        return "gemm_coopmat_copy" if fits else None
+    if producer.op in HALF_COPY_OUTPUT:  # the layer norms: N * R rows of D
+        output = producer.args[op_def(producer.op).bindings.index(HALF_COPY_OUTPUT[producer.op])]
+        rows, d = int(params["N"]) * int(params["R"]), int(params["D"])
+        fits = output == cast.args[0] and d % 2 == 0 and rows * d == int(cast.param("n"))
+        return f"{producer.op}_copy" if fits else None
+    return None
 
 
 def _prepend_weight_casts(graph: Graph, halves: dict[str, tuple[str, int]]) -> None:

@@ -916,6 +916,21 @@ _OPS: tuple[OpDef, ...] = (
     ),
 )
 
+# Ops whose one fp32 output may also be written as a float16 copy, H (two halves a word, rounded as
+# cast.comp rounds), by a variant "<op>_copy" of the same body: mixed precision folds the cast
+# after such a launch into it (flow.autodiff._fold_casts_into_producers).
+HALF_COPY_OUTPUT = {"layernorm": "Y", "layernorm_backward_data": "dX"}
+_OPS = (
+    *_OPS,
+    *(
+        replace(
+            item, name=f"{item.name}_copy", shader=f"{item.name}_copy.comp", bindings=(*item.bindings, "H")
+        )
+        for item in _OPS
+        if item.name in HALF_COPY_OUTPUT
+    ),
+)
+
 # What each op writes; everything else it binds is read only.
 _OUTPUTS: dict[str, tuple[str, ...]] = {
     "gemm": ("C",),
@@ -961,6 +976,8 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "layernorm": ("Y", "stats"),
     "layernorm_backward_reduce": ("dgamma", "dbeta"),
     "layernorm_backward_data": ("dX",),
+    "layernorm_copy": ("Y", "stats", "H"),
+    "layernorm_backward_data_copy": ("dX", "H"),
     "attention": ("Y", "L"),
     "attention_backward_dot": ("Drow",),
     "attention_backward_kv": ("dqkv",),
