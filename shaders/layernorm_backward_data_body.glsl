@@ -57,7 +57,7 @@ void main() {
                 const float g1 = pc.accumulate != 0u ? addend[base + j + 1u] : 0.0;
                 dX[base + j] = g0;
                 dX[base + j + 1u] = g1;
-                H[base / 2u + w] = half_bits(floatBitsToUint(g0)) | (half_bits(floatBitsToUint(g1)) << 16);
+                H[base / 2u + w] = half_pair(g0, g1);
             }
 #else
             for (uint j = tid; j < pc.D; j += threads) {
@@ -84,7 +84,7 @@ void main() {
             const float g1 = input_grad(base, j + 1u, mean, invstd, g_mean, gx_mean);
             dX[base + j] = g0;
             dX[base + j + 1u] = g1;
-            H[base / 2u + w] = half_bits(floatBitsToUint(g0)) | (half_bits(floatBitsToUint(g1)) << 16);
+            H[base / 2u + w] = half_pair(g0, g1);
         }
 #else
         for (uint j = tid; j < pc.D; j += threads) {

@@ -54,7 +54,7 @@ void main() {
             const float y1 = gamma[j + 1u] * ((X[base + j + 1u] - mean) * invstd) + beta[j + 1u];
             Y[base + j] = y0;
             Y[base + j + 1u] = y1;
-            H[base / 2u + w] = half_bits(floatBitsToUint(y0)) | (half_bits(floatBitsToUint(y1)) << 16);
+            H[base / 2u + w] = half_pair(y0, y1);
         }
 #else
         for (uint j = tid; j < pc.D; j += threads) {

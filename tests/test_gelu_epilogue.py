@@ -300,11 +300,19 @@ def test_a_mixed_gpt_trains_bit_for_bit_as_with_separate_gelu_launches(monkeypat
     """Loss and gradients of one mixed train program on the CPU backend, with the fusions and
     without (MIXED_FUSIONS): the same numbers, bit for bit (GELU(pre) is rounded to fp16 once
     either way, f'(pre) multiplies the same fp32 product, and x + f(x) is one fp32 addition)."""
-    x, y = layer_batch(GPT, 8, rng)
+    check_mixed_fusions_change_nothing(GPT, rng, monkeypatch)
+
+
+def check_mixed_fusions_change_nothing(model, rng, monkeypatch, fused_op: str | None = None) -> None:
+    """One mixed train program of ``model`` on the CPU backend with MIXED_FUSIONS on and off gives
+    the same loss and gradients, bit for bit (``fused_op``: an op only the fused plan launches)."""
+    x, y = layer_batch(model, 8, rng)
     results = []
     for fusions in (True, False):
         monkeypatch.setattr(autodiff, "MIXED_FUSIONS", fusions)
-        device = plan(_mixed(layer_spec(GPT, batch=8))).devices[0]
+        device = plan(_mixed(layer_spec(model, batch=8))).devices[0]
+        if fused_op:
+            assert (fused_op in {item.op for item in device.program("train").launches}) == fusions
         start = nudged_parameters(device, np.random.default_rng(7))
         params = {k: v.astype(np.float32) for k, v in start.items()}
         backend = CpuBackend()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from layer_programs import layer_batch, layer_spec, nudged_parameters, run_train_program
+from layer_programs import layer_spec
 from specs import gpt_blocks
-from test_gelu_epilogue import _mixed
+from test_gelu_epilogue import _mixed, check_mixed_fusions_change_nothing
 from test_layer_norm import layer_norm_oracle
 
 from actors.cpu_backend import CpuBackend
@@ -111,19 +111,4 @@ def test_a_mixed_gpt_casts_nothing_after_its_layer_norms(wide_copies):
 def test_a_mixed_gpt_trains_bit_for_bit_with_layer_norms_writing_copies(wide_copies, monkeypatch, rng):
     """Loss and gradients of one mixed train program on the CPU backend with the casts folded into
     the LayerNorms and without (MIXED_FUSIONS off): the same numbers, bit for bit."""
-    x, y = layer_batch(GPT, 8, rng)
-    results = []
-    for fusions in (True, False):
-        monkeypatch.setattr(autodiff, "MIXED_FUSIONS", fusions)
-        device = plan(_mixed(layer_spec(GPT, batch=8))).devices[0]
-        assert ("layernorm_copy" in {item.op for item in device.program("train").launches}) == fusions
-        start = nudged_parameters(device, np.random.default_rng(7))
-        params = {k: v.astype(np.float32) for k, v in start.items()}
-        backend = CpuBackend()
-        backend.open_layout(device.layout)
-        results.append(run_train_program(device, backend, params, x.astype(np.float32), y))
-    (fused_loss, fused, _), (plain_loss, plain, _) = results
-    assert fused_loss == plain_loss
-    for name, value in plain.items():
-        np.testing.assert_array_equal(fused[name], value, err_msg=name)
-    assert any(np.any(value != 0) for value in fused.values())
+    check_mixed_fusions_change_nothing(GPT, rng, monkeypatch, fused_op="layernorm_copy")
