@@ -458,8 +458,10 @@ class DataParallelActor:
             weights = leader.weights()
             # The members never run the update, so they take the leader's loss scale as well.
             scale = leader.backend.read(LOSS_SCALE) if leader.plan.loss_scale is not None else None
+            # Mixed precision: the weights' float16 copies, converted once for every member.
+            halves = weights.astype(np.float16) if leader.keeps_copies else None
             for engine in self.engines[1:]:
-                engine.set_weights(weights)
+                engine.set_weights(weights, halves)
                 if scale is not None:
                     engine.backend.write(LOSS_SCALE, scale)
             self.reduce_s += time.perf_counter() - started  # the weights' copy redistributes the sum

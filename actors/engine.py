@@ -138,17 +138,21 @@ class Engine:
             self.backend.write(LOSS_SCALE, np.array([self.plan.loss_scale, 0, 0], np.float32))
         self.refresh_copies()
 
-    def refresh_copies(self, weights: np.ndarray | None = None) -> None:
+    def refresh_copies(self, weights: np.ndarray | None = None, halves: np.ndarray | None = None) -> None:
         """Mixed precision: write the weights' float16 copies from their fp32 masters, after
         anything but the update wrote the masters (the update writes both; flow.weight_copies).
         numpy's astype(float16) rounds as cast.comp and the update kernels do, bit for bit.
 
         Args:
             weights: the flat masters just written, if the caller has them (else read back).
+            halves: their float16 copies, if the caller made them already (one conversion for
+                several engines).
         """
         if self.keeps_copies:
-            masters = self.backend.read(PARAMS) if weights is None else weights
-            self.backend.write(HALVES, np.asarray(masters).astype(np.float16))
+            if halves is None:
+                masters = self.backend.read(PARAMS) if weights is None else weights
+                halves = np.asarray(masters).astype(np.float16)
+            self.backend.write(HALVES, halves)
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Every parameter, copied back to the host."""
@@ -181,10 +185,11 @@ class Engine:
         """The flat parameters (a host copy)."""
         return self.backend.read("params:all")
 
-    def set_weights(self, weights: np.ndarray) -> None:
-        """Replace the flat parameters (with the leader's, after its update)."""
+    def set_weights(self, weights: np.ndarray, halves: np.ndarray | None = None) -> None:
+        """Replace the flat parameters (with the leader's, after its update); ``halves``: their
+        float16 copies, when the caller made them (see refresh_copies)."""
         self.backend.write(PARAMS, weights)
-        self.refresh_copies(weights)
+        self.refresh_copies(weights, halves)
 
     # -- steps ----------------------------------------------------------------------------------
     def _handle(self, kind: str, slot: int) -> int:

@@ -251,6 +251,11 @@ def test_the_copies_follow_every_write_of_the_masters(monkeypatch, backend, rng,
     engine.set_weights(other.weights())
     _assert_copies(engine)
     assert engine.evaluate(x, y) == loaded
+    # A data-parallel leader converts its weights once and hands every member the copies.
+    engine.initialise("he", 3)
+    engine.set_weights(other.weights(), other.weights().astype(np.float16))
+    _assert_copies(engine)
+    assert engine.evaluate(x, y) == loaded
 
 
 def _twice(monkeypatch, spec, **kwargs):
