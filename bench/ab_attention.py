@@ -24,9 +24,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-for path in (ROOT, ROOT / "bench"):
+for path in (ROOT, ROOT / "bench", ROOT / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+from attention_oracle import attention_oracle  # noqa: E402 - tests/, on the path from here on
 
 BENCH = "ab_attention"
 KINDS = ("forward", "kv", "q")
@@ -40,26 +42,6 @@ DEFAULT_CONFIGS = [
 ]
 CHECK_SHAPES = [(2, 37, 3, 32), (1, 129, 2, 64), (2, 256, 2, 64), (1, 71, 2, 128), (2, 20, 1, 16)]
 TOL = 2e-3  # against the oracle of the fp16-rounded inputs (tests/test_ops_attention.py)
-
-
-def oracle(qkv: np.ndarray, dy: np.ndarray, heads: int, scale: float, causal: bool):
-    """Y, L, Drow and dqkv of attention in float64, by the textbook formulas."""
-    n, t, width = qkv.shape
-    dh = width // 3 // heads
-    q, k, v = qkv.astype(np.float64).reshape(n, t, 3, heads, dh).transpose(2, 0, 3, 1, 4)
-    grad = dy.astype(np.float64).reshape(n, t, heads, dh).transpose(0, 2, 1, 3)
-    scores = scale * np.einsum("nhid,nhjd->nhij", q, k)
-    allowed = np.tri(t, dtype=bool) if causal else np.ones((t, t), bool)
-    scores = np.where(allowed, scores, -np.inf)
-    top = scores.max(axis=-1, keepdims=True)
-    lse = top + np.log(np.exp(scores - top).sum(axis=-1, keepdims=True))
-    probs = np.exp(scores - lse)
-    y = probs @ v
-    dprobs = grad @ v.swapaxes(-1, -2)
-    dscores = probs * (dprobs - (probs * dprobs).sum(axis=-1, keepdims=True))
-    dq, dk, dv = scale * dscores @ k, scale * dscores.swapaxes(-1, -2) @ q, probs.swapaxes(-1, -2) @ grad
-    dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(n, t, width)
-    return y.transpose(0, 2, 1, 3).reshape(n, t, width // 3), lse[..., 0], (grad * y).sum(-1), dqkv
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -131,7 +113,7 @@ class Attention:
         self.backend.wait(self.backend.submit(handle))
         n, t, heads, dh, causal = self.shape
         f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
-        y, lse, _drow, dqkv = oracle(f16(self.qkv), f16(self.dy), heads, self.p["scale"], causal)
+        y, lse, _drow, dqkv = attention_oracle(f16(self.qkv), f16(self.dy), heads, self.p["scale"], causal)
         d = heads * dh
         got = {name: self.backend.read(name).reshape(self.arrays[name].shape) for name in ("Y", "L", "dqkv")}
         return {
