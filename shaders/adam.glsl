@@ -41,7 +41,9 @@ layout(push_constant) uniform Push {
 // Parameter i after the step (written back, with its moments). precise: no fused multiply-adds,
 // which a compiler places as the code around it suggests (NVIDIA's differed between adam.comp and
 // adam_half.comp), so every variant rounds each operation alike and the copy's master is the same.
-float updated(uint i, float lr, float bias1, float bias2, float scale) {
+float updated(uint i, float lr, float scale) {
+    float bias1 = stepvals[1];
+    float bias2 = stepvals[2];
     precise float p = P[i];
 #ifdef CLIP
     precise float g = G[i] * scale;
@@ -63,28 +65,4 @@ float updated(uint i, float lr, float bias1, float bias2, float scale) {
     return result;
 }
 
-void main() {
-    float lr = stepvals[0];
-    float bias1 = stepvals[1];
-    float bias2 = stepvals[2];
-    float scale = 1.0;
-#ifdef CLIP
-    if (clip[2] != 0.0) {
-        return;  // loss scaling found the gradients overflowed: this step changes nothing
-    }
-    scale = clip[1];
-#endif
-    uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-#ifdef HALVES
-    for (uint w = gl_GlobalInvocationID.x; w < (pc.n + 1u) / 2u; w += stride) {
-        uint lo = half_bits(floatBitsToUint(updated(2u * w, lr, bias1, bias2, scale)));
-        uint hi = 2u * w + 1u < pc.n ? half_bits(floatBitsToUint(updated(2u * w + 1u, lr, bias1, bias2, scale)))
-                                     : H[w] >> 16;
-        H[w] = lo | (hi << 16);
-    }
-#else
-    for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
-        updated(i, lr, bias1, bias2, scale);
-    }
-#endif
-}
+#include "update_loop.glsl"

@@ -58,25 +58,4 @@ float updated(uint i, float lr, float scale) {
     return result;
 }
 
-void main() {
-    float lr = stepvals[0];
-    float scale = 1.0;
-#ifdef CLIP
-    if (clip[2] != 0.0) {
-        return;  // loss scaling found the gradients overflowed: this step changes nothing
-    }
-    scale = clip[1];
-#endif
-    uint stride = gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-#ifdef HALVES
-    for (uint w = gl_GlobalInvocationID.x; w < (pc.n + 1u) / 2u; w += stride) {
-        uint lo = half_bits(floatBitsToUint(updated(2u * w, lr, scale)));
-        uint hi = 2u * w + 1u < pc.n ? half_bits(floatBitsToUint(updated(2u * w + 1u, lr, scale))) : H[w] >> 16;
-        H[w] = lo | (hi << 16);
-    }
-#else
-    for (uint i = gl_GlobalInvocationID.x; i < pc.n; i += stride) {
-        updated(i, lr, scale);
-    }
-#endif
-}
+#include "update_loop.glsl"
