@@ -374,13 +374,19 @@ class _Builder:
         self.saved[position] = saved
         return out
 
+    def _only_reader(self, position: int) -> int | None:
+        """The position of the stage of this part that reads the output of the stage at
+        ``position``, where exactly one does."""
+        readers = [i for i in range(position + 1, self.hi) if position in self.stages[i].inputs]
+        return readers[0] if len(readers) == 1 else None
+
     def _gelu_output(self, position: int, stage: Stage) -> str:
         """The type of GELU(pre) after a Linear or Conv2d: in mixed plans (MIXED_FUSIONS, activation
         copies on) float16 where its one reader is a Linear of this part, whose GEMMs then read it
         as halves (written as such by the GEMM or by unary_half: no fp32 GELU(pre) at all, and no
         rounding in the reader's kernels); else float32."""
-        readers = [i for i in range(position + 1, self.hi) if position in self.stages[i].inputs]
-        reader = self.stages[readers[0]] if len(readers) == 1 else None
+        only = self._only_reader(position)
+        reader = self.stages[only] if only is not None else None
         half = (
             self.mixed
             and MIXED_FUSIONS
@@ -399,8 +405,8 @@ class _Builder:
         to write the sum itself, reading x through a fifth binding and leaving it as it is
         (gemm_residual, gemm_coopmat_residual: one launch less and one pass less over x and f(x));
         None where the binary add stays."""
-        readers = [i for i in range(position + 1, self.hi) if position in self.stages[i].inputs]
-        add = self.stages[readers[0]] if len(readers) == 1 else None
+        only = self._only_reader(position)
+        add = self.stages[only] if only is not None else None
         others = [i for i in add.inputs if i != position] if add is not None else []
         fusable = (
             add is not None
@@ -425,7 +431,7 @@ class _Builder:
         unsplit = (coopmat_k_splits if self.mixed else k_splits)(rows, n, k) == 1
         if not unsplit or self.g.tensors[x].dtype != "float32":
             return None
-        self.sums_done.add(readers[0])
+        self.sums_done.add(only)
         return self.g.add(f"act[{add.index}]", (self.b, *add.out_shape)), x
 
     def _with_residual(self, gemm: Launch, residual: tuple[str, str] | None) -> Launch:
