@@ -50,13 +50,16 @@ def _forward_stats(backend, x, gamma, beta, dims):
     return run_op(backend, "layernorm", inputs, **dims)["stats"]
 
 # (rows, cols, parts, alpha): one row; fewer columns than a workgroup's 64; 64 + 3 columns; more
-# slices than rows have (the last slices empty); slices that do not divide the rows.
+# slices than rows have (the last slices empty); slices that do not divide the rows; columns a
+# multiple of 4 (16-byte loads), with slices of rows that are and are not multiples of 4 LANES.
 SUM_CASES = [
     (1, 1, 1, 1.0),
     (37, 5, 1, 0.5),
     (300, 67, 7, 1.0),
     (9, 130, 16, 1.0),
     (1000, 129, 13, -2.0),
+    (1031, 384, 5, 1.0),
+    (128, 68, 1, 0.25),
 ]
 
 
@@ -80,8 +83,8 @@ def test_column_sum_slices_and_their_sum_match_numpy(backend, rng, rows, cols, p
 
 
 # (N, R, D, real samples, parts): slices across sample boundaries; D not a multiple of 64;
-# padding samples whose rows fall in the last slices.
-NORM_CASES = [(6, 3, 5, 6, 4), (7, 3, 67, 2, 5), (30, 11, 13, 29, 9)]
+# padding samples whose rows fall in the last slices; D a multiple of 4 (16-byte loads).
+NORM_CASES = [(6, 3, 5, 6, 4), (7, 3, 67, 2, 5), (30, 11, 13, 29, 9), (9, 17, 68, 7, 3), (5, 40, 384, 5, 2)]
 
 
 @pytest.mark.parametrize("n,r,d,real,parts", NORM_CASES)

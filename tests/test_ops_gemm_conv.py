@@ -844,8 +844,10 @@ def test_maxpool2d_first_maximum_wins_ties(backend):
     np.testing.assert_array_equal(out["idx"].ravel(), [1, 1, 3, 5])
 
 
+# N % 4 == 0 (the last two) takes the epilogue's 16-byte path, with an odd and an even split count.
 @pytest.mark.parametrize(
-    "m,n,k,splits", [(1, 1, 300, 3), (7, 5, 257, 4), (33, 10, 1024, 8), (64, 3, 100, 16)]
+    "m,n,k,splits",
+    [(1, 1, 300, 3), (7, 5, 257, 4), (33, 10, 1024, 8), (64, 3, 100, 16), (9, 12, 300, 5), (6, 36, 513, 2)],
 )
 def test_split_k_gemm_then_epilogue_matches_numpy(backend, rng, m, n, k, splits):
     a = rng.standard_normal((m, k)).astype(np.float32)
