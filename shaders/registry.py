@@ -472,7 +472,7 @@ _OPS: tuple[OpDef, ...] = (
             ("alpha", "f"),
             ("slope", "f"),
         ),
-        lambda p, local, spec: capped_groups(int(p["M"]) * int(p["N"]), 4 * local[0]),
+        lambda p, local, spec: capped_groups(int(p["M"]) * int(p["N"]), local[0]),
     ),
     # Y = f(X) elementwise; fn codes from ACTIVATIONS | UNARY_EXTRA; a = slope or scale, b = shift.
     OpDef("unary", "unary.comp", ("X", "Y"), _ELEMENTWISE_PUSH, _linear_groups("n")),
@@ -499,8 +499,8 @@ _OPS: tuple[OpDef, ...] = (
         ("X", "outs"),
         (("rows", "u"), ("cols", "u"), ("parts", "u"), ("alpha", "f")),
         lambda p, local, spec: (ceil_div(int(p["cols"]), spec["OUTS"]), int(p["parts"]), 1),
-        spec=(("OUTS", 64), ("LANES", 16)),
-        local_from_spec=lambda s: (s["OUTS"] // 4, s["LANES"], 1),
+        spec=(("OUTS", 64), ("LANES", 4)),
+        local_from_spec=lambda s: (s["OUTS"], s["LANES"], 1),
     ),
     # Row-wise softmax (log=0) or log-softmax (log=1) of X [rows, cols].
     OpDef(
@@ -689,8 +689,8 @@ _OPS: tuple[OpDef, ...] = (
         ("dY", "X", "stats", "dgamma", "dbeta", "stepvals"),
         (*_LAYER_NORM_PUSH, ("parts", "u")),
         lambda p, local, spec: (ceil_div(int(p["D"]), spec["OUTS"]), max(1, int(p.get("parts", 1))), 1),
-        spec=(("OUTS", 64), ("LANES", 16)),
-        local_from_spec=lambda s: (s["OUTS"] // 4, s["LANES"], 1),
+        spec=(("OUTS", 64), ("LANES", 4)),
+        local_from_spec=lambda s: (s["OUTS"], s["LANES"], 1),
     ),
     # dX = invstd * (g - mean(g) - xhat * mean(g * xhat)), g = dY * gamma, on real rows; 0 below.
     OpDef(
