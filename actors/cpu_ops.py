@@ -699,12 +699,13 @@ def layernorm_backward_reduce(arrays: list[np.ndarray], p: Params) -> None:
 
 
 def _with_half_copy(kernel: Callable[..., None], output: int) -> Callable[..., None]:
-    """A layer-norm kernel's _copy variant: the kernel, then H (its last binding) = the float16 copy
-    of its ``output``-th binding over the N * R rows of D, rounded as cast.comp rounds."""
+    """A kernel's _copy variant (registry HALF_COPY_OUTPUT): the kernel, then H (its last binding) =
+    the float16 copy of its ``output``-th binding, rounded as cast.comp rounds: over the layer
+    norms' N * R rows of D, or unary_backward's n elements."""
 
     def with_copy(arrays: list[np.ndarray], p: Params) -> None:
         kernel(arrays[:-1], p)
-        count = int(p["N"]) * int(p["R"]) * int(p["D"])
+        count = int(p["n"]) if "n" in p else int(p["N"]) * int(p["R"]) * int(p["D"])
         arrays[-1][:count] = arrays[output][:count].astype(np.float16)
 
     return with_copy
@@ -1124,6 +1125,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "layernorm_backward_data": layernorm_backward_data,
     "layernorm_copy": _with_half_copy(layernorm, 3),
     "layernorm_backward_data_copy": _with_half_copy(layernorm_backward_data, 5),
+    "unary_backward_copy": _with_half_copy(unary_backward, 2),
     "attention": attention,
     "attention_backward_dot": attention_backward_dot,
     "attention_backward_kv": attention_backward_kv,

@@ -85,10 +85,9 @@ RESIDUAL_IN_EPILOGUES = True
 # Which float16 operand copies mixed-precision plans make, so that GEMMs stream halves instead of
 # rounding fp32 in the kernel (gemm_coopmat's AH/BH): "weights", each dense weight's copy, which the
 # optimiser's update writes beside its fp32 master (flow.weight_copies; or cast from the master at
-# the start of every program, where the plan keeps no copies); "activations", a Linear's input and
-# its output's gradient, each cast once where its GEMMs are wide enough to pay for the cast
-# (HALF_ACTIVATION_MIN_N, HALF_ACTIVATION_MIN_FLOATS): every GEMM of such a layer then reads two
-# halves.
+# the start of every program, where the plan keeps no copies); "activations", each activation and
+# gradient a GEMM reads, copied once where its producer can write the copy too, else where its
+# GEMMs are wide enough to pay for a cast launch (HALF_ACTIVATION_MIN_N, _FLOATS; _half_copy).
 # A module constant so that bench/ab_mixed_copies.py can time each choice in one process.
 HALF_COPIES = frozenset({"weights", "activations"})
 # An fp16 copy of an activation costs 6 bytes a float of traffic and a barrier; a GEMM saves in
@@ -488,21 +487,25 @@ class _Builder:
         return name
 
     def _half_copy(self, x: str, floats: int, width: int) -> str:
-        """The operand a Linear's GEMMs read for the activation or gradient ``x`` of ``floats``
-        floats, which they multiply against ``width`` columns or rows (the forward GEMM's input h
-        against N outputs; the output gradient dz against the K inputs in dX = dz W^T and in
-        dW = h^T dz): in mixed precision, where that pays (HALF_COPIES, HALF_ACTIVATION_MIN_N and
-        _FLOATS), an fp16 copy cast in a group of its own just before; else ``x``."""
-        wide = width >= HALF_ACTIVATION_MIN_N and floats >= HALF_ACTIVATION_MIN_FLOATS
+        """The operand a GEMM reads for the activation or gradient ``x`` of ``floats`` floats, which
+        it multiplies against ``width`` columns or rows (a forward GEMM's input h against N
+        outputs; the output gradient dz against the K inputs in dX = dz W^T and in dW = h^T dz): in
+        mixed precision (HALF_COPIES) an fp16 copy, cast in a group of its own just before, where
+        the cast folds into the launch that wrote ``x`` last (_copy_op: ~2 bytes a float more
+        there) or, for a cast launch of its own (6 bytes a float and a barrier), where ``x`` is wide
+        enough to pay (HALF_ACTIVATION_MIN_N and _FLOATS); else ``x``."""
         if x in self.half_copies:  # cast already, or written as halves by its producer (_gelu_output)
             return self.half_copies[x]
-        if not (self.mixed and "activations" in HALF_COPIES and wide):
+        wide = width >= HALF_ACTIVATION_MIN_N and floats >= HALF_ACTIVATION_MIN_FLOATS
+        cast = launch("cast", (x, f"half:{x}"), n=floats, mode=CASTS["f32_to_f16"])
+        writers = [item for group in self.g.groups for item in group if x in _written(item)]
+        folds = MIXED_FUSIONS and bool(writers) and _copy_op(writers[-1], cast) is not None
+        if not (self.mixed and "activations" in HALF_COPIES and (wide or folds)):
             return x
-        if x not in self.half_copies:
-            name = self.g.add(f"half:{x}", (floats + floats % 2,), dtype="float16")
-            self.g.emit(launch("cast", (x, name), n=floats, mode=CASTS["f32_to_f16"]))
-            self.half_copies[x] = name
-        return self.half_copies[x]
+        self.g.add(cast.args[1], (floats + floats % 2,), dtype="float16")
+        self.g.emit(cast)
+        self.half_copies[x] = cast.args[1]
+        return cast.args[1]
 
     def _input_grad_gemm(
         self, position: int, dz: str, w: str, h: str, in_grad: str, k: int, n: int
@@ -591,11 +594,13 @@ class _Builder:
         heads = g.add(f"heads[{stage.index}]", (self.b, t, d))
         lse = g.add(f"lse[{stage.index}]", (self.b, layer.heads, t))
         w_qkv, b_qkv = self._half_weight(f"{prefix}.qkv_weight", 3 * d * d), f"{prefix}.qkv_bias"
-        for step in self._gemm((h, w_qkv, b_qkv if bias else h, qkv), M=rows, N=3 * d, K=d, has_bias=bias):
+        a = self._half_copy(h, rows * d, 3 * d)
+        for step in self._gemm((a, w_qkv, b_qkv if bias else h, qkv), M=rows, N=3 * d, K=d, has_bias=bias):
             g.emit(step)
         g.emit(launch(attention_ops(self.mixed, int(params["dh"]))["forward"], (qkv, heads, lse), **params))
         w_out, b_out = self._half_weight(f"{prefix}.out_weight", d * d), f"{prefix}.out_bias"
-        args = (heads, w_out, b_out if bias else heads, out)
+        # No attention kernel writes a copy of Y: heads gets one by the width rule alone.
+        args = (self._half_copy(heads, rows * d, d), w_out, b_out if bias else heads, out)
         project, finish = self._gemm(args, M=rows, N=d, K=d, has_bias=bias)
         g.emit(self._with_residual(project, residual))
         g.emit(finish)
@@ -612,11 +617,13 @@ class _Builder:
         d_qkv = g.add(f"grad:qkv[{stage.index}]", (b, t, 3 * d))
         row_dots = g.add(f"attention_dots[{stage.index}]", (b, layer.heads, t))
         w_qkv, w_out = f"{prefix}.qkv_weight", f"{prefix}.out_weight"
-        out_weight, finish_out = self._gemm(
-            (heads, grad, heads, f"grad:{w_out}"), M=d, N=d, K=rows, trans_a=1
-        )
+        # The operands' fp16 copies as the forward Linear's (_half_copy): the output gradient's
+        # (a LayerNorm's input gradient wrote it last: layernorm_backward_data_copy), heads' and
+        # d_qkv's only where wide (no attention kernel writes a copy).
+        y, dz = self.half_copies.get(heads, heads), self._half_copy(grad, rows * d, d)
+        out_weight, finish_out = self._gemm((y, dz, heads, f"grad:{w_out}"), M=d, N=d, K=rows, trans_a=1)
         half_out = self._half_weight(w_out, d * d)
-        to_heads, finish_heads = self._gemm((grad, half_out, grad, d_heads), M=rows, N=d, K=d, trans_b=1)
+        to_heads, finish_heads = self._gemm((dz, half_out, grad, d_heads), M=rows, N=d, K=d, trans_b=1)
         out_bias, finish_bias = self._bias_grad(layer.bias, grad, f"grad:{prefix}.out_bias", rows, d)
         g.emit(out_weight, to_heads, out_bias)
         g.emit(finish_out, finish_heads, finish_bias)
@@ -626,10 +633,11 @@ class _Builder:
             launch(kernels["kv"], (qkv, d_heads, lse, row_dots, d_qkv), **params),
             launch(kernels["q"], (qkv, d_heads, lse, row_dots, d_qkv), **params),
         )
-        qkv_weight, finish_qkv = self._gemm((h, d_qkv, h, f"grad:{w_qkv}"), M=d, N=3 * d, K=rows, trans_a=1)
+        x, dz = self.half_copies.get(h, h), self._half_copy(d_qkv, rows * 3 * d, d)
+        qkv_weight, finish_qkv = self._gemm((x, dz, h, f"grad:{w_qkv}"), M=d, N=3 * d, K=rows, trans_a=1)
         to_input, finish_input = (
             self._gemm(
-                (d_qkv, self._half_weight(w_qkv, 3 * d * d), d_qkv, in_grad), M=rows, N=d, K=3 * d, trans_b=1
+                (dz, self._half_weight(w_qkv, 3 * d * d), d_qkv, in_grad), M=rows, N=d, K=3 * d, trans_b=1
             )
             if in_grad
             else (None, None)
@@ -1153,8 +1161,8 @@ def _fold_casts_into_producers(graph: Graph) -> None:
     """Mixed precision: each cast to fp16 whose source one launch wrote whole and last becomes that
     launch's second output where a variant writes it (_copy_op: a whole unsplit gemm_coopmat, a
     Linear's output or an input gradient with its activation derivative applied, from the
-    epilogue's registers; a LayerNorm's output or input gradient), with the same rounding, bit for
-    bit, and a group left empty goes with its barrier."""
+    epilogue's registers; a LayerNorm's output or input gradient; an activation's input gradient),
+    with the same rounding, bit for bit, and a group left empty goes with its barrier."""
     writers: dict[str, tuple[int, int]] = {}  # tensor -> (group, index) of its last writer
     folds: dict[tuple[int, int], tuple[tuple[int, int], str]] = {}  # cast position -> its producer's, op
     for at, group in enumerate(graph.groups):
@@ -1187,10 +1195,11 @@ def _copy_op(producer: Launch, cast: Launch) -> str | None:
         whole = int(params.get("k_splits", 1)) == 1 and m * n == int(cast.param("n"))
         fits = producer.args[3] == cast.args[0] and n % 2 == 0 and whole
         return "gemm_coopmat_copy" if fits else None
-    if producer.op in HALF_COPY_OUTPUT:  # the layer norms: N * R rows of D
+    if producer.op in HALF_COPY_OUTPUT:  # the layer norms: N * R rows of D; unary_backward: n floats
         output = producer.args[op_def(producer.op).bindings.index(HALF_COPY_OUTPUT[producer.op])]
-        rows, d = int(params["N"]) * int(params["R"]), int(params["D"])
-        fits = output == cast.args[0] and d % 2 == 0 and rows * d == int(cast.param("n"))
+        count = int(params["n"]) if "n" in params else int(params["N"]) * int(params["R"]) * int(params["D"])
+        row = int(params.get("D", count))  # a copy's rows are whole words of halves
+        fits = output == cast.args[0] and row % 2 == 0 and count == int(cast.param("n"))
         return f"{producer.op}_copy" if fits else None
     return None
 

@@ -479,7 +479,10 @@ _OPS: tuple[OpDef, ...] = (
     # Y = fp16(f(X)) for an activation f, as unary then cast write it, two halves a word (Y float16).
     OpDef("unary_half", "unary_half.comp", ("X", "Y"), _ELEMENTWISE_PUSH, _linear_groups("n", 4)),
     # dX = dY * f'(.), where S is the forward output for relu/leaky/sigmoid/tanh and the input for gelu.
-    OpDef("unary_backward", "unary_backward.comp", ("dY", "S", "dX"), _ELEMENTWISE_PUSH, _linear_groups("n")),
+    # One invocation per pair of elements: unary_backward_copy writes a word of two halves.
+    OpDef(
+        "unary_backward", "unary_backward.comp", ("dY", "S", "dX"), _ELEMENTWISE_PUSH, _linear_groups("n", 2)
+    ),
     # Z = a * (X op Y) with op from BINARY.
     OpDef("binary", "binary.comp", ("X", "Y", "Z"), _ELEMENTWISE_PUSH, _linear_groups("n")),
     # X is [rows, cols]; axis 0 reduces over rows -> [cols], axis 1 over cols -> [rows]; result * alpha.
@@ -919,7 +922,7 @@ _OPS: tuple[OpDef, ...] = (
 # Ops whose one fp32 output may also be written as a float16 copy, H (two halves a word, rounded as
 # cast.comp rounds), by a variant "<op>_copy" of the same body: mixed precision folds the cast
 # after such a launch into it (flow.autodiff._fold_casts_into_producers).
-HALF_COPY_OUTPUT = {"layernorm": "Y", "layernorm_backward_data": "dX"}
+HALF_COPY_OUTPUT = {"layernorm": "Y", "layernorm_backward_data": "dX", "unary_backward": "dX"}
 _OPS = (
     *_OPS,
     *(
@@ -940,6 +943,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "unary": ("Y",),
     "unary_half": ("Y",),
     "unary_backward": ("dX",),
+    "unary_backward_copy": ("dX", "H"),
     "binary": ("Z",),
     "reduce": ("Y",),
     "column_sum": ("outs",),
