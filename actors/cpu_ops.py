@@ -711,6 +711,17 @@ def _with_half_copy(kernel: Callable[..., None], output: int) -> Callable[..., N
     return with_copy
 
 
+def _half_only(kernel: Callable[..., None], output: int) -> Callable[..., None]:
+    """A _copy kernel's _half variant (registry HALF_ONLY): its ``output``-th binding left as it was."""
+
+    def half_only(arrays: list[np.ndarray], p: Params) -> None:
+        kept = arrays[output].copy()
+        kernel(arrays, p)
+        arrays[output][...] = kept
+
+    return half_only
+
+
 def column_sum(arrays: list[np.ndarray], p: Params) -> None:
     x, out = arrays
     rows, cols, parts = int(p["rows"]), int(p["cols"]), max(1, int(p.get("parts", 1)))
@@ -809,6 +820,23 @@ def attention_coopmat_backward_kv(arrays: list[np.ndarray], p: Params) -> None:
 
 def attention_coopmat_backward_q(arrays: list[np.ndarray], p: Params) -> None:
     attention_backward_q([_half(arrays[0]), _half(arrays[1]), *arrays[2:]], p)
+
+
+def _attention_half(kernel: Callable[..., None], output: int, parts: slice) -> Callable[..., None]:
+    """An attention_coopmat*_half kernel: ``kernel`` on qkv's float16 copy (the values it would
+    round qkv to), then H (the last binding) = the float16 copy of its ``output``-th binding, of
+    its own ``parts`` (0 q, 1 k, 2 v) where that is dqkv."""
+
+    def with_halves(arrays: list[np.ndarray], p: Params) -> None:
+        out = arrays[output]
+        kernel([arrays[0].astype(out.dtype), *arrays[1:-1]], p)
+        if output == 1:  # Y [N, T, D]
+            count = int(p["N"]) * int(p["T"]) * int(p["H"]) * int(p["dh"])
+            arrays[-1][:count] = out[:count].astype(np.float16)
+        else:
+            _attention_heads(arrays[-1], p)[parts] = _attention_heads(out, p)[parts].astype(np.float16)
+
+    return with_halves
 
 
 def _pcg(v: np.ndarray) -> np.ndarray:
@@ -1080,6 +1108,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "gemm_coopmat": gemm_coopmat,
     "gemm_coopmat_f16": gemm_coopmat_f16,
     "gemm_coopmat_copy": gemm_coopmat_copy,
+    "gemm_coopmat_half": _half_only(gemm_coopmat_copy, 3),
     "gemm_copy": gemm_copy,
     "gemm_residual": _residual(gemm),
     "gemm_coopmat_residual": _residual(gemm_coopmat),
@@ -1124,6 +1153,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "column_sum": column_sum,
     "layernorm_backward_data": layernorm_backward_data,
     "layernorm_copy": _with_half_copy(layernorm, 3),
+    "layernorm_half": _half_only(_with_half_copy(layernorm, 3), 3),
     "layernorm_backward_data_copy": _with_half_copy(layernorm_backward_data, 5),
     "unary_backward_copy": _with_half_copy(unary_backward, 2),
     "attention": attention,
@@ -1133,6 +1163,9 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "attention_coopmat": attention_coopmat,
     "attention_coopmat_backward_kv": attention_coopmat_backward_kv,
     "attention_coopmat_backward_q": attention_coopmat_backward_q,
+    "attention_coopmat_half": _attention_half(attention_coopmat, 1, slice(None)),
+    "attention_coopmat_backward_kv_half": _attention_half(attention_coopmat_backward_kv, 4, slice(1, 3)),
+    "attention_coopmat_backward_q_half": _attention_half(attention_coopmat_backward_q, 4, slice(0, 1)),
     "dropout": dropout,
     "embedding": embedding,
     "embedding_backward": embedding_backward,

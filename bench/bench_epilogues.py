@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +50,9 @@ def tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
     }  # fmt: skip
 
 
-def variants(precision: str) -> dict[str, tuple[str, tuple[str, ...], dict]]:
-    """name -> (op, bindings, params) for one precision's launches."""
+def variants(precision: str) -> dict[str, tuple]:
+    """name -> (op, bindings, params[, specialisation constants over the tuned ones]) for one
+    precision's launches."""
     from shaders.registry import ACTIVATIONS, BINARY, CASTS
 
     act, n1 = ACTIVATIONS, ROWS * HIDDEN
@@ -79,6 +81,8 @@ def variants(precision: str) -> dict[str, tuple[str, tuple[str, ...], dict]]:
     found[f"fc1 {gemm}"] = (gemm, (x, w1, "b1", "PRE"), fc1)
     found[f"fc1 {gemm} act=gelu"] = (gemm, (x, w1, "b1", "PRE"), {**fc1, "act": act["gelu"]})
     found[f"fc1 {copy}"] = (copy, (x, w1, "b1", "PRE", operand), fc1)
+    if precision == "mixed":  # the copy alone, with no fp32 output
+        found["fc1 gemm_coopmat_half"] = ("gemm_coopmat_half", (x, w1, "b1", "PRE", operand), fc1)
     for name in copies:
         found[f"fc1 {copy} copy_act={name}"] = (
             copy,
@@ -106,6 +110,7 @@ def main() -> None:
     from actors.single_op import single_op_layout
     from bench.common import open_vulkan
     from flow.program import Barrier, Program, launch
+    from shaders.registry import resolve
 
     backend, why = open_vulkan("auto")
     if backend is None:
@@ -120,7 +125,11 @@ def main() -> None:
             print(f"mixed: {backend.facts.name} has no cooperative matrices", file=sys.stderr)
             continue
         chosen = variants(precision)
-        steps = [launch(op, bindings, **params) for op, bindings, params in chosen.values()]
+        steps = []
+        for op, bindings, params, *constants in chosen.values():
+            step = resolve(launch(op, bindings, **params), backend.facts)
+            steps.append(replace(step, constants=tuple({**dict(step.constants), **constants[0]}.items()))
+                         if constants else step)  # fmt: skip
         body = []
         for _ in range(args.repeat):
             for step in steps:

@@ -495,7 +495,7 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
         rep.missing("attention", "vkflow", "not available", vk_device, shape=shape)
     else:
 
-        def vk(kernels: dict[str, str], dtype: str):
+        def vk(kernels: dict[str, str], dtype: str, half: bool = False):
             from actors.single_op import single_op_layout
             from flow.program import Barrier, Program, launch
 
@@ -509,6 +509,9 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
                 "Drow": np.zeros((n, h, t), np.float32),
                 "dqkv": np.zeros((n, t, 3 * d), np.float32),
             }
+            if half:  # the _half kernels: qkv's fp16 copy in, Y's and dqkv's copies out
+                arrays |= {"qkv16": arrays["qkv"].astype(np.float16), "Y16": np.zeros((n, t, d), np.float16)}
+                arrays["dqkv16"] = np.zeros((n, t, 3 * d), np.float16)
             backend.open_layout(single_op_layout(arrays))
             for name, array in arrays.items():
                 backend.write(name, array)
@@ -519,6 +522,12 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
                 (kernels["kv"], ("qkv", "dY", "L", "Drow", "dqkv")),
                 (kernels["q"], ("qkv", "dY", "L", "Drow", "dqkv")),
             )
+            if half:
+                ops = (
+                    (kernels["forward"] + "_half", ("qkv16", "Y", "L", "Y16")),
+                    ops[1],
+                    *((op + "_half", ("qkv16", *binds[1:], "dqkv16")) for op, binds in ops[2:]),
+                )
             steps = []
             for op, binds in ops:
                 steps += [Barrier(), launch(op, binds, **p)] if steps else [launch(op, binds, **p)]
@@ -545,10 +554,13 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
         from shaders.attention_tiles import attention_ops
 
         # The float32 kernels, and the mixed-precision (tensor-core) ones where the device has them.
-        variants = [(False, "fp32")] + [(True, "fp16 coopmat")] * backend.facts.has("cooperative_matrix")
-        for mixed, dtype in variants:
+        # The _half variants read qkv's fp16 copy and write their outputs' (mixed plans with fusions).
+        coopmat = backend.facts.has("cooperative_matrix")
+        tensor_cores = [(True, "fp16 coopmat", False), (True, "fp16 coopmat halves", True)]
+        variants = [(False, "fp32", False)] + tensor_cores * coopmat
+        for mixed, dtype, half in variants:
             kernels = attention_ops(mixed, dh)
-            rep.guarded("attention", "vkflow", lambda k=kernels, d=dtype: vk(k, d), shape=shape)
+            rep.guarded("attention", "vkflow", lambda k=kernels, d=dtype, x=half: vk(k, d, x), shape=shape)
     if torch is None:
         rep.missing("attention", "torch_sdpa", "not available", "torch is not installed", shape=shape)
         return

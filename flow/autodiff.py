@@ -57,9 +57,9 @@ from flow.spec_model import (
     Softmax,
     TopK,
 )
-from shaders.attention_tiles import attention_ops
+from shaders.attention_tiles import COOPMAT_ATTENTION_OPS, attention_ops
 from shaders.conv_coopmat_tiles import conv_gemm_op
-from shaders.registry import ACTIVATIONS, BINARY, CASTS, HALF_COPY_OUTPUT, LOSSES, REDUCE
+from shaders.registry import ACTIVATIONS, BINARY, CASTS, HALF_COPY_OUTPUT, HALF_ONLY, LOSSES, REDUCE
 from shaders.registry import op as op_def
 from shaders.tiles import conv_gemm_shape, coopmat_k_splits
 
@@ -101,6 +101,9 @@ HALF_ACTIVATION_MIN_FLOATS = 1 << 21
 # input-gradient GEMMs apply the previous activation's derivative in their epilogue (gemm_coopmat's
 # AD) rather than a unary_backward launch. False keeps those launches (bench/ab_mixed_copies.py).
 MIXED_FUSIONS = True
+# With MIXED_FUSIONS: a LayerNorm or GEMM whose fp32 output no launch reads (its readers all read
+# the fp16 copy) writes only the copy (_write_halves_only). A module constant for A/B runs.
+HALF_ONLY_OUTPUTS = True
 
 
 # The layers with parameters of their own.
@@ -597,9 +600,15 @@ class _Builder:
         a = self._half_copy(h, rows * d, 3 * d)
         for step in self._gemm((a, w_qkv, b_qkv if bias else h, qkv), M=rows, N=3 * d, K=d, has_bias=bias):
             g.emit(step)
-        g.emit(launch(attention_ops(self.mixed, int(params["dh"]))["forward"], (qkv, heads, lse), **params))
+        kernel = attention_ops(self.mixed, int(params["dh"]))["forward"]
+        # On tensor cores, where the qkv GEMM writes qkv's fp16 copy (_half_copy with no width: only
+        # where the cast folds), the kernels read it and write their outputs' copies (the _half ops).
+        if kernel == COOPMAT_ATTENTION_OPS["forward"] and self._half_copy(qkv, rows * 3 * d, 0) != qkv:
+            self.half_copies[heads] = g.add(f"half:{heads}", (rows * d,), dtype="float16")
+            g.emit(launch(f"{kernel}_half", (self.half_copies[qkv], heads, lse, f"half:{heads}"), **params))
+        else:
+            g.emit(launch(kernel, (qkv, heads, lse), **params))
         w_out, b_out = self._half_weight(f"{prefix}.out_weight", d * d), f"{prefix}.out_bias"
-        # No attention kernel writes a copy of Y: heads gets one by the width rule alone.
         args = (self._half_copy(heads, rows * d, d), w_out, b_out if bias else heads, out)
         project, finish = self._gemm(args, M=rows, N=d, K=d, has_bias=bias)
         g.emit(self._with_residual(project, residual))
@@ -619,7 +628,7 @@ class _Builder:
         w_qkv, w_out = f"{prefix}.qkv_weight", f"{prefix}.out_weight"
         # The operands' fp16 copies as the forward Linear's (_half_copy): the output gradient's
         # (a LayerNorm's input gradient wrote it last: layernorm_backward_data_copy), heads' and
-        # d_qkv's only where wide (no attention kernel writes a copy).
+        # d_qkv's from the attention kernels where the forward read qkv's copy, else where wide.
         y, dz = self.half_copies.get(heads, heads), self._half_copy(grad, rows * d, d)
         out_weight, finish_out = self._gemm((y, dz, heads, f"grad:{w_out}"), M=d, N=d, K=rows, trans_a=1)
         half_out = self._half_weight(w_out, d * d)
@@ -628,11 +637,13 @@ class _Builder:
         g.emit(out_weight, to_heads, out_bias)
         g.emit(finish_out, finish_heads, finish_bias)
         g.emit(launch("attention_backward_dot", (d_heads, heads, row_dots), **params))
-        kernels = attention_ops(self.mixed, int(params["dh"]))
-        g.emit(
-            launch(kernels["kv"], (qkv, d_heads, lse, row_dots, d_qkv), **params),
-            launch(kernels["q"], (qkv, d_heads, lse, row_dots, d_qkv), **params),
-        )
+        kernels, half = attention_ops(self.mixed, int(params["dh"])), ""
+        args: tuple[str, ...] = (d_heads, lse, row_dots, d_qkv)
+        if qkv in self.half_copies:  # the forward read qkv's fp16 copy (_attention_forward)
+            self.half_copies[d_qkv] = g.add(f"half:{d_qkv}", (rows * 3 * d,), dtype="float16")
+            args, half = (*args, self.half_copies[d_qkv]), "_half"
+        qkv = self.half_copies.get(qkv, qkv)
+        g.emit(*(launch(kernels[kind] + half, (qkv, *args), **params) for kind in ("kv", "q")))
         x, dz = self.half_copies.get(h, h), self._half_copy(d_qkv, rows * 3 * d, d)
         qkv_weight, finish_qkv = self._gemm((x, dz, h, f"grad:{w_qkv}"), M=d, N=3 * d, K=rows, trans_a=1)
         to_input, finish_input = (
@@ -1152,6 +1163,8 @@ def build_graph(
     _emit_program(builder, optimiser, program, total_params, update, sample, loss_scaled, part)
     if MIXED_FUSIONS:
         _fold_casts_into_producers(graph)
+        if HALF_ONLY_OUTPUTS:
+            _write_halves_only(graph)
     if not kept_copies:
         _prepend_weight_casts(graph, builder.halves)
     return graph
@@ -1182,6 +1195,31 @@ def _fold_casts_into_producers(graph: Graph) -> None:
     if graph.backward_from is not None:
         graph.backward_from -= sum(1 for group in kept[: graph.backward_from] if not group)
     graph.groups = [group for group in kept if group]
+
+
+def _write_halves_only(graph: Graph) -> None:
+    """Mixed precision: a launch writing an fp32 output and its fp16 copy (registry.HALF_ONLY)
+    writes only the copy where no launch of the program reads the fp32 output (a LayerNorm or a
+    GEMM every reader of which reads the copy: the char GPT's LayerNorms and qkv projection)."""
+    read = {arg for group in graph.groups for item in group for arg in _read(item)}
+    for group in graph.groups:
+        for index, item in enumerate(group):
+            variant, skipped = HALF_ONLY.get(item.op, (None, ""))
+            output = item.args[op_def(item.op).bindings.index(skipped)] if variant else None
+            if variant and output not in read and not item.param_dict.get("accumulate"):
+                group[index] = launch(variant, item.args, **item.param_dict)
+
+
+def _read(item: Launch) -> set[str]:
+    """The tensors a launch reads: its op's input bindings, less a GEMM's bias binding where the
+    launch reads no bias and no act_grad input there (a placeholder by convention) and the output a
+    _half variant leaves unwritten, plus C where it accumulates into C."""
+    definition, params = op_def(item.op), item.param_dict
+    unread = set() if params.get("has_bias") or params.get("act_grad") else {"bias"}
+    unread |= {skipped for variant, skipped in HALF_ONLY.values() if variant == item.op}
+    inputs = {name for name in definition.bindings if name not in definition.outputs and name not in unread}
+    inputs |= {"C"} if params.get("accumulate") else set()
+    return {arg for name, arg in zip(definition.bindings, item.args, strict=False) if name in inputs}
 
 
 def _copy_op(producer: Launch, cast: Launch) -> str | None:

@@ -18,6 +18,11 @@
 // a per-subgroup fp32 strip (its running row maximum needs every element of a row). Scores stay
 // in base 2 (multiplied by scale * log2(e) in fp32), so every exponential is exp2.
 // shaders/attention_tiles.py (coopmat_attention_shared_bytes) mirrors the shared arrays.
+// With QKV_HALF defined (the *_half.comp variants, mixed precision with MIXED_FUSIONS) qkv is read
+// as its float16 copy, four halves a uvec2 (QKV_T), staged as they are: the same halves that the
+// float32 kernels stage if the copy rounds as packHalf2x16 does (nearest even); and the output
+// (Y; the kernel's columns of dqkv) also gets its float16 copy H, rounded by half_bits.glsl (bit
+// for bit numpy's astype, as cast.comp), for the GEMMs after it to read as halves.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -80,8 +85,29 @@ uvec2 halves(vec4 v) {
     return uvec2(packHalf2x16(v.xy), packHalf2x16(v.zw));
 }
 
-// Head rows t0.. of a buffer whose row t starts at START(t) floats go to shared memory in two
-// halves: LOAD_ROWS issues every global load of the block into REGS (COUNT vec4 an invocation:
+// Four halves of qkv's float16 copy, staged as they are.
+uvec2 halves(uvec2 v) {
+    return v;
+}
+
+vec4 zero_like(vec4 v) {
+    return vec4(0.0);
+}
+
+uvec2 zero_like(uvec2 v) {
+    return uvec2(0u);
+}
+
+#ifdef QKV_HALF
+#include "half_bits.glsl"
+#define QKV_T uvec2
+#else
+#define QKV_T vec4
+#endif
+
+// Head rows t0.. of a buffer whose row t starts at element START(t) go to shared memory in two
+// halves: LOAD_ROWS issues every global load of the block into REGS (COUNT vec4, or uvec2 of four
+// halves where the buffer is qkv's float16 copy, an invocation:
 // LOADS_BC for a streamed block, LOADS_BR for the owned rows), so that they are in flight
 // together, then STORE_ROWS writes them as halves into the shared array DST from uvec2 BASE on.
 // Rows past T are zeros (0 * garbage may be NaN).
@@ -91,7 +117,7 @@ uvec2 halves(vec4 v) {
         const uint c = e / (DH / 4u);                                     \
         const uint t = min((t0) + c, pc.T - 1u);                          \
         const bool real = (t0) + c < pc.T && e < (ROWS) * (DH / 4u);      \
-        REGS[x] = real ? BUF4[(START) / 4u + e % (DH / 4u)] : vec4(0.0);  \
+        REGS[x] = real ? BUF4[(START) / 4u + e % (DH / 4u)] : zero_like(BUF4[0]); \
     }
 
 #define STORE_ROWS(DST, BASE, REGS, COUNT, ROWS)                          \
@@ -128,6 +154,15 @@ void subgroup_sync() {
     subgroup_sync();                                                              \
     coopMatLoad(CID, TILE, BASE, SS, ROW_MAJOR);                                  \
     subgroup_sync();
+
+#ifdef QKV_HALF
+// The float16 copy of the 16 x 16 accumulator VALUE into H, whose row r starts at element
+// START + r * STRIDE (both even): converted in the registers (ACC16, the hardware's round to
+// nearest even, as P and dS are) and stored as words of two halves, with no shared-memory round
+// trip and no barrier (a barrier after global stores waits for them).
+#define STORE_HALF_COPY(VALUE, START, STRIDE) \
+    coopMatStore(ACC16(VALUE), H, (START) / 2u, (STRIDE) / 2u, ROW_MAJOR);
+#endif
 
 // The sum (OP +) or maximum (OP max) of row `row` of the tile at TILE[BASE..], on every lane of
 // the row (LPR lanes a row, RP columns each, combined by shuffles in a fixed order).

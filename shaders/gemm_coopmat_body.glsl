@@ -1,6 +1,7 @@
 // gemm_coopmat.comp's body (see its header for the design): gemm_coopmat.comp includes it as it is,
 // gemm_coopmat_copy.comp with GEMM_HALF_COPY defined, which adds binding 4 and has the epilogue
-// write a float16 copy of C (or of act_HA(C)) there too, and gemm_coopmat_residual.comp with
+// write a float16 copy of C (or of act_HA(C)) there too (and with GEMM_HALF_ONLY as well, only the
+// copy: gemm_coopmat_half.comp), and gemm_coopmat_residual.comp with
 // GEMM_RESIDUAL, which adds binding 4 (R, read) to the finished C. Separate files rather than a
 // specialisation constant because a binding the shader references must be in the pipeline's layout
 // even where a constant folds the reference away, and gemm_coopmat's launches bind four buffers.
@@ -42,6 +43,9 @@ layout(std430, set = 0, binding = 4) writeonly buffer HBuf2 { uvec2 H2[]; };
 layout(constant_id = 15) const uint HA = 0;
 float copy_value(float x) {
     return vk_activate(x, HA, 0.0);
+}
+uint copy_pair(float lo, float hi) {
+    return half_pair(copy_value(lo), copy_value(hi));
 }
 #endif
 #ifdef GEMM_RESIDUAL
@@ -468,10 +472,11 @@ void main() {
 #ifdef GEMM_RESIDUAL
                 v = R4[o / 4u] + v;  // binary.comp's add, x + f(x)
 #endif
+#ifndef GEMM_HALF_ONLY
                 C4[o / 4u] = v;
+#endif
 #ifdef GEMM_HALF_COPY
-                H2[o / 4u] = uvec2(half_pair(copy_value(v.x), copy_value(v.y)),
-                                   half_pair(copy_value(v.z), copy_value(v.w)));
+                H2[o / 4u] = uvec2(copy_pair(v.x, v.y), copy_pair(v.z, v.w));
 #endif
             } else {
                 for (uint e = 0u; e < 4u && n + e < N; ++e) {
@@ -489,12 +494,14 @@ void main() {
 #ifdef GEMM_RESIDUAL
                     v[e] = R[o + e] + v[e];
 #endif
+#ifndef GEMM_HALF_ONLY
                     C[o + e] = v[e];
+#endif
                 }
 #ifdef GEMM_HALF_COPY
                 // N is even and n a multiple of 4, so o is even and each word is this invocation's.
                 for (uint e = 0u; e < 4u && n + e < N; e += 2u) {
-                    Hw[(o + e) / 2u] = half_pair(copy_value(v[e]), copy_value(v[e + 1u]));
+                    Hw[(o + e) / 2u] = copy_pair(v[e], v[e + 1u]);
                 }
 #endif
             }

@@ -3,7 +3,9 @@
 // row's own mean and 1/sqrt(biased var + eps) into stats[row, 0] and stats[row, 1] (which the
 // backward reads), and Y = gamma[d] * (X - mean) * invstd + beta[d]. Every row, padding included
 // (a row's result never depends on another's). One workgroup per row, grid-stride over rows.
-// With LAYERNORM_COPY defined, also H = Y rounded to float16 as cast.comp rounds (D even).
+// With LAYERNORM_COPY defined, also H = Y rounded to float16 as cast.comp rounds (D even); with
+// LAYERNORM_HALF_ONLY too, H alone (layernorm_half: a mixed plan whose GEMMs read only the copy
+// leaves Y unwritten).
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer XBuf { float X[]; };
@@ -52,8 +54,10 @@ void main() {
             const uint j = 2u * w;
             const float y0 = gamma[j] * ((X[base + j] - mean) * invstd) + beta[j];
             const float y1 = gamma[j + 1u] * ((X[base + j + 1u] - mean) * invstd) + beta[j + 1u];
+#ifndef LAYERNORM_HALF_ONLY
             Y[base + j] = y0;
             Y[base + j + 1u] = y1;
+#endif
             H[base / 2u + w] = half_pair(y0, y1);
         }
 #else

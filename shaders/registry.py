@@ -726,6 +726,11 @@ _OPS: tuple[OpDef, ...] = (
     _attention_coopmat("attention_coopmat", ("qkv", "Y", "L"), "forward"),
     _attention_coopmat("attention_coopmat_backward_kv", ("qkv", "dY", "L", "Drow", "dqkv"), "kv"),
     _attention_coopmat("attention_coopmat_backward_q", ("qkv", "dY", "L", "Drow", "dqkv"), "q"),
+    # The same three reading qkv's float16 copy and writing their output's, H (mixed precision with
+    # MIXED_FUSIONS: the qkv GEMM writes the one, the next GEMMs read the other; half_bits.glsl).
+    _attention_coopmat("attention_coopmat_half", ("qkv", "Y", "L", "H"), "forward"),
+    _attention_coopmat("attention_coopmat_backward_kv_half", ("qkv", "dY", "L", "Drow", "dqkv", "H"), "kv"),
+    _attention_coopmat("attention_coopmat_backward_q_half", ("qkv", "dY", "L", "Drow", "dqkv", "H"), "q"),
     # Y = X * mask * scale, the mask a hash of (seed, step stepvals[3], element): dropout's forward
     # and, on the output's gradient, its backward.
     OpDef(
@@ -934,6 +939,16 @@ _OPS = (
     ),
 )
 
+# A _copy op's variant that writes only the copy H, not its fp32 output (the plan's choice where no
+# launch reads that output but as halves: flow.autodiff._write_halves_only): op -> (variant, the
+# output it leaves unwritten).
+HALF_ONLY = {"layernorm_copy": ("layernorm_half", "Y"), "gemm_coopmat_copy": ("gemm_coopmat_half", "C")}
+_OPS = (
+    *_OPS,
+    *(replace(item, name=HALF_ONLY[item.name][0], shader=f"{HALF_ONLY[item.name][0]}.comp")
+      for item in _OPS if item.name in HALF_ONLY),
+)  # fmt: skip
+
 # What each op writes; everything else it binds is read only.
 _OUTPUTS: dict[str, tuple[str, ...]] = {
     "gemm": ("C",),
@@ -989,6 +1004,9 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "attention_coopmat": ("Y", "L"),
     "attention_coopmat_backward_kv": ("dqkv",),
     "attention_coopmat_backward_q": ("dqkv",),
+    "attention_coopmat_half": ("Y", "L", "H"),
+    "attention_coopmat_backward_kv_half": ("dqkv", "H"),
+    "attention_coopmat_backward_q_half": ("dqkv", "H"),
     "dropout": ("Y",),
     "embedding": ("Y",),
     "embedding_backward": ("dW",),
@@ -1040,6 +1058,9 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "gemm_coopmat_copy": (("alpha", 1.0), ("k_splits", 1)),
     "gemm_coopmat_residual": (("alpha", 1.0), ("k_splits", 1)),
 }
+
+_OUTPUTS.update({v: tuple(o for o in _OUTPUTS[k] if o != skip) for k, (v, skip) in HALF_ONLY.items()})
+_DEFAULTS.update({v: _DEFAULTS[k] for k, (v, _) in HALF_ONLY.items() if k in _DEFAULTS})
 
 OPS: dict[str, OpDef] = {
     op.name: replace(op, outputs=_OUTPUTS[op.name], defaults=_DEFAULTS.get(op.name, ())) for op in _OPS

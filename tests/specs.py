@@ -94,13 +94,14 @@ def synthetic_spec(tmp=None, **run) -> Spec:
     )  # fmt: skip
 
 
-def gpt_blocks(vocab: int, width: int, hidden: int, context: int) -> Model:
+def gpt_blocks(vocab: int, width: int, hidden: int, context: int, heads: int = 2) -> Model:
     """Two pre-LN GPT blocks (attention, then a GELU MLP of ``hidden``), the char GPT's pattern,
-    small: the model the GEMM-epilogue and residual-fusion tests plan and train."""
+    small: the model the GEMM-epilogue and residual-fusion tests plan and train (the char GPT
+    itself: width 384, 6 heads, hidden 1536, context 256)."""
     from flow.spec import Embedding, LayerNorm, PositionalEmbedding, Repeat, Residual, SelfAttention
 
     block = (
-        Residual((LayerNorm(), SelfAttention(2))),
+        Residual((LayerNorm(), SelfAttention(heads))),
         Residual((LayerNorm(), Linear(hidden, activation="gelu"), Linear(width))),
     )
     layers = (Embedding(vocab, width), PositionalEmbedding(), Repeat(2, block), LayerNorm(), Linear(vocab))
