@@ -6,7 +6,9 @@ take (session 14, H19): fc1's GEMM plain, with its output's copy (gemm_coopmat_c
 activation applied to that copy or to its output; the unary GELU (and unary_half, GELU straight to
 fp16), the cast, unary_backward and the residual add; fc2's forward from an fp32 or an fp16
 activation, plain or writing the residual sum; fc2's input gradient plain and with each activation
-derivative in its epilogue; the same for the fp32 GEMMs (gemm, gemm_copy, gemm_residual). Launches
+derivative in its epilogue; the same for the fp32 GEMMs (gemm, gemm_copy, gemm_residual). The copy
+GEMMs run as named (half_bits.glsl's rounding), and also as their _rte variants (the device's
+rounding, registry.FP16_ROUNDING_VARIANTS) and without the fp32 output (gemm_coopmat_half). Launches
 are timed in a program of ``--repeat`` rounds with a barrier after each, ``--reps`` submissions; one
 JSON line per launch with its median microseconds.
 
@@ -81,8 +83,9 @@ def variants(precision: str) -> dict[str, tuple]:
     found[f"fc1 {gemm}"] = (gemm, (x, w1, "b1", "PRE"), fc1)
     found[f"fc1 {gemm} act=gelu"] = (gemm, (x, w1, "b1", "PRE"), {**fc1, "act": act["gelu"]})
     found[f"fc1 {copy}"] = (copy, (x, w1, "b1", "PRE", operand), fc1)
-    if precision == "mixed":  # the copy alone, with no fp32 output
-        found["fc1 gemm_coopmat_half"] = ("gemm_coopmat_half", (x, w1, "b1", "PRE", operand), fc1)
+    if precision == "mixed":  # the copy alone (no fp32 output), and both with the hardware's rounding
+        for op in ("gemm_coopmat_half", "gemm_coopmat_copy_rte", "gemm_coopmat_half_rte"):
+            found[f"fc1 {op}"] = (op, (x, w1, "b1", "PRE", operand), fc1)
     for name in copies:
         found[f"fc1 {copy} copy_act={name}"] = (
             copy,
@@ -110,7 +113,10 @@ def main() -> None:
     from actors.single_op import single_op_layout
     from bench.common import open_vulkan
     from flow.program import Barrier, Program, launch
+    from shaders import registry
     from shaders.registry import resolve
+
+    registry.FP16_HARDWARE_ROUNDING = False  # the plain ops round by half_bits, the _rte rows by the device
 
     backend, why = open_vulkan("auto")
     if backend is None:

@@ -943,11 +943,25 @@ _OPS = (
 # launch reads that output but as halves: flow.autodiff._write_halves_only): op -> (variant, the
 # output it leaves unwritten).
 HALF_ONLY = {"layernorm_copy": ("layernorm_half", "Y"), "gemm_coopmat_copy": ("gemm_coopmat_half", "C")}
-_OPS = (
-    *_OPS,
-    *(replace(item, name=HALF_ONLY[item.name][0], shader=f"{HALF_ONLY[item.name][0]}.comp")
-      for item in _OPS if item.name in HALF_ONLY),
-)  # fmt: skip
+
+
+def _variants(names: dict[str, str]) -> tuple[OpDef, ...]:
+    """The ops in ``names`` again, each under its new name with the shader file of that name."""
+    return tuple(replace(item, name=names[item.name], shader=f"{names[item.name]}.comp")
+                 for item in _OPS if item.name in names)  # fmt: skip
+
+
+_OPS = (*_OPS, *_variants({op: variant for op, (variant, _) in HALF_ONLY.items()}))
+
+# Ops with a variant whose float16 copy the hardware converts, rounded to nearest even with
+# subnormals kept (SPV_KHR_float_controls): half_bits.glsl's bits but a NaN's payload, in one
+# conversion a pair (the char GPT's fc1 with only its copy: 160 -> 121 us on an H100, the cost of
+# the plain GEMM). resolve() picks the
+# variant on a device with the fact fp16_exact_rounding while FP16_HARDWARE_ROUNDING is on (off:
+# half_bits everywhere, for A/B runs such as bench/bench_epilogues.py).
+FP16_ROUNDING_VARIANTS = {op: f"{op}_rte" for op in ("gemm_coopmat_copy", "gemm_coopmat_half")}
+FP16_HARDWARE_ROUNDING = True
+_OPS = (*_OPS, *_variants(FP16_ROUNDING_VARIANTS))
 
 # What each op writes; everything else it binds is read only.
 _OUTPUTS: dict[str, tuple[str, ...]] = {
@@ -1061,6 +1075,8 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
 
 _OUTPUTS.update({v: tuple(o for o in _OUTPUTS[k] if o != skip) for k, (v, skip) in HALF_ONLY.items()})
 _DEFAULTS.update({v: _DEFAULTS[k] for k, (v, _) in HALF_ONLY.items() if k in _DEFAULTS})
+_OUTPUTS.update({v: _OUTPUTS[k] for k, v in FP16_ROUNDING_VARIANTS.items()})
+_DEFAULTS.update({v: _DEFAULTS[k] for k, v in FP16_ROUNDING_VARIANTS.items() if k in _DEFAULTS})
 
 OPS: dict[str, OpDef] = {
     op.name: replace(op, outputs=_OUTPUTS[op.name], defaults=_DEFAULTS.get(op.name, ())) for op in _OPS
@@ -1087,7 +1103,8 @@ def op(name: str) -> OpDef:
 
 def resolve(launch: Launch, facts: DeviceFacts | None, table: GemmTable | None = None) -> Launch:
     """``launch`` with the specialisation constants its op needs on ``facts``'s device (GEMM tiles
-    from ``table`` or the size heuristic); unchanged for ops tuned nowhere. The planner resolves
+    from ``table`` or the size heuristic), and the op's hardware-rounding variant where the device
+    has one (FP16_ROUNDING_VARIANTS); unchanged for ops tuned nowhere. The planner resolves
     every launch of a run this way, so ``flow plan`` shows the tiles a device will run; a backend
     resolves a hand-made launch (an op test, a benchmark) the same way when it records it.
 
@@ -1099,6 +1116,9 @@ def resolve(launch: Launch, facts: DeviceFacts | None, table: GemmTable | None =
     Returns:
         The launch with ``constants`` set (sorted by name).
     """
+    exact = facts is not None and facts.has("fp16_exact_rounding") and FP16_HARDWARE_ROUNDING
+    if exact and launch.op in FP16_ROUNDING_VARIANTS:
+        launch = replace(launch, op=FP16_ROUNDING_VARIANTS[launch.op])
     definition = op(launch.op)
     if definition.tune is None:
         return launch

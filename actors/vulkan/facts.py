@@ -173,9 +173,13 @@ def facts_for(vk_instance, physical, index: int) -> DeviceFacts:
         "VkPhysicalDeviceSubgroupProperties*",
         {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES},
     )
+    controls = ffi.new(
+        "VkPhysicalDeviceFloatControlsProperties*",
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FLOAT_CONTROLS_PROPERTIES, "pNext": subgroup},
+    )
     driver = ffi.new(
         "VkPhysicalDeviceDriverProperties*",
-        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES, "pNext": subgroup},
+        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES, "pNext": controls},
     )
     props2 = ffi.new(
         "VkPhysicalDeviceProperties2*",
@@ -185,6 +189,10 @@ def facts_for(vk_instance, physical, index: int) -> DeviceFacts:
     props = props2.properties
     limits = props.limits
     features = _features(physical, extensions)
+    # Shaders may ask for float16 conversions rounded to nearest even with subnormals kept, which
+    # is numpy's astype (registry.FP16_ROUNDING_VARIANTS use the hardware's conversion then).
+    if controls.shaderRoundingModeRTEFloat16 and controls.shaderDenormPreserveFloat16 and "fp16" in features:
+        features = (*features, "fp16_exact_rounding")
     heaps, types = _memory(physical, "memory_budget" in features)
     driver_text = f"{text(driver.driverName)} {text(driver.driverInfo)}".strip()
     return DeviceFacts(
