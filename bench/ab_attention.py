@@ -153,12 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rep = common.Reporter(args.out)
-    backend, why = common.open_vulkan("auto")
+    backend = common.open_coopmat(rep, BENCH)
     if backend is None:
-        rep.missing(BENCH, "vkflow", "not available", why)
-        return 1
-    if not backend.facts.has("cooperative_matrix"):
-        rep.missing(BENCH, "vkflow", "not available", f"{backend.facts.name}: no cooperative matrices")
         return 1
     configs = json.loads(args.configs) if args.configs else DEFAULT_CONFIGS
     variants = {name_of(None if c == "tuned" else c): (None if c == "tuned" else c) for c in configs}

@@ -167,6 +167,17 @@ def open_vulkan(device: str = "auto"):
         return None, f"{type(error).__name__}: {error}"
 
 
+def open_coopmat(rep: Reporter, bench: str):
+    """The Vulkan backend when its device has cooperative matrices, else None after reporting why
+    (the tensor-core benchmarks' first step)."""
+    backend, why = open_vulkan("auto")
+    if backend is not None and not backend.facts.has("cooperative_matrix"):
+        backend, why = None, f"{backend.facts.name} has no cooperative matrices"
+    if backend is None:
+        rep.missing(bench, "vkflow", "not available", why)
+    return backend
+
+
 # -- reporting --------------------------------------------------------------------------------------
 
 

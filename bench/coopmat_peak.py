@@ -112,14 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rep = common.Reporter(args.out)
-    backend, why = common.open_vulkan("auto")
+    backend = common.open_coopmat(rep, BENCH)
     if backend is None:
-        rep.missing(BENCH, "vkflow", "not available", why)
         return 1
     device = backend.facts.name
-    if not backend.facts.has("cooperative_matrix"):
-        rep.missing(BENCH, "vkflow", "not available", f"{device} has no cooperative matrices")
-        return 1
     register(args.groups)
     rng = np.random.default_rng(0)
     halves = rng.uniform(-1, 1, SRC_VECS * 8).astype(np.float16)

@@ -21,11 +21,10 @@ import math
 import numpy as np
 import oracles
 import pytest
-from layer_programs import layer_batch, layer_spec, nudged_parameters, run_train_program
+from layer_programs import layer_batch, layer_spec
 from specs import gpt_blocks
-from test_gelu_epilogue import _mixed
+from test_gelu_epilogue import _mixed, assert_same_training, mixed_train_on_cpu
 
-from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op
 from flow import autodiff
 from flow.planning import plan
@@ -113,16 +112,7 @@ def test_a_mixed_gpt_trains_bit_for_bit_with_producers_writing_the_copies(monkey
     for folded in (True, False):
         if not folded:
             monkeypatch.setattr(autodiff, "_fold_casts_into_producers", lambda graph: None)
-        device = plan(_mixed(layer_spec(model, batch=8))).devices[0]
-        ops = [s.op for s in device.program("train").launches]
+        results.append(mixed_train_on_cpu(model, x, y))
+        ops = [s.op for s in results[-1][2].program("train").launches]
         assert ("unary_backward_copy" in ops) == folded and ("cast" in ops) != folded
-        start = nudged_parameters(device, np.random.default_rng(7))
-        backend = CpuBackend()
-        backend.open_layout(device.layout)
-        params = {k: v.astype(np.float32) for k, v in start.items()}
-        results.append(run_train_program(device, backend, params, x.astype(np.float32), y))
-    (copied_loss, copied, _), (cast_loss, cast, _) = results
-    assert copied_loss == cast_loss
-    for name, value in cast.items():
-        np.testing.assert_array_equal(copied[name], value, err_msg=name)
-    assert any(np.any(value != 0) for value in copied.values())
+    assert_same_training(*results)
