@@ -727,7 +727,8 @@ _OPS: tuple[OpDef, ...] = (
     _attention_coopmat("attention_coopmat_backward_kv", ("qkv", "dY", "L", "Drow", "dqkv"), "kv"),
     _attention_coopmat("attention_coopmat_backward_q", ("qkv", "dY", "L", "Drow", "dqkv"), "q"),
     # The same three reading qkv's float16 copy and writing their output's, H (mixed precision with
-    # MIXED_FUSIONS: the qkv GEMM writes the one, the next GEMMs read the other; half_bits.glsl).
+    # MIXED_FUSIONS: the qkv GEMM writes the one, the next GEMMs read the other). The forward rounds
+    # its copy with half_bits.glsl; kv and q convert theirs in the accumulators, as P and dS.
     _attention_coopmat("attention_coopmat_half", ("qkv", "Y", "L", "H"), "forward"),
     _attention_coopmat("attention_coopmat_backward_kv_half", ("qkv", "dY", "L", "Drow", "dqkv", "H"), "kv"),
     _attention_coopmat("attention_coopmat_backward_q_half", ("qkv", "dY", "L", "Drow", "dqkv", "H"), "q"),
@@ -956,9 +957,9 @@ _OPS = (*_OPS, *_variants({op: variant for op, (variant, _) in HALF_ONLY.items()
 # Ops with a variant whose float16 copy the hardware converts, rounded to nearest even with
 # subnormals kept (SPV_KHR_float_controls): half_bits.glsl's bits but a NaN's payload, in one
 # conversion a pair (the char GPT's fc1 with only its copy: 160 -> 121 us on an H100, the cost of
-# the plain GEMM). resolve() picks the
-# variant on a device with the fact fp16_exact_rounding while FP16_HARDWARE_ROUNDING is on (off:
-# half_bits everywhere, for A/B runs such as bench/bench_epilogues.py).
+# the plain GEMM). resolve() picks the variant on a device with the fact fp16_exact_rounding while
+# FP16_HARDWARE_ROUNDING is on (off: half_bits everywhere, for A/B runs such as
+# bench/bench_epilogues.py).
 FP16_ROUNDING_VARIANTS = {op: f"{op}_rte" for op in ("gemm_coopmat_copy", "gemm_coopmat_half")}
 FP16_HARDWARE_ROUNDING = True
 _OPS = (*_OPS, *_variants(FP16_ROUNDING_VARIANTS))
