@@ -722,6 +722,13 @@ def _half_only(kernel: Callable[..., None], output: int) -> Callable[..., None]:
     return half_only
 
 
+def column_sum_copy(arrays: list[np.ndarray], p: Params) -> None:
+    """column_sum, then H = X's float16 copy (rows x cols, as cast.comp rounds)."""
+    column_sum(arrays[:2], p)
+    count = int(p["rows"]) * int(p["cols"])
+    arrays[2][:count] = arrays[0][:count].astype(np.float16)
+
+
 def column_sum(arrays: list[np.ndarray], p: Params) -> None:
     x, out = arrays
     rows, cols, parts = int(p["rows"]), int(p["cols"]), max(1, int(p.get("parts", 1)))
@@ -822,19 +829,17 @@ def attention_coopmat_backward_q(arrays: list[np.ndarray], p: Params) -> None:
     attention_backward_q([_half(arrays[0]), _half(arrays[1]), *arrays[2:]], p)
 
 
-def _attention_half(kernel: Callable[..., None], output: int, parts: slice) -> Callable[..., None]:
+def _attention_half(kernel: Callable[..., None]) -> Callable[..., None]:
     """An attention_coopmat*_half kernel: ``kernel`` on qkv's float16 copy (the values it would
-    round qkv to), then H (the last binding) = the float16 copy of its ``output``-th binding, of
-    its own ``parts`` (0 q, 1 k, 2 v) where that is dqkv."""
+    round qkv to); the forward's then H (its last binding) = Y's float16 copy."""
 
     def with_halves(arrays: list[np.ndarray], p: Params) -> None:
-        out = arrays[output]
-        kernel([arrays[0].astype(out.dtype), *arrays[1:-1]], p)
-        if output == 1:  # Y [N, T, D]
+        forward = kernel is attention_coopmat
+        out = arrays[1] if forward else arrays[4]
+        kernel([arrays[0].astype(out.dtype), *arrays[1 : len(arrays) - forward]], p)
+        if forward:  # Y [N, T, D]
             count = int(p["N"]) * int(p["T"]) * int(p["H"]) * int(p["dh"])
             arrays[-1][:count] = out[:count].astype(np.float16)
-        else:
-            _attention_heads(arrays[-1], p)[parts] = _attention_heads(out, p)[parts].astype(np.float16)
 
     return with_halves
 
@@ -1153,6 +1158,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "layernorm": layernorm,
     "layernorm_backward_reduce": layernorm_backward_reduce,
     "column_sum": column_sum,
+    "column_sum_copy": column_sum_copy,
     "layernorm_backward_data": layernorm_backward_data,
     "layernorm_copy": _with_half_copy(layernorm, 3),
     "layernorm_half": _half_only(_with_half_copy(layernorm, 3), 3),
@@ -1165,9 +1171,9 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "attention_coopmat": attention_coopmat,
     "attention_coopmat_backward_kv": attention_coopmat_backward_kv,
     "attention_coopmat_backward_q": attention_coopmat_backward_q,
-    "attention_coopmat_half": _attention_half(attention_coopmat, 1, slice(None)),
-    "attention_coopmat_backward_kv_half": _attention_half(attention_coopmat_backward_kv, 4, slice(1, 3)),
-    "attention_coopmat_backward_q_half": _attention_half(attention_coopmat_backward_q, 4, slice(0, 1)),
+    "attention_coopmat_half": _attention_half(attention_coopmat),
+    "attention_coopmat_backward_kv_half": _attention_half(attention_coopmat_backward_kv),
+    "attention_coopmat_backward_q_half": _attention_half(attention_coopmat_backward_q),
     "dropout": dropout,
     "embedding": embedding,
     "embedding_backward": embedding_backward,

@@ -627,8 +627,8 @@ class _Builder:
         row_dots = g.add(f"attention_dots[{stage.index}]", (b, layer.heads, t))
         w_qkv, w_out = f"{prefix}.qkv_weight", f"{prefix}.out_weight"
         # The operands' fp16 copies as the forward Linear's (_half_copy): the output gradient's
-        # (a LayerNorm's input gradient wrote it last: layernorm_backward_data_copy), heads' and
-        # d_qkv's from the attention kernels where the forward read qkv's copy, else where wide.
+        # (a LayerNorm's input gradient wrote it last: layernorm_backward_data_copy), heads' from
+        # the forward kernel, d_qkv's from the qkv bias's column sums, else where wide.
         y, dz = self.half_copies.get(heads, heads), self._half_copy(grad, rows * d, d)
         out_weight, finish_out = self._gemm((y, dz, heads, f"grad:{w_out}"), M=d, N=d, K=rows, trans_a=1)
         half_out = self._half_weight(w_out, d * d)
@@ -637,13 +637,16 @@ class _Builder:
         g.emit(out_weight, to_heads, out_bias)
         g.emit(finish_out, finish_heads, finish_bias)
         g.emit(launch("attention_backward_dot", (d_heads, heads, row_dots), **params))
-        kernels, half = attention_ops(self.mixed, int(params["dh"])), ""
-        args: tuple[str, ...] = (d_heads, lse, row_dots, d_qkv)
-        if qkv in self.half_copies:  # the forward read qkv's fp16 copy (_attention_forward)
-            self.half_copies[d_qkv] = g.add(f"half:{d_qkv}", (rows * 3 * d,), dtype="float16")
-            args, half = (*args, self.half_copies[d_qkv]), "_half"
-        qkv = self.half_copies.get(qkv, qkv)
-        g.emit(*(launch(kernels[kind] + half, (qkv, *args), **params) for kind in ("kv", "q")))
+        kernels = attention_ops(self.mixed, int(params["dh"]))
+        half = "_half" if qkv in self.half_copies else ""  # the forward read qkv's fp16 copy
+        args = (self.half_copies.get(qkv, qkv), d_heads, lse, row_dots, d_qkv)
+        g.emit(*(launch(kernels[kind] + half, args, **params) for kind in ("kv", "q")))
+        qkv_bias, finish_bias = self._bias_grad(layer.bias, d_qkv, f"grad:{prefix}.qkv_bias", rows, 3 * d)
+        if half and qkv_bias is not None and d % 2 == 0:
+            # The bias's column sums read all of dqkv: they write its fp16 copy for the qkv GEMMs.
+            copy = self.half_copies[d_qkv] = g.add(f"half:{d_qkv}", (rows * 3 * d,), dtype="float16")
+            g.emit(launch("column_sum_copy", (*qkv_bias.args, copy), **qkv_bias.param_dict))
+            qkv_bias = None
         x, dz = self.half_copies.get(h, h), self._half_copy(d_qkv, rows * 3 * d, d)
         qkv_weight, finish_qkv = self._gemm((x, dz, h, f"grad:{w_qkv}"), M=d, N=3 * d, K=rows, trans_a=1)
         to_input, finish_input = (
@@ -653,7 +656,6 @@ class _Builder:
             if in_grad
             else (None, None)
         )
-        qkv_bias, finish_bias = self._bias_grad(layer.bias, d_qkv, f"grad:{prefix}.qkv_bias", rows, 3 * d)
         g.emit(qkv_weight, to_input, qkv_bias)
         g.emit(finish_qkv, finish_input, finish_bias)
 

@@ -17,9 +17,6 @@ layout(std430, set = 0, binding = 1) readonly buffer DY4Buf { vec4 dY4[]; };
 layout(std430, set = 0, binding = 2) readonly buffer LBuf { float L[]; };
 layout(std430, set = 0, binding = 3) readonly buffer DrowBuf { float Drow[]; };
 layout(std430, set = 0, binding = 4) writeonly buffer DqkvBuf { float dqkv[]; };
-#ifdef QKV_HALF
-layout(std430, set = 0, binding = 5) writeonly buffer HBuf { uint H[]; };  // dqkv's float16 copy
-#endif
 
 shared uvec2 QD[2u * STAGED];  // the q block, then the dY block (first the K, then the V rows)
 shared float Ss[BR * SS];      // per subgroup: a 16 x 16 fp32 tile
@@ -170,10 +167,6 @@ void main() {
             const ACC dk_f = dk[f] * pc.scale;
             coopMatStore(dk_f, dqkv, k_start + 16u * f, 3u * pc.H * DH, ROW_MAJOR);
             coopMatStore(dv[f], dqkv, k_start + pc.H * DH + 16u * f, 3u * pc.H * DH, ROW_MAJOR);
-#ifdef QKV_HALF
-            STORE_HALF_COPY(dk_f, k_start + 16u * f, 3u * pc.H * DH)
-            STORE_HALF_COPY(dv[f], k_start + pc.H * DH + 16u * f, 3u * pc.H * DH)
-#endif
         }
     } else {
         const uint k_start = qkv_start(n, min(j_key, pc.T - 1u), 1u, h);
@@ -184,12 +177,6 @@ void main() {
                 [[unroll]] for (uint c = 0u; c < RP; c++) {
                     dqkv[k_start + 16u * f + part * RP + c] = Ss[tile + row * SS + part * RP + c];
                 }
-#ifdef QKV_HALF
-                [[unroll]] for (uint c = 0u; c < RP; c += 2u) {
-                    const uint at = tile + row * SS + part * RP + c;
-                    H[(k_start + 16u * f + part * RP + c) / 2u] = half_pair(Ss[at], Ss[at + 1u]);
-                }
-#endif
             }
             subgroup_sync();
             coopMatStore(dv[f], Ss, tile, SS, ROW_MAJOR);
@@ -198,12 +185,6 @@ void main() {
                 [[unroll]] for (uint c = 0u; c < RP; c++) {
                     dqkv[k_start + pc.H * DH + 16u * f + part * RP + c] = Ss[tile + row * SS + part * RP + c];
                 }
-#ifdef QKV_HALF
-                [[unroll]] for (uint c = 0u; c < RP; c += 2u) {
-                    const uint at = tile + row * SS + part * RP + c;
-                    H[(k_start + pc.H * DH + 16u * f + part * RP + c) / 2u] = half_pair(Ss[at], Ss[at + 1u]);
-                }
-#endif
             }
             subgroup_sync();
         }

@@ -15,9 +15,6 @@ layout(std430, set = 0, binding = 1) readonly buffer DY4Buf { vec4 dY4[]; };
 layout(std430, set = 0, binding = 2) readonly buffer LBuf { float L[]; };
 layout(std430, set = 0, binding = 3) readonly buffer DrowBuf { float Drow[]; };
 layout(std430, set = 0, binding = 4) writeonly buffer DqkvBuf { float dqkv[]; };
-#ifdef QKV_HALF
-layout(std430, set = 0, binding = 5) writeonly buffer HBuf { uint H[]; };  // dqkv's float16 copy
-#endif
 
 shared uvec2 KV[2u * STAGED];  // the K block, then the V block (first the Q, then the dY rows)
 shared float Ss[BR * SS];      // per subgroup: a 16 x 16 fp32 tile
@@ -143,9 +140,6 @@ void main() {
         [[unroll]] for (uint f = 0u; f < FD; f++) {
             const ACC dq_f = dq[f] * pc.scale;
             coopMatStore(dq_f, dqkv, qkv_start(n, rw, 0u, h) + 16u * f, 3u * pc.H * DH, ROW_MAJOR);
-#ifdef QKV_HALF
-            STORE_HALF_COPY(dq_f, qkv_start(n, rw, 0u, h) + 16u * f, 3u * pc.H * DH)
-#endif
         }
     } else {
         const uint q_start = qkv_start(n, min(i, pc.T - 1u), 0u, h);
@@ -156,13 +150,6 @@ void main() {
                 [[unroll]] for (uint c = 0u; c < RP; c++) {
                     dqkv[q_start + 16u * f + part * RP + c] = Ss[tile + row * SS + part * RP + c] * pc.scale;
                 }
-#ifdef QKV_HALF
-                [[unroll]] for (uint c = 0u; c < RP; c += 2u) {
-                    const uint at = tile + row * SS + part * RP + c;
-                    H[(q_start + 16u * f + part * RP + c) / 2u] =
-                        half_pair(Ss[at] * pc.scale, Ss[at + 1u] * pc.scale);
-                }
-#endif
             }
             subgroup_sync();
         }

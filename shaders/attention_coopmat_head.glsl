@@ -20,9 +20,9 @@
 // shaders/attention_tiles.py (coopmat_attention_shared_bytes) mirrors the shared arrays.
 // With QKV_HALF defined (the *_half.comp variants, mixed precision with MIXED_FUSIONS) qkv is read
 // as its float16 copy, four halves a uvec2 (QKV_T), staged as they are: the same halves that the
-// float32 kernels stage if the copy rounds as packHalf2x16 does (nearest even); and the output
-// (Y; the kernel's columns of dqkv) also gets its float16 copy H, rounded by half_bits.glsl (bit
-// for bit numpy's astype, as cast.comp), for the GEMMs after it to read as halves.
+// float32 kernels stage if the copy rounds as packHalf2x16 does (nearest even); and the forward's
+// output Y also gets its float16 copy H, rounded by half_bits.glsl (bit for bit numpy's astype,
+// as cast.comp), for the GEMMs after it to read as halves (dqkv's is column_sum_copy's).
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -154,15 +154,6 @@ void subgroup_sync() {
     subgroup_sync();                                                              \
     coopMatLoad(CID, TILE, BASE, SS, ROW_MAJOR);                                  \
     subgroup_sync();
-
-#ifdef QKV_HALF
-// The float16 copy of the 16 x 16 accumulator VALUE into H, whose row r starts at element
-// START + r * STRIDE (both even): converted in the registers (ACC16, the hardware's round to
-// nearest even, as P and dS are) and stored as words of two halves, with no shared-memory round
-// trip and no barrier (a barrier after global stores waits for them).
-#define STORE_HALF_COPY(VALUE, START, STRIDE) \
-    coopMatStore(ACC16(VALUE), H, (START) / 2u, (STRIDE) / 2u, ROW_MAJOR);
-#endif
 
 // The sum (OP +) or maximum (OP max) of row `row` of the tile at TILE[BASE..], on every lane of
 // the row (LPR lanes a row, RP columns each, combined by shuffles in a fixed order).

@@ -726,12 +726,11 @@ _OPS: tuple[OpDef, ...] = (
     _attention_coopmat("attention_coopmat", ("qkv", "Y", "L"), "forward"),
     _attention_coopmat("attention_coopmat_backward_kv", ("qkv", "dY", "L", "Drow", "dqkv"), "kv"),
     _attention_coopmat("attention_coopmat_backward_q", ("qkv", "dY", "L", "Drow", "dqkv"), "q"),
-    # The same three reading qkv's float16 copy and writing their output's, H (mixed precision with
-    # MIXED_FUSIONS: the qkv GEMM writes the one, the next GEMMs read the other). The forward rounds
-    # its copy with half_bits.glsl; kv and q convert theirs in the accumulators, as P and dS.
+    # The same three reading qkv's float16 copy (mixed precision with MIXED_FUSIONS: the qkv GEMM
+    # writes it), the forward also writing Y's, H, for the out-projection's GEMMs (half_bits.glsl).
     _attention_coopmat("attention_coopmat_half", ("qkv", "Y", "L", "H"), "forward"),
-    _attention_coopmat("attention_coopmat_backward_kv_half", ("qkv", "dY", "L", "Drow", "dqkv", "H"), "kv"),
-    _attention_coopmat("attention_coopmat_backward_q_half", ("qkv", "dY", "L", "Drow", "dqkv", "H"), "q"),
+    _attention_coopmat("attention_coopmat_backward_kv_half", ("qkv", "dY", "L", "Drow", "dqkv"), "kv"),
+    _attention_coopmat("attention_coopmat_backward_q_half", ("qkv", "dY", "L", "Drow", "dqkv"), "q"),
     # Y = X * mask * scale, the mask a hash of (seed, step stepvals[3], element): dropout's forward
     # and, on the output's gradient, its backward.
     OpDef(
@@ -953,6 +952,14 @@ def _variants(names: dict[str, str]) -> tuple[OpDef, ...]:
 
 
 _OPS = (*_OPS, *_variants({op: variant for op, (variant, _) in HALF_ONLY.items()}))
+# column_sum that also writes X's float16 copy H, two columns an invocation (cols even): the qkv
+# bias's gradient writes dqkv's copy for the qkv GEMMs (flow.autodiff._attention_backward).
+_OPS = (
+    *_OPS,
+    *(replace(item, name="column_sum_copy", shader="column_sum_copy.comp", bindings=(*item.bindings, "H"),
+              local_from_spec=lambda s: (s["OUTS"] // 2, s["LANES"], 1))
+      for item in _OPS if item.name == "column_sum"),
+)  # fmt: skip
 
 # Ops with a variant whose float16 copy the hardware converts, rounded to nearest even with
 # subnormals kept (SPV_KHR_float_controls): half_bits.glsl's bits but a NaN's payload, in one
@@ -977,6 +984,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "binary": ("Z",),
     "reduce": ("Y",),
     "column_sum": ("outs",),
+    "column_sum_copy": ("outs", "H"),
     "softmax": ("Y",),
     "softmax_backward": ("dX",),
     "softmax_xent": ("loss_rows", "correct_rows", "dlogits"),
@@ -1020,8 +1028,8 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "attention_coopmat_backward_kv": ("dqkv",),
     "attention_coopmat_backward_q": ("dqkv",),
     "attention_coopmat_half": ("Y", "L", "H"),
-    "attention_coopmat_backward_kv_half": ("dqkv", "H"),
-    "attention_coopmat_backward_q_half": ("dqkv", "H"),
+    "attention_coopmat_backward_kv_half": ("dqkv",),
+    "attention_coopmat_backward_q_half": ("dqkv",),
     "dropout": ("Y",),
     "embedding": ("Y",),
     "embedding_backward": ("dW",),
@@ -1062,6 +1070,7 @@ _DEFAULTS: dict[str, tuple[tuple[str, float], ...]] = {
     "broadcast_rows": (("alpha", 1.0),),
     "reduce": (("alpha", 1.0),),
     "column_sum": (("alpha", 1.0), ("parts", 1)),
+    "column_sum_copy": (("alpha", 1.0), ("parts", 1)),
     "layernorm_backward_reduce": (("parts", 1),),
     "softmax_xent": (("per_sample", 1),),
     "softmax_xent_totals": (("per_sample", 1),),

@@ -1,11 +1,11 @@
 """fp16 in and out of the tensor-core attention (issue 16, session 15).
 
-In a mixed plan with MIXED_FUSIONS the qkv GEMM writes qkv's fp16 copy (gemm_coopmat_copy) and
+In a mixed plan with MIXED_FUSIONS the qkv GEMM writes qkv's fp16 copy (gemm_coopmat_half) and
 the attention kernels' ``_half`` variants read it (attention_coopmat_half, _backward_kv_half,
-_backward_q_half) and write their outputs' fp16 copies beside them: the forward Y's (``heads``,
-which the out-projection's forward and weight-gradient GEMMs read) and the backward kernels' own
-columns of dqkv (which the qkv weight- and input-gradient GEMMs read; the qkv bias still sums the
-fp32 dqkv).
+_backward_q_half); the forward also writes Y's fp16 copy (``heads``, which the out-projection's
+forward and weight-gradient GEMMs read), and the qkv bias's column sums, which read all of dqkv,
+write dqkv's (column_sum_copy; the qkv weight- and input-gradient GEMMs read it, the bias sums the
+fp32 dqkv as before).
 
 Checked here: the variants against the float32-input kernels on the same inputs, bit for bit (Y,
 L, dqkv: qkv's copy holds the halves the float32 kernels round qkv to), their copies against
@@ -41,6 +41,7 @@ from actors.cpu_backend import CpuBackend
 from actors.single_op import run_op
 from flow import autodiff
 from flow.planning import plan
+from flow.program import Barrier
 from shaders.attention_tiles import ATTENTION_KINDS, COOPMAT_ATTENTION_OPS, tune_attention_coopmat
 from shaders.registry import op as op_def
 
@@ -55,8 +56,9 @@ def half_backend(request):
 
 def run_half_attention(backend, qkv16: np.ndarray, dy: np.ndarray, p: dict):
     """The _half kernels chained as a train step runs them (Drow by attention_backward_dot from the
-    fp32 Y): Y, L, Y's copy, dqkv and dqkv's copy. Outputs and copies start as NaN, so an element
-    left unwritten shows; the kv kernel must leave the q columns of both alone."""
+    fp32 Y), then the qkv bias's column_sum_copy: Y, L, Y's copy, dqkv and dqkv's copy. Outputs
+    and copies start as NaN, so an element left unwritten shows; the kv kernel must leave the q
+    columns of dqkv alone."""
     n, t, heads, dh = p["N"], p["T"], p["H"], p["dh"]
     empty = np.full((n, heads, t), np.nan, np.float32)
     forward = {"qkv": qkv16, "Y": np.full(dy.shape, np.nan, np.float32), "L": empty}
@@ -65,15 +67,17 @@ def run_half_attention(backend, qkv16: np.ndarray, dy: np.ndarray, p: dict):
     dot = {"dY": dy, "Y": forward["Y"], "Drow": empty}
     drow = run_op(backend, "attention_backward_dot", dot, **p)["Drow"]
     grads = {"qkv": qkv16, "dY": dy, "L": forward["L"], "Drow": drow}
-    outputs = {"dqkv": np.full(qkv16.shape, np.nan, np.float32)}
-    outputs["H"] = np.full(qkv16.shape, np.nan, np.float16)
-    kv = run_op(backend, HALF_OPS["kv"], {**grads, **outputs}, **p)
+    kv = run_op(backend, HALF_OPS["kv"], {**grads, "dqkv": np.full(qkv16.shape, np.nan, np.float32)}, **p)
     d = heads * dh
-    assert np.isnan(kv["dqkv"][..., :d]).all() and np.isnan(kv["H"][..., :d]).all()
-    q = run_op(backend, HALF_OPS["q"], {**grads, "dqkv": kv["dqkv"], "H": kv["H"]}, **p)
-    for name in ("dqkv", "H"):
-        np.testing.assert_array_equal(q[name][..., d:].view(np.uint8), kv[name][..., d:].view(np.uint8))
-    return forward["Y"], forward["L"], forward["H"], q["dqkv"], q["H"]
+    assert np.isnan(kv["dqkv"][..., :d]).all()
+    q = run_op(backend, HALF_OPS["q"], {**grads, "dqkv": kv["dqkv"]}, **p)
+    np.testing.assert_array_equal(q["dqkv"][..., d:].view(np.uint8), kv["dqkv"][..., d:].view(np.uint8))
+    sums = {"X": q["dqkv"], "outs": np.full(3 * d, np.nan, np.float32)}
+    sums["H"] = np.full(qkv16.shape, np.nan, np.float16)
+    bias = run_op(backend, "column_sum_copy", sums, rows=n * t, cols=3 * d, parts=1)
+    want = q["dqkv"].reshape(-1, 3 * d).astype(np.float64).sum(axis=0)
+    np.testing.assert_allclose(bias["outs"], want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+    return forward["Y"], forward["L"], forward["H"], q["dqkv"], bias["H"]
 
 
 def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -141,8 +145,9 @@ def _readers(launches, tensor: str) -> list[str]:
 @pytest.mark.parametrize("fusions", [True, False], ids=["fused", "unfused"])
 def test_the_char_gpt_attention_reads_and_writes_halves(monkeypatch, fusions):
     """The char GPT's sizes: with MIXED_FUSIONS every attention launch is a _half kernel reading the
-    copy its qkv GEMM wrote, the out-projection's and the qkv GEMMs read the attention's copies,
-    the qkv bias sums the fp32 gradient, and the fp32 qkv is read by nothing; without, the plan
+    copy its qkv GEMM wrote, the out-projection's GEMMs read the forward's copy and the qkv GEMMs
+    the copy the qkv bias's column sums write (from the fp32 gradient they sum), and the fp32 qkv is
+    read by nothing; without, the plan
     is the float32-input kernels' and no copy of heads or dqkv exists."""
     monkeypatch.setattr(autodiff, "MIXED_FUSIONS", fusions)
     model = gpt_blocks(vocab=103, width=384, hidden=1536, context=256, heads=6)
@@ -165,7 +170,14 @@ def test_the_char_gpt_attention_reads_and_writes_halves(monkeypatch, fusions):
             assert writers[0].op == "gemm_coopmat_half" and dtypes[f"half:{qkv}"] == "float16"
             gemms = [s.op for s in launches if f"half:{heads}" in s.args[:2] or f"half:{dqkv}" in s.args[:2]]
             assert len(gemms) == 4 and all(op.startswith("gemm_coopmat") for op in gemms)
-        assert "column_sum" in _readers(launches, dqkv)
+            # dqkv's copy comes from the bias's column sums, a group before the qkv GEMMs.
+            staged, group = [], 0  # (group, launch) in program order
+            for step in device.program("train").steps:
+                group += isinstance(step, Barrier)
+                staged += [] if isinstance(step, Barrier) else [(group, step)]
+            (bias,) = [g for g, s in staged if f"half:{dqkv}" in s.args and s.op == "column_sum_copy"]
+            assert all(bias < g for g, s in staged if f"half:{dqkv}" in s.args[:2])
+        assert ("column_sum_copy" if fusions else "column_sum") in _readers(launches, dqkv)
         unfused = ["gemm_coopmat"] * 2  # the out-projection's forward and weight gradient
         assert _readers(launches, heads) == [*([] if fusions else unfused), "attention_backward_dot"]
 

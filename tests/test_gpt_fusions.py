@@ -82,6 +82,27 @@ def test_column_sum_slices_and_their_sum_match_numpy(backend, rng, rows, cols, p
     assert relative_error(total, alpha * x64.sum(axis=0)) <= TOL
 
 
+EVEN_SUM_CASES = [case for case in SUM_CASES if case[1] % 2 == 0] + [(513, 1152, 9, 1.0)]
+
+
+@pytest.mark.parametrize("rows,cols,parts,alpha", EVEN_SUM_CASES)
+def test_column_sum_copy_sums_as_column_sum_and_copies_x(backend, rng, rows, cols, parts, alpha):
+    """column_sum_copy (the qkv bias's gradient in mixed plans, two columns an invocation): the
+    same sums as column_sum, bit for bit (the same additions in the same order), and H numpy's
+    astype(float16) of X, bit for bit, subnormal halves and overflow included."""
+    x = (rng.standard_normal((rows, cols)) * 3.0 + 1.0).astype(np.float32)
+    x[0, : cols // 2] *= 1e-6  # subnormal halves
+    x[-1, -2:] = [7e4, -7e4]  # past the largest half
+    empty = np.full((parts, cols), np.nan, np.float32)
+    sizes = dict(rows=rows, cols=cols, parts=parts, alpha=alpha)
+    plain = run_op(backend, "column_sum", {"X": x, "outs": empty}, **sizes)
+    arrays = {"X": x, "outs": empty, "H": np.full(x.shape, np.nan, np.float16)}
+    copy = run_op(backend, "column_sum_copy", arrays, **sizes)
+    np.testing.assert_array_equal(copy["outs"].view(np.uint32), plain["outs"].view(np.uint32))
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(copy["H"].view(np.uint16), x.astype(np.float16).view(np.uint16))
+
+
 # (N, R, D, real samples, parts): slices across sample boundaries; D not a multiple of 64;
 # padding samples whose rows fall in the last slices; D a multiple of 4 (16-byte loads).
 NORM_CASES = [(6, 3, 5, 6, 4), (7, 3, 67, 2, 5), (30, 11, 13, 29, 9), (9, 17, 68, 7, 3), (5, 40, 384, 5, 2)]
