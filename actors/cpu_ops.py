@@ -1114,7 +1114,7 @@ KERNELS: dict[str, Callable[[list[np.ndarray], Params], None]] = {
     "gemm_coopmat_f16": gemm_coopmat_f16,
     "gemm_coopmat_copy": gemm_coopmat_copy,
     "gemm_coopmat_half": _half_only(gemm_coopmat_copy, 3),
-    "gemm_coopmat_copy_rte": gemm_coopmat_copy,  # the same bits (registry.FP16_ROUNDING_VARIANTS)
+    "gemm_coopmat_copy_rte": gemm_coopmat_copy,  # numpy's bits, NaN payloads aside (FP16_ROUNDING_VARIANTS)
     "gemm_coopmat_half_rte": _half_only(gemm_coopmat_copy, 3),
     "gemm_copy": gemm_copy,
     "gemm_residual": _residual(gemm),
