@@ -509,9 +509,8 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
                 "Drow": np.zeros((n, h, t), np.float32),
                 "dqkv": np.zeros((n, t, 3 * d), np.float32),
             }
-            if half:  # the _half kernels: qkv's fp16 copy in, Y's and dqkv's copies out
+            if half:  # the _half kernels: qkv's fp16 copy in, Y's copy out (dqkv's is column_sum_copy's)
                 arrays |= {"qkv16": arrays["qkv"].astype(np.float16), "Y16": np.zeros((n, t, d), np.float16)}
-                arrays["dqkv16"] = np.zeros((n, t, 3 * d), np.float16)
             backend.open_layout(single_op_layout(arrays))
             for name, array in arrays.items():
                 backend.write(name, array)
@@ -526,7 +525,7 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
                 ops = (
                     (kernels["forward"] + "_half", ("qkv16", "Y", "L", "Y16")),
                     ops[1],
-                    *((op + "_half", ("qkv16", *binds[1:], "dqkv16")) for op, binds in ops[2:]),
+                    *((op + "_half", ("qkv16", *binds[1:])) for op, binds in ops[2:]),
                 )
             steps = []
             for op, binds in ops:
