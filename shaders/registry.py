@@ -928,38 +928,31 @@ _OPS: tuple[OpDef, ...] = (
 # cast.comp rounds), by a variant "<op>_copy" of the same body: mixed precision folds the cast
 # after such a launch into it (flow.autodiff._fold_casts_into_producers).
 HALF_COPY_OUTPUT = {"layernorm": "Y", "layernorm_backward_data": "dX", "unary_backward": "dX"}
-_OPS = (
-    *_OPS,
-    *(
-        replace(
-            item, name=f"{item.name}_copy", shader=f"{item.name}_copy.comp", bindings=(*item.bindings, "H")
-        )
-        for item in _OPS
-        if item.name in HALF_COPY_OUTPUT
-    ),
-)
+
+
+def _variants(names: dict[str, str], copy: bool = False, **changes) -> tuple[OpDef, ...]:
+    """The ops in ``names`` again, each under its new name with the shader file of that name (with
+    ``copy``, a last binding H, the float16 copy the variant writes; ``changes`` replaced too)."""
+    return tuple(replace(item, name=names[item.name], shader=f"{names[item.name]}.comp",
+                         bindings=(*item.bindings, *("H",) * copy), **changes)
+                 for item in _OPS if item.name in names)  # fmt: skip
+
+
+_OPS = (*_OPS, *_variants({op: f"{op}_copy" for op in HALF_COPY_OUTPUT}, copy=True))
 
 # A _copy op's variant that writes only the copy H, not its fp32 output (the plan's choice where no
 # launch reads that output but as halves: flow.autodiff._write_halves_only): op -> (variant, the
 # output it leaves unwritten).
 HALF_ONLY = {"layernorm_copy": ("layernorm_half", "Y"), "gemm_coopmat_copy": ("gemm_coopmat_half", "C")}
 
-
-def _variants(names: dict[str, str]) -> tuple[OpDef, ...]:
-    """The ops in ``names`` again, each under its new name with the shader file of that name."""
-    return tuple(replace(item, name=names[item.name], shader=f"{names[item.name]}.comp")
-                 for item in _OPS if item.name in names)  # fmt: skip
-
-
 _OPS = (*_OPS, *_variants({op: variant for op, (variant, _) in HALF_ONLY.items()}))
 # column_sum that also writes X's float16 copy H, two columns an invocation (cols even): the qkv
 # bias's gradient writes dqkv's copy for the qkv GEMMs (flow.autodiff._attention_backward).
 _OPS = (
     *_OPS,
-    *(replace(item, name="column_sum_copy", shader="column_sum_copy.comp", bindings=(*item.bindings, "H"),
-              local_from_spec=lambda s: (s["OUTS"] // 2, s["LANES"], 1))
-      for item in _OPS if item.name == "column_sum"),
-)  # fmt: skip
+    *_variants({"column_sum": "column_sum_copy"}, copy=True,
+               local_from_spec=lambda s: (s["OUTS"] // 2, s["LANES"], 1)),  # fmt: skip
+)
 
 # Ops with a variant whose float16 copy the hardware converts, rounded to nearest even with
 # subnormals kept (SPV_KHR_float_controls): half_bits.glsl's bits but a NaN's payload, in one
