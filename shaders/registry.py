@@ -418,45 +418,31 @@ def _with_copy_act(tune, name: str):
     return tuned
 
 
+def _fp32_gemm(name: str, outputs: tuple[str, ...], spec=_GEMM_SPEC, tune=tune_gemm) -> OpDef:
+    """An fp32 GEMM op (shaders/<name>.comp on gemm_body.glsl): gemm's bindings (A, B, bias, then
+    ``outputs``), push constants, grid and tiles."""
+    return OpDef(
+        name,
+        f"{name}.comp",
+        ("A", "B", "bias", *outputs),
+        _GEMM_PUSH,
+        _gemm_fp32_groups,
+        local_size=(256, 1, 1),
+        spec=spec,
+        local_from_spec=_gemm_local,
+        tune=tune,
+    )
+
+
 _OPS: tuple[OpDef, ...] = (
     # C[M,N] = act(alpha * op(A) @ op(B) + bias[N] + (accumulate ? C : 0))
-    OpDef(
-        "gemm",
-        "gemm.comp",
-        ("A", "B", "bias", "C"),
-        _GEMM_PUSH,
-        _gemm_fp32_groups,
-        local_size=(256, 1, 1),
-        spec=_GEMM_SPEC,
-        local_from_spec=_gemm_local,
-        tune=tune_gemm,
-    ),
+    _fp32_gemm("gemm", ("C",)),
     # gemm that also writes Y = act(C) for the launch's copy_act (gemm_copy.comp's YA): a Linear
     # followed by GELU in an fp32 plan writes its pre-activation and GELU of it in one launch.
-    OpDef(
-        "gemm_copy",
-        "gemm_copy.comp",
-        ("A", "B", "bias", "C", "Y"),
-        _GEMM_PUSH,
-        _gemm_fp32_groups,
-        local_size=(256, 1, 1),
-        spec=(*_GEMM_SPEC, ("YA", 0)),
-        local_from_spec=_gemm_local,
-        tune=_with_copy_act(tune_gemm, "YA"),
-    ),
+    _fp32_gemm("gemm_copy", ("C", "Y"), (*_GEMM_SPEC, ("YA", 0)), _with_copy_act(tune_gemm, "YA")),
     # gemm plus a residual: C = R + act(...), R[M,N] (gemm_residual.comp): a residual block's
     # x + f(x) written by the GEMM of f, with no binary add launch.
-    OpDef(
-        "gemm_residual",
-        "gemm_residual.comp",
-        ("A", "B", "bias", "C", "R"),
-        _GEMM_PUSH,
-        _gemm_fp32_groups,
-        local_size=(256, 1, 1),
-        spec=_GEMM_SPEC,
-        local_from_spec=_gemm_local,
-        tune=tune_gemm,
-    ),
+    _fp32_gemm("gemm_residual", ("C", "R")),
     # Finishes a split-K gemm: C = act(alpha * sum over splits of W[s] + (accumulate ? C : 0) + bias).
     OpDef(
         "splitk_epilogue",
@@ -950,8 +936,11 @@ _OPS = (*_OPS, *_variants({op: variant for op, (variant, _) in HALF_ONLY.items()
 # bias's gradient writes dqkv's copy for the qkv GEMMs (flow.autodiff._attention_backward).
 _OPS = (
     *_OPS,
-    *_variants({"column_sum": "column_sum_copy"}, copy=True,
-               local_from_spec=lambda s: (s["OUTS"] // 2, s["LANES"], 1)),  # fmt: skip
+    *_variants(
+        {"column_sum": "column_sum_copy"},
+        copy=True,
+        local_from_spec=lambda s: (s["OUTS"] // 2, s["LANES"], 1),
+    ),
 )
 
 # Ops with a variant whose float16 copy the hardware converts, rounded to nearest even with
