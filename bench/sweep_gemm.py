@@ -33,10 +33,9 @@ import numpy as np
 from common import import_torch, median, open_vulkan
 
 from actors.single_op import single_op_layout
-from flow.autodiff import k_splits
 from flow.program import Barrier, Program, launch
 from shaders import gemm_tuning
-from shaders.tiles import gemm_layout_problem, gemm_shared_bytes
+from shaders.tiles import gemm_k_splits, gemm_layout_problem, gemm_shared_bytes
 
 # (M, N, K, trans_a, trans_b, what): the launches of the benchmark's models. The weight-gradient
 # GEMMs of dense layers with a bias have M = inputs + 1: their last row of op(A) is ones
@@ -147,7 +146,7 @@ class Case:
         self, backend, m: int, n: int, k: int, ta: int, tb: int, ones: int = 0, seed: int = 0
     ) -> None:
         self.backend, self.m, self.n, self.k, self.ta, self.tb, self.ones = backend, m, n, k, ta, tb, ones
-        self.splits = k_splits(m, n, k)
+        self.splits = gemm_k_splits(m, n, k)
         splits = self.splits
         rng = np.random.default_rng(seed)
         stored = m - ones

@@ -61,7 +61,7 @@ from shaders.attention_tiles import COOPMAT_ATTENTION_OPS, attention_ops
 from shaders.conv_coopmat_tiles import conv_gemm_op
 from shaders.registry import ACTIVATIONS, BINARY, CASTS, HALF_COPY_OUTPUT, HALF_ONLY, LOSSES, REDUCE
 from shaders.registry import op as op_def
-from shaders.tiles import conv_gemm_shape, coopmat_k_splits
+from shaders.tiles import conv_gemm_shape, coopmat_k_splits, gemm_k_splits
 
 # Activations whose derivative an input-gradient GEMM's epilogue applies (act_grad), from the saved
 # output; gelu's, from the saved pre-activation, too where GELU_IN_EPILOGUES.
@@ -113,23 +113,6 @@ TRAINED = Linear | Conv | BatchNorm | LayerNorm | Embedding | PositionalEmbeddin
 # Up to this many classes, one workgroup computes the cross-entropy rows and the batch totals
 # (softmax_xent_totals); wider logits take a workgroup per row and separate sums.
 NARROW_LOGITS = 32
-
-
-def k_splits(m: int, n: int, k: int) -> int:
-    """How many slices to split a GEMM's K into: more when its M x N output has few 32 x 32
-    tiles and K is long (a classifier's logits: 256 x 10 x 1024), so the GPU has enough
-    workgroups; 1 when the output alone fills the GPU or K is short.
-
-    Args:
-        m, n, k: the GEMM's shape.
-
-    Returns:
-        The number of K slices, 1 to 16.
-    """
-    tiles = math.ceil(m / 32) * math.ceil(n / 32)
-    if k < 256 or tiles >= 64:
-        return 1
-    return max(1, min(math.ceil(k / 128), math.ceil(128 / tiles), 16))
 
 
 # A convolution's weight gradient: slices of its (n, oh, ow) positions are summed by separate
@@ -430,7 +413,7 @@ class _Builder:
         assert add is not None
         x = self.outputs[others[0]]
         rows, k, n = self._rows(stage), stage.in_shape[-1], stage.out_shape[-1]
-        unsplit = (coopmat_k_splits if self.mixed else k_splits)(rows, n, k) == 1
+        unsplit = (coopmat_k_splits if self.mixed else gemm_k_splits)(rows, n, k) == 1
         if not unsplit or self.g.tensors[x].dtype != "float32":
             return None
         self.sums_done.add(only)
@@ -454,7 +437,7 @@ class _Builder:
         m, n, k = int(params["M"]), int(params["N"]), int(params["K"])
         # Tensor cores split K by their own 128x128 tiles (a weight gradient over 16384 rows).
         op = "gemm_coopmat" if self.mixed else "gemm"
-        splits = coopmat_k_splits(m, n, k) if self.mixed else k_splits(m, n, k)
+        splits = coopmat_k_splits(m, n, k) if self.mixed else gemm_k_splits(m, n, k)
         # An operand that is a float16 copy is read as halves (gemm_coopmat's AH/BH, tune_gemm_coopmat).
         half_names = {*self.halves, *self.half_copies.values()}
         halves = {flag: 1 for flag, x in (("a_half", a), ("b_half", b)) if x in half_names}
@@ -533,7 +516,7 @@ class _Builder:
             and saved is not None
             and self.readers[source] == 1
             and (MIXED_FUSIONS or not self.mixed)
-            and (coopmat_k_splits if self.mixed else k_splits)(rows, k, n) == 1
+            and (coopmat_k_splits if self.mixed else gemm_k_splits)(rows, k, n) == 1
         )
         w = self._half_weight(w, k * n)
         if not fusable:

@@ -53,6 +53,26 @@ GEMM_TILES: tuple[dict[str, int], ...] = (
 GEMM_MIN_WORKGROUPS = 128
 # Below this K, slicing K leaves each slice too little work.
 GEMM_SLICED_MIN_K = 128
+# Split-K over GEMM_TILES[0] (flow.autodiff.k_splits): about two such workgroups a multiprocessor
+# of an H100, each slice at least GEMM_SPLIT_MIN_K deep.
+GEMM_SPLIT_WORKGROUPS = 264
+GEMM_SPLIT_MIN_K = 512
+
+
+def gemm_k_splits(m: int, n: int, k: int) -> int:
+    """How many slices to split a gemm (fp32) launch's K into, 1 to 16: 1 when the output fills a
+    GPU or K is short. A few 32 x 32 tiles over a long K (a classifier's logits: 256 x 10 x 1024)
+    take up to 128 workgroups. An output of many small tiles but few of GEMM_TILES[0]'s (a weight
+    gradient over many rows: the char GPT's 385 x 1536 x 16384 has 48) takes the big tile's slices
+    up to GEMM_SPLIT_WORKGROUPS, each at least GEMM_SPLIT_MIN_K deep: on an H100 the smaller tile
+    unsplit ran that shape at 14 TFLOP/s (session 16)."""
+    tiles = ceil_div(m, 32) * ceil_div(n, 32)
+    big = ceil_div(m, GEMM_TILES[0]["BM"]) * ceil_div(n, GEMM_TILES[0]["BN"])
+    if k < 256 or big >= GEMM_MIN_WORKGROUPS:
+        return 1
+    if tiles < 64:
+        return max(1, min(ceil_div(k, 128), ceil_div(128, tiles), 16))
+    return max(1, min(GEMM_SPLIT_WORKGROUPS // big, k // GEMM_SPLIT_MIN_K, 16))
 # On a CPU driver (lavapipe): few wide threads.
 GEMM_CPU_TILES = GEMM_TILES[1]
 # Constants a tuning-table entry or a fallback tile may leave out.
@@ -95,7 +115,8 @@ def tune_gemm(
             fitting = [t for t in GEMM_TILES if gemm_fits(t, shared, threads)] or [GEMM_CPU_TILES]
             plain = [t for t in fitting if t["SK"] == 1]
             sliced = [t for t in fitting if t["SK"] > 1 and k >= GEMM_SLICED_MIN_K]
-            filling = [t for t in plain if ceil_div(m, t["BM"]) * ceil_div(n, t["BN"]) >= GEMM_MIN_WORKGROUPS]
+            least = GEMM_MIN_WORKGROUPS / max(1, int(params.get("k_splits", 1)))  # split-K's slices count
+            filling = [t for t in plain if ceil_div(m, t["BM"]) * ceil_div(n, t["BN"]) >= least]
             if filling:
                 choice = filling[0]
             elif sliced:

@@ -37,6 +37,7 @@ from shaders.tiles import (
     conv_gemm_shape,
     conv_key,
     gemm_fits,
+    gemm_k_splits,
     gemm_layout_problem,
     gemm_shared_bytes,
     tune_conv,
@@ -1114,6 +1115,54 @@ def test_gemm_tiles_fit_shared_memory():
     assert short["SK"] == 1  # slicing a K of 10 leaves the slices nothing to do
     cpu = tune_gemm({"M": 256, "N": 1024, "K": 784}, None)
     assert {key: cpu[key] for key in GEMM_CPU_TILES} == GEMM_CPU_TILES
+
+
+def test_gemm_k_splits_fill_a_gpu_with_the_big_tile():
+    """A weight gradient over many rows whose output has many 32 x 32 tiles but few big ones (the
+    char GPT's, K = 16384) is split until about GEMM_SPLIT_WORKGROUPS big-tile workgroups, and the
+    split launch takes the big tile; a classifier's narrow logits keep the small-tile rule, and an
+    output that fills the GPU or a short K stays whole."""
+    gpt = [(385, 1536), (1537, 384), (384, 1152), (385, 384)]
+    assert [gemm_k_splits(m, n, 16384) for m, n in gpt] == [5, 6, 9, 16]
+    assert gemm_k_splits(256, 10, 1024) == 8 and gemm_k_splits(385, 104, 16384) == 3  # 32 x 32 tiles
+    assert (
+        gemm_k_splits(4097, 1024, 8192)
+        == gemm_k_splits(1025, 1024, 256)
+        == gemm_k_splits(385, 1536, 200)
+        == 1
+    )
+    assert gemm_k_splits(385, 1536, 1100) == 2  # slices of at least GEMM_SPLIT_MIN_K
+    gpu = a_gpu("no table for this device")
+    split = tune_gemm({"M": 385, "N": 1536, "K": 16384, "trans_a": 1, "ones_row": 1, "k_splits": 5}, gpu)
+    assert {key: split[key] for key in GEMM_TILES[0]} == GEMM_TILES[0]
+    assert tune_gemm({"M": 385, "N": 1536, "K": 16384, "trans_a": 1}, gpu)["BM"] < GEMM_TILES[0]["BM"]
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_weight_gradient_with_its_bias_row_on_the_big_tile(vulkan_backend, rng, splits):
+    """The split weight gradient as autodiff launches it (A^T B with the row of ones, the big
+    tile, raw slices), then splitk_epilogue: the float64 oracle's dW and bias gradient."""
+    m, n, k = 131, 70, 301  # odd: scalar loads and stores, a partial last K slab
+    arrays, params, want = gemm_fused_case(rng, m, n, k, 1, 0)
+    arrays["C"] = normal(rng, splits, m, n)  # the workspace: garbage to be overwritten
+    tile = {**GEMM_TILES[0]}
+    while not gemm_fits(
+        tile, vulkan_backend.facts.shared_memory_bytes, vulkan_backend.facts.max_workgroup_invocations
+    ):
+        tile["BK"] //= 2
+    partial = run_tile(vulkan_backend, "gemm", arrays, {**params, "k_splits": splits}, tile)
+    out = run_op(
+        vulkan_backend,
+        "splitk_epilogue",
+        {"W": partial, "bias": arrays["bias"], "C": normal(rng, m, n)},
+        M=m,
+        N=n,
+        splits=splits,
+        has_bias=0,
+        act=0,
+        alpha=1.0,
+    )["C"]
+    assert relative_error(out, want) <= TOL
 
 
 def test_gemm_tuning_table_is_used_for_its_device_only(tmp_path, monkeypatch):
