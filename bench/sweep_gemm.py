@@ -66,6 +66,20 @@ SHAPES = (
     (4096, 4096, 4096, 1, 1, "4096^3 tt"),
     (4000, 4000, 4000, 0, 0, "4000^3"),
     (8192, 8192, 8192, 0, 0, "8192^3"),
+    # bench_gpt.py's char GPT in fp32 (L6 H6 D384, 64 x 256 tokens): each block's Linear forward,
+    # input gradient and weight gradient (+b: with its bias row; the attention's biases are summed apart)
+    (16384, 1152, 384, 0, 0, "gpt qkv"),
+    (16384, 384, 384, 0, 0, "gpt proj"),
+    (16384, 1536, 384, 0, 0, "gpt fc1"),
+    (16384, 384, 1536, 0, 0, "gpt fc2"),
+    (16384, 384, 1152, 0, 1, "gpt qkv dX"),
+    (16384, 384, 384, 0, 1, "gpt proj dX"),
+    (16384, 384, 1536, 0, 1, "gpt fc1 dX"),
+    (16384, 1536, 384, 0, 1, "gpt fc2 dX"),
+    (384, 1152, 16384, 1, 0, "gpt qkv dW"),
+    (384, 384, 16384, 1, 0, "gpt proj dW"),
+    (385, 1536, 16384, 1, 0, "gpt fc1 dW+b"),
+    (1537, 384, 16384, 1, 0, "gpt fc2 dW+b"),
 )
 QUICK_SHAPES = ((96, 128, 80, 0, 0, "quick"), (65, 96, 64, 1, 0, "quick dW+b"))
 SMALL = 300  # M or N below this: also try split-K

@@ -40,8 +40,13 @@ def gemm_shared_bytes(bm: int, bn: int, bk: int, sk: int = 1, db: int = 0) -> in
 # lavapipe's 32 KiB of shared memory. Warp tiles of 32 x 64 (WL 8, session 13, measured while every
 # launch still tested for a row of ones, see gemm.comp's NR): A k-major 42.9 -> 44.1, B transposed
 # 38.1 -> 38.2, row-major A unchanged (39.2). Sliced K for an MLP's batch of 256 (256 x 1024 x 1024
-# in 31 us against 48 us with the best plain tile).
+# in 31 us against 48 us with the best plain tile). Where 35 KiB of shared memory fit (GPUs), the
+# same tile with BK 32 and warp tiles of 32 x 32 (WL 4) comes first: on the char GPT's twelve
+# GEMM shapes (bench/sweep_gemm.py --only gpt, H100, session 16) it took 18-30 % less time than
+# the BK 16 tile (16384 x 1152 x 384: 483 -> 364 us, 0.73 -> 0.97 of cuBLAS), and the tuning
+# table's large shapes mostly chose it too.
 GEMM_TILES: tuple[dict[str, int], ...] = (
+    {"BM": 128, "BN": 128, "BK": 32, "TM": 8, "TN": 8, "GM": 8, "SK": 1, "DB": 0, "WL": 4},
     {"BM": 128, "BN": 128, "BK": 16, "TM": 8, "TN": 8, "GM": 8, "SK": 1, "DB": 0, "KR": 1, "WL": 8},
     {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "GM": 1, "SK": 1, "DB": 0},
     # Too few tiles to fill the GPU and a long K: 4 slices of K per 32 x 32 tile.
@@ -53,7 +58,7 @@ GEMM_TILES: tuple[dict[str, int], ...] = (
 GEMM_MIN_WORKGROUPS = 128
 # Below this K, slicing K leaves each slice too little work.
 GEMM_SLICED_MIN_K = 128
-# Split-K over GEMM_TILES[0] (flow.autodiff.k_splits): about two such workgroups a multiprocessor
+# Split-K over GEMM_TILES[0] (gemm_k_splits): about two such workgroups a multiprocessor
 # of an H100, each slice at least GEMM_SPLIT_MIN_K deep.
 GEMM_SPLIT_WORKGROUPS = 264
 GEMM_SPLIT_MIN_K = 512
@@ -74,7 +79,7 @@ def gemm_k_splits(m: int, n: int, k: int) -> int:
         return max(1, min(ceil_div(k, 128), ceil_div(128, tiles), 16))
     return max(1, min(GEMM_SPLIT_WORKGROUPS // big, k // GEMM_SPLIT_MIN_K, 16))
 # On a CPU driver (lavapipe): few wide threads.
-GEMM_CPU_TILES = GEMM_TILES[1]
+GEMM_CPU_TILES = GEMM_TILES[2]
 # Constants a tuning-table entry or a fallback tile may leave out.
 GEMM_SPEC_DEFAULTS = {"GM": 1, "SK": 1, "DB": 0, "KR": 0, "WL": 0, "XS": 0, "CT": 0}
 
