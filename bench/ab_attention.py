@@ -1,4 +1,5 @@
-"""A/B timing of the tensor-core attention kernels' tiles (attention_coopmat, _backward_kv, _q),
+"""A/B timing of the attention kernels' tiles: the tensor-core ones (attention_coopmat,
+_backward_kv, _q), or with ``--scalar`` the float32 ones (attention, _backward_kv, _q: BR, BC, G),
 each variant checked against a float64 numpy oracle before it is timed.
 
 A variant is a spec dict (BC, WARPS, PREFETCH; "tuned" for the registry's own choice) applied to
@@ -9,7 +10,7 @@ reported and not timed. Timing: at the char GPT's shape, every round times
 every variant's three kernels in turn (GPU timestamps around each launch, median over launches),
 and the figure is the median over rounds.
 
-    python bench/ab_attention.py [--configs JSON] [--shape N,T,H,dh] [--rounds 5] [--out FILE]
+    python bench/ab_attention.py [--scalar] [--configs JSON] [--shape N,T,H,dh] [--rounds 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ DEFAULT_CONFIGS = [
 ]
 CHECK_SHAPES = [(2, 37, 3, 32), (1, 129, 2, 64), (2, 256, 2, 64), (1, 71, 2, 128), (2, 20, 1, 16)]
 TOL = 2e-3  # against the oracle of the fp16-rounded inputs (tests/test_ops_attention.py)
+# The float32 kernels' variants (--scalar): rows a workgroup, streamed rows, threads a row.
+SCALAR_CONFIGS = [
+    "tuned",
+    *(
+        {"BR": br, "BC": bc, "G": g}
+        for g in (2, 4, 8)
+        for br in (32, 64, 128)
+        for bc in (32, 64)
+        if br * g <= 512
+    ),
+]
+SCALAR_TOL = 1e-4  # float32 inputs, against the float64 oracle of the same inputs
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -51,11 +64,14 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 class Attention:
     """One shape's tensors on the device, and the four launches of a forward and backward."""
 
-    def __init__(self, backend, n: int, t: int, heads: int, dh: int, causal: bool, seed: int) -> None:
+    def __init__(
+        self, backend, n: int, t: int, heads: int, dh: int, causal: bool, seed: int, scalar: bool = False
+    ) -> None:
         from actors.single_op import single_op_layout
-        from shaders.attention_tiles import COOPMAT_ATTENTION_OPS
+        from shaders.attention_tiles import COOPMAT_ATTENTION_OPS, SCALAR_ATTENTION_OPS
 
-        self.backend, self.ops = backend, COOPMAT_ATTENTION_OPS
+        self.backend, self.scalar = backend, scalar
+        self.ops = SCALAR_ATTENTION_OPS if scalar else COOPMAT_ATTENTION_OPS
         d = heads * dh
         rng = np.random.default_rng(seed)
         self.qkv = (rng.standard_normal((n, t, 3 * d)) * 1.5).astype(np.float32)
@@ -95,15 +111,17 @@ class Attention:
 
     def overrides(self, spec: dict | None) -> dict[str, dict] | None:
         """The variant's tiles for each kernel whose shared memory they fit (the rest: tuned)."""
-        from shaders.attention_tiles import coopmat_attention_shared_bytes, tune_attention_coopmat
+        from shaders import attention_tiles as tiles
 
         if spec is None:
             return None
+        tune = tiles.tune_attention if self.scalar else tiles.tune_attention_coopmat
+        size = tiles.attention_shared_bytes if self.scalar else tiles.coopmat_attention_shared_bytes
         chosen = {}
         for kind in KINDS:
-            tiles = {**tune_attention_coopmat(kind, self.p, self.backend.facts), **spec}
-            if coopmat_attention_shared_bytes(kind, tiles) <= self.backend.facts.shared_memory_bytes:
-                chosen[self.ops[kind]] = tiles
+            spec_of_kind = {**tune(kind, self.p, self.backend.facts), **spec}
+            if size(kind, spec_of_kind) <= self.backend.facts.shared_memory_bytes:
+                chosen[self.ops[kind]] = spec_of_kind
         return chosen
 
     def errors(self, spec: dict | None) -> dict[str, float]:
@@ -112,7 +130,7 @@ class Attention:
         handle = self.backend.record(program, 0, spec_overrides=self.overrides(spec))
         self.backend.wait(self.backend.submit(handle))
         n, t, heads, dh, causal = self.shape
-        f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+        f16 = (lambda a: a) if self.scalar else (lambda a: a.astype(np.float16).astype(np.float32))
         y, lse, _drow, dqkv = attention_oracle(f16(self.qkv), f16(self.dy), heads, self.p["scale"], causal)
         d = heads * dh
         got = {name: self.backend.read(name).reshape(self.arrays[name].shape) for name in ("Y", "L", "dqkv")}
@@ -147,16 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     import common
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scalar", action="store_true", help="the float32 kernels (BR, BC, G)")
     parser.add_argument("--configs", default=None, help='JSON list of spec dicts, or "tuned"')
     parser.add_argument("--shape", default="64,256,6,64", help="N,T,H,dh (causal)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rep = common.Reporter(args.out)
-    backend = common.open_coopmat(rep, BENCH)
+    backend = common.open_vulkan("auto")[0] if args.scalar else common.open_coopmat(rep, BENCH)
     if backend is None:
         return 1
-    configs = json.loads(args.configs) if args.configs else DEFAULT_CONFIGS
+    configs = json.loads(args.configs) if args.configs else SCALAR_CONFIGS if args.scalar else DEFAULT_CONFIGS
+    tolerance = SCALAR_TOL if args.scalar else TOL
     variants = {name_of(None if c == "tuned" else c): (None if c == "tuned" else c) for c in configs}
     usable = {}
     for name, spec in variants.items():
@@ -164,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for index, (n, t, heads, dh) in enumerate(CHECK_SHAPES):
                 for causal in (True, False):
-                    errors = Attention(backend, n, t, heads, dh, causal, seed=index).errors(spec)
+                    errors = Attention(backend, n, t, heads, dh, causal, index, args.scalar).errors(spec)
                     for what, err in errors.items():
                         if not err <= worst:  # NaN counts as worst
                             case = f"N{n}-T{t}-H{heads}-dh{dh}-{'causal' if causal else 'full'}"
@@ -173,12 +193,12 @@ def main(argv: list[str] | None = None) -> int:
             rep.missing(BENCH, name, "failed", f"{type(error).__name__}: {error}")
             continue
         rep.emit({"bench": BENCH, "impl": name, "check": "oracle", "worst": worst, "where": where})
-        if worst <= TOL:
+        if worst <= tolerance:
             usable[name] = spec
         else:
             rep.missing(BENCH, name, "wrong", f"relative error {worst:.3e} at {where}")
     n, t, heads, dh = (int(x) for x in args.shape.split(","))
-    timed = Attention(backend, n, t, heads, dh, True, seed=0)
+    timed = Attention(backend, n, t, heads, dh, True, 0, args.scalar)
     flops = 2 * 2 * n * heads * t * t * dh / 2
     times: dict[str, list[dict[str, float]]] = {name: [] for name in usable}
     for spec in usable.values():  # warm-up, not counted: the first variant timed on an idle GPU
