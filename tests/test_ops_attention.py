@@ -191,6 +191,14 @@ def test_tiles_fit_the_shared_memory_for_every_head_size(kind, shared):
         assert spec["BR"] * spec["G"] <= 256  # every device allows 256 threads a workgroup
 
 
+def test_the_char_gpts_heads_take_the_measured_tiles():
+    """dh 64 on a 48 KiB GPU: 2 threads a row (32 accumulators each), 64 rows, 32 streamed, the
+    fastest of bench/ab_attention.py --scalar's sweep on an H100 for all three kernels."""
+    for kind in ATTENTION_KINDS:
+        spec = tune_attention(kind, {"dh": 64}, facts_with(49152))
+        assert (spec["G"], spec["BR"], spec["BC"]) == (2, 64, 32), kind
+
+
 @pytest.mark.parametrize("name", ["attention", "attention_backward_kv", "attention_backward_q"])
 def test_registry_launches_one_workgroup_per_row_block_head_and_sample(name):
     definition = op_def(name)
