@@ -1048,17 +1048,22 @@ def test_gemm_warp_tiles(vulkan_backend, rng, variant, tile, m, n, k, trans_a, t
     assert relative_error(got, want) <= TOL
 
 
+def halved_to_fit(tile: dict[str, int], facts) -> dict[str, int]:
+    """The tile with BK halved until it fits the device's shared memory: the same thread layout."""
+    spec = dict(tile)
+    while not gemm_fits(spec, facts.shared_memory_bytes, facts.max_workgroup_invocations) and spec["BK"] > 4:
+        spec["BK"] //= 2
+    assert gemm_fits(spec, facts.shared_memory_bytes, facts.max_workgroup_invocations)
+    return spec
+
+
 @pytest.mark.parametrize("tile", SHIPPED_GEMM_TILES, ids=tile_id)
 @pytest.mark.parametrize("m,n,k", [(131, 133, 72), (68, 36, 40)])
 @pytest.mark.parametrize("trans_a,trans_b", TRANS)
 def test_gemm_shipped_table_tiles(vulkan_backend, rng, tile, m, n, k, trans_a, trans_b):
     """Every gemm tile a shipped tuning table names gives the oracle's result with its fused
     epilogues; one too big for this device's shared memory runs with BK halved until it fits."""
-    facts = vulkan_backend.facts
-    spec = dict(tile)
-    while not gemm_fits(spec, facts.shared_memory_bytes, facts.max_workgroup_invocations) and spec["BK"] > 4:
-        spec["BK"] //= 2
-    assert gemm_fits(spec, facts.shared_memory_bytes, facts.max_workgroup_invocations)
+    spec = halved_to_fit(tile, vulkan_backend.facts)
     arrays, params, want = gemm_fused_case(rng, m, n, k, trans_a, trans_b)
     assert relative_error(run_tile(vulkan_backend, "gemm", arrays, params, spec), want) <= TOL
 
@@ -1147,11 +1152,7 @@ def test_split_weight_gradient_with_its_bias_row_on_the_big_tile(vulkan_backend,
     m, n, k = 131, 70, 301  # odd: scalar loads and stores, a partial last K slab
     arrays, params, want = gemm_fused_case(rng, m, n, k, 1, 0)
     arrays["C"] = normal(rng, splits, m, n)  # the workspace: garbage to be overwritten
-    tile = {**GEMM_TILES[0]}
-    while not gemm_fits(
-        tile, vulkan_backend.facts.shared_memory_bytes, vulkan_backend.facts.max_workgroup_invocations
-    ):
-        tile["BK"] //= 2
+    tile = halved_to_fit(GEMM_TILES[0], vulkan_backend.facts)
     partial = run_tile(vulkan_backend, "gemm", arrays, {**params, "k_splits": splits}, tile)
     out = run_op(
         vulkan_backend,
