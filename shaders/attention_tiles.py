@@ -6,7 +6,7 @@ head rows in registers (DHP = dh rounded up to 4) and owns DHP / G of the row's 
 grows with dh to keep the accumulators at about 32 floats a thread: at the char GPT's shape (N64
 T256 H6 dh64 causal, H100, bench/ab_attention.py --scalar, session 16) G 2 with BR 64 and BC 32
 took 1398 us for the forward and both backward kernels, against 2374 with G 4 (16 floats), and
-beat every other (BR, BC, G) of 32-128, 32-64 and 2-8.
+beat every other BR of 32-128, BC of 32-64 and G of 2-4 (G 8 leaves dh 16 no accumulator).
 
 The tensor-core variants (attention_coopmat*.comp, mixed precision) have their own tiles: WARPS
 subgroups of 16 owned rows each, and BC streamed rows (see attention_coopmat_head.glsl).

@@ -78,6 +78,8 @@ def gemm_k_splits(m: int, n: int, k: int) -> int:
     if tiles < 64:
         return max(1, min(ceil_div(k, 128), ceil_div(128, tiles), 16))
     return max(1, min(GEMM_SPLIT_WORKGROUPS // big, k // GEMM_SPLIT_MIN_K, 16))
+
+
 # On a CPU driver (lavapipe): few wide threads.
 GEMM_CPU_TILES = GEMM_TILES[2]
 # Constants a tuning-table entry or a fallback tile may leave out.
