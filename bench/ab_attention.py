@@ -2,13 +2,13 @@
 _backward_kv, _q), or with ``--scalar`` the float32 ones (attention, _backward_kv, _q: BR, BC, G),
 each variant checked against a float64 numpy oracle before it is timed.
 
-A variant is a spec dict (BC, WARPS, PREFETCH; "tuned" for the registry's own choice) applied to
-all three kernels (a kernel whose shared memory it would overflow keeps its tuned tiles). Each is
-first run on odd shapes (T across the blocks, dh 16 to 128, causal and not) and compared with
-the oracle of the fp16-rounded inputs; a variant off by more than the tests' tolerance is
-reported and not timed. Timing: at the char GPT's shape, every round times
-every variant's three kernels in turn (GPU timestamps around each launch, median over launches),
-and the figure is the median over rounds.
+A variant is a spec dict (BC, WARPS, PREFETCH; with --scalar BR, BC, G; "tuned" for the
+registry's own choice) applied to all three kernels (a kernel whose shared memory it would overflow
+keeps its tuned tiles). Each is first run on odd shapes (T across the blocks, dh 16 to 128, causal
+and not) and compared with the oracle of the fp16-rounded inputs (--scalar: of the float32 inputs,
+to SCALAR_TOL); a variant off by more than the tolerance is reported and not timed. Timing: at
+the char GPT's shape, every round times every variant's three kernels in turn (GPU timestamps
+around each launch, median over launches), and the figure is the median over rounds.
 
     python bench/ab_attention.py [--scalar] [--configs JSON] [--shape N,T,H,dh] [--rounds 5] [--out FILE]
 """
@@ -130,8 +130,9 @@ class Attention:
         handle = self.backend.record(program, 0, spec_overrides=self.overrides(spec))
         self.backend.wait(self.backend.submit(handle))
         n, t, heads, dh, causal = self.shape
-        f16 = (lambda a: a) if self.scalar else (lambda a: a.astype(np.float16).astype(np.float32))
-        y, lse, _drow, dqkv = attention_oracle(f16(self.qkv), f16(self.dy), heads, self.p["scale"], causal)
+        # What the kernels multiply: the float32 inputs, or (tensor cores) their fp16 roundings.
+        seen = (lambda a: a) if self.scalar else (lambda a: a.astype(np.float16).astype(np.float32))
+        y, lse, _drow, dqkv = attention_oracle(seen(self.qkv), seen(self.dy), heads, self.p["scale"], causal)
         d = heads * dh
         got = {name: self.backend.read(name).reshape(self.arrays[name].shape) for name in ("Y", "L", "dqkv")}
         return {
@@ -172,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rep = common.Reporter(args.out)
-    backend = common.open_vulkan("auto")[0] if args.scalar else common.open_coopmat(rep, BENCH)
+    if args.scalar:  # the float32 kernels run on any Vulkan device
+        backend, why = common.open_vulkan("auto")
+        if backend is None:
+            rep.missing(BENCH, "vkflow", "not available", why)
+    else:
+        backend = common.open_coopmat(rep, BENCH)
     if backend is None:
         return 1
     configs = json.loads(args.configs) if args.configs else SCALAR_CONFIGS if args.scalar else DEFAULT_CONFIGS
